@@ -1,0 +1,788 @@
+"""Configuration: one TOML file becomes a tree of typed dataclasses.
+
+Every section is a dataclass whose fields carry a docstring (the string literal right under the
+field; `slipstream show` prints it). Loading is strict: an unknown key is an error with a
+"did you mean", a value of the wrong type is an error naming the full key path, and impossible
+combinations are rejected by `validate`. Overrides come from `SLIPSTREAM__a__b=v` environment
+variables and then `--set a.b=v`, both typed by the schema. Fields made with `identity(...)` define
+what a run *is* (model shape, data, seed): a run resumes after runtime changes but refuses a
+checkpoint whose identity differs (`identity_diff`).
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import functools
+import hashlib
+import inspect
+import ipaddress
+import json
+import os
+import textwrap
+import tomllib
+import types
+import typing
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+ENV_PREFIX = "SLIPSTREAM__"
+
+
+class ConfigError(ValueError):
+    """A config value is unknown, mistyped or inconsistent; the message names the key and the fix."""
+
+
+def identity(default: Any = dataclasses.MISSING, *, factory: Any = dataclasses.MISSING) -> Any:
+    """A field that is part of the run's identity: changing it makes a different run."""
+    return field(default=default, default_factory=factory, metadata={"identity": True})
+
+
+def _list(*items: Any) -> Any:
+    return field(default_factory=lambda: list(items))
+
+
+# ----------------------------------------------------------------------------------------------
+# Sections
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RunConfig:
+    name: str = "demo"
+    """Human name of the run; the launcher appends a short random suffix to form the experiment id."""
+    root: str = "runs"
+    """Directory that holds every run directory and the run registry (registry.sqlite)."""
+    dir: str = ""
+    """Run directory; empty means <root>/<experiment id>. Everything written at run time goes here."""
+    seed: int = identity(0)
+    """Seed of every random generator of the run (data order, sampling, initialisation)."""
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    """Lowest log level printed by every role."""
+
+
+@dataclass
+class RendezvousConfig:
+    meet_dir: str = ""
+    """Shared directory where the roles find Redis; empty means <run dir>/meet. SLIPSTREAM_MEET_DIR wins."""
+    redis_server: str = "redis-server"
+    """The redis-server binary the elected leader starts."""
+    redis_bind: str = "127.0.0.1"
+    """Address Redis listens on; use a routable address for multi-node runs (a password is always set)."""
+    redis_port: int = 0
+    """Port of Redis; 0 picks a free port."""
+    redis_persistence: bool = False
+    """Let Redis write RDB/AOF files (into the meet dir); off by default since run state lives elsewhere."""
+    wait_timeout_s: float = 60.0
+    """How long a follower waits for the leader's redis.json before giving up with an error."""
+    heartbeat_period_s: float = 2.0
+    """Period at which every role refreshes its liveness key."""
+    heartbeat_ttl_s: float = 10.0
+    """Lifetime of a liveness key: a role whose key expired is considered dead."""
+
+
+@dataclass
+class RouterConfig:
+    name: str = "default"
+    """Router name; a second router with the same name in one experiment refuses to start."""
+    host: str = "127.0.0.1"
+    """Address the router binds; a non-loopback address requires auth_token."""
+    port: int = 0
+    """Port the router binds; 0 picks a free port (the URL is published in Redis)."""
+    policy: Literal["least_outstanding", "round_robin", "affinity"] = "affinity"
+    """Worker choice: least outstanding requests, round robin, or group affinity over least outstanding."""
+    affinity_header: str = "X-Slipstream-Group"
+    """Request header (or body field `slipstream_group`) whose value pins a request group to a worker."""
+    affinity_overload_factor: float = 2.0
+    """Leave the affinity worker when its outstanding requests exceed this factor times the pool's least."""
+    max_retries: int = 2
+    """Retries on another worker, only before any byte reached the client (transport errors, 408/425/429/5xx)."""
+    health_interval_s: float = 1.0
+    """Period of the active GET /health check of every worker."""
+    health_timeout_s: float = 1.0
+    """Timeout of one health check; a failing worker is evicted until it passes again."""
+    auth_token: str = ""
+    """Bearer token required from clients; empty disables auth (allowed only on loopback)."""
+    max_body_bytes: int = 16 * 1024 * 1024
+    """Largest accepted request body; larger requests get 413."""
+
+
+@dataclass
+class RolloutConfig:
+    model: str = identity("tiny-deepseek")
+    """Initial policy: an HF checkpoint directory, or a tiny-model kit name (tiny-deepseek, tiny-qwen3)."""
+    served_model_name: str = "policy"
+    """Model name that vLLM serves and clients put in requests."""
+    max_model_len: int = 512
+    """Longest prompt plus completion, in tokens."""
+    dtype: str = "auto"
+    """vLLM --dtype (auto, float32, bfloat16, ...)."""
+    kv_cache_bytes: int = 128 * 1024 * 1024
+    """KV-cache size in bytes on CPU (vLLM's default would ask for most of the machine's memory)."""
+    gpu_memory_utilization: float = 0.9
+    """Fraction of GPU memory vLLM may use (GPU only)."""
+    tensor_parallel_size: int = 1
+    """vLLM tensor parallel size."""
+    enforce_eager: bool = True
+    """Skip CUDA graphs / torch.compile in vLLM (faster start; no speed loss for tiny models)."""
+    extra_args: list[str] = _list()
+    """More vLLM command-line arguments, passed through unchanged."""
+    startup_timeout_s: float = 600.0
+    """How long a worker may take to become ready (health plus one real completion)."""
+    weight_backend: Literal["file", "nccl"] = "file"
+    """Weight transfer: safetensors files under weight_dir (any machine) or vLLM's NCCL engine (GPUs)."""
+    weight_dir: str = ""
+    """Where published versions are written; empty means <run dir>/weights (use /dev/shm/... for speed)."""
+    keep_versions: int = 2
+    """Published version directories kept on disk; older ones are removed."""
+    pause_mode: Literal["keep", "abort", "wait"] = "keep"
+    """How in-flight requests are treated during a weight update (keep = partial rollout)."""
+    temperature: float = 1.0
+    """Sampling temperature of rollouts."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold of rollouts."""
+    max_tokens: int = 64
+    """Largest number of generated tokens per sample."""
+
+
+@dataclass
+class FlowConfig:
+    strategy: Literal["on_policy", "one_step_off", "fully_async"] = "fully_async"
+    """Flow controller: on-policy, one-step-off (generate t+1 while training t) or fully-async."""
+    prompts_per_step: int = identity(8)
+    """Prompt groups per optimizer step."""
+    samples_per_prompt: int = identity(4)
+    """Samples generated per prompt (the GRPO group size)."""
+    max_concurrent: int = 64
+    """Largest number of generation requests in flight at once (enforced at dispatch)."""
+    max_untrained_prompts: int = 32
+    """Fully-async admission control: in-flight plus buffered prompts never exceed this."""
+    max_staleness: int = identity(2)
+    """A sample whose oldest token was made by version < current - max_staleness is stale at consumption."""
+    stale_policy: Literal["drop", "requeue"] = "requeue"
+    """What happens to a stale sample's prompt: dropped (counted) or generated again."""
+    partial_rollout: bool = True
+    """In-flight requests survive weight updates (keep-mode pause) instead of being aborted."""
+    end_of_data: Literal["train_partial", "drop"] = "train_partial"
+    """At the end of the data, train the last partial batch or drop it."""
+    max_retries: int = 3
+    """Retries of one generation request after a transient failure."""
+    retry_backoff_s: float = 0.5
+    """First retry delay; it doubles with every further retry."""
+    error_budget: int = 32
+    """Failed requests (after retries) tolerated in a run before the trainer stops with the last error."""
+    request_timeout_s: float = 600.0
+    """Longest a single generation request may take before it counts as failed."""
+
+
+@dataclass
+class ModelConfig:
+    arch: Literal["deepseek_v3", "qwen3_moe"] = identity("deepseek_v3")
+    """Architecture; decides the attention type and the HF naming (DeepseekV3 / Qwen3Moe)."""
+    vocab_size: int = identity(128)
+    """Vocabulary size (must match the tokenizer)."""
+    hidden_size: int = identity(64)
+    """Model width."""
+    num_layers: int = identity(2)
+    """Decoder layers."""
+    first_k_dense: int = identity(1)
+    """The first k layers use a dense SwiGLU MLP instead of experts."""
+    intermediate_size: int = identity(128)
+    """Width of the dense MLP."""
+    moe_intermediate_size: int = identity(32)
+    """Width of one expert (and of each shared expert)."""
+    n_routed_experts: int = identity(8)
+    """Routed experts per MoE layer."""
+    n_shared_experts: int = identity(1)
+    """Shared experts per MoE layer (0 for none)."""
+    num_experts_per_tok: int = identity(2)
+    """Experts each token is routed to (top-k)."""
+    num_heads: int = identity(4)
+    """Attention (query) heads."""
+    num_kv_heads: int = identity(2)
+    """Key/value heads (GQA only)."""
+    head_dim: int = identity(32)
+    """Head dimension (GQA only)."""
+    q_lora_rank: int = identity(0)
+    """MLA query low-rank dimension; 0 projects queries directly."""
+    kv_lora_rank: int = identity(512)
+    """MLA compressed key/value dimension."""
+    qk_nope_head_dim: int = identity(32)
+    """MLA per-head query/key dimension without rotary embedding."""
+    qk_rope_head_dim: int = identity(64)
+    """MLA per-head query/key dimension with rotary embedding."""
+    v_head_dim: int = identity(32)
+    """MLA per-head value dimension."""
+    rope_theta: float = identity(10000.0)
+    """RoPE base."""
+    rms_norm_eps: float = identity(1e-6)
+    """RMSNorm epsilon."""
+    routed_scaling_factor: float = identity(1.0)
+    """Scale applied to the routing weights after normalisation."""
+    norm_topk_prob: bool = identity(True)
+    """Normalise the top-k routing weights to sum to one."""
+    n_group: int = identity(1)
+    """Expert groups for group-limited routing (1 = off)."""
+    topk_group: int = identity(1)
+    """Groups each token may use under group-limited routing."""
+    max_seq_len: int = identity(512)
+    """Longest sequence the model is trained on."""
+    tie_word_embeddings: bool = identity(False)
+    """Share the input embedding with the output head."""
+
+
+@dataclass
+class ExpertsConfig:
+    backend: Literal["auto", "reference", "grouped_mm"] = "auto"
+    """Expert compute: auto picks the fastest that runs here; an explicit choice that cannot run fails."""
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-3
+    """Peak learning rate of dense parameters."""
+    router_lr: float = 1e-3
+    """Peak learning rate of router (gate) parameters."""
+    expert_lr: float = 1e-3
+    """Peak learning rate of routed-expert parameters."""
+    betas: list[float] = _list(0.9, 0.95)
+    """AdamW betas."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip; 0 disables."""
+    grad_accum: int = 1
+    """Micro-batches accumulated per optimizer step."""
+    warmup_tokens: int = 0
+    """WSD schedule: tokens of linear warm-up."""
+    decay_tokens: int = 0
+    """WSD schedule: tokens of final decay (0 = constant after warm-up)."""
+    total_tokens: int = 0
+    """WSD schedule: total tokens of the run (the decay ends here); 0 = no decay."""
+    min_lr_ratio: float = 0.0
+    """Learning rate at the end of the decay, as a fraction of the peak."""
+    bias_update_rate: float = 1e-3
+    """Aux-loss-free balancing: step of the sign-based expert-bias update."""
+    seq_aux_loss_coef: float = 0.0
+    """Coefficient of the sequence-wise balance loss (0 = off)."""
+
+
+@dataclass
+class CheckpointConfig:
+    interval_steps: int = 0
+    """Save a checkpoint every N optimizer steps (0 = only at the end)."""
+    keep: int = 2
+    """Checkpoints kept on disk."""
+    resume: bool = True
+    """Resume from the newest checkpoint of the run dir if there is one."""
+
+
+@dataclass
+class TrainerConfig:
+    steps: int = 20
+    """Optimizer steps of the run."""
+    device: str = "auto"
+    """cpu, cuda or auto."""
+    dtype: Literal["float32", "bfloat16"] = identity("float32")
+    """Compute dtype (master weights and optimizer state stay fp32)."""
+    init: str = identity("")
+    """Initial weights: empty = fresh, or an HF checkpoint directory, or one of our checkpoints."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Model shape."""
+    experts: ExpertsConfig = field(default_factory=ExpertsConfig)
+    """Expert compute backend."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer and learning-rate schedule."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpointing."""
+
+
+@dataclass
+class EvaluatorConfig:
+    benchmarks: list[str] = _list("arithmetic")
+    """Benchmarks evaluated on each evaluated policy version."""
+    every_n_versions: int = 1
+    """Evaluate every Nth published version."""
+    data_root: str = "evaluator/data"
+    """Root directory of the benchmarks' data files (nothing is downloaded)."""
+    max_concurrent: int = 32
+    """Evaluation requests in flight at once."""
+
+
+ROLES = ("trainer", "vllm", "router", "evaluator")
+
+
+@dataclass
+class RoleSpec:
+    role: str = ""
+    """Role run by this entry (trainer, vllm, router, evaluator); empty means the entry's name."""
+    replicas: int = 1
+    """Processes started for this entry."""
+    critical: bool = False
+    """The run ends when every critical entry has exited successfully."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Extra environment variables of these processes."""
+    command: str = ""
+    """Command template; empty runs `slipstream run`. Fields: {python} {config} {role} {replica}."""
+    restart: Literal["never", "on-failure"] = "never"
+    """Restart a replica that exits non-zero (up to max_restarts) instead of failing the run."""
+    max_restarts: int = 3
+    """Restarts allowed per replica when restart = on-failure."""
+
+
+@dataclass
+class LaunchConfig:
+    roles: dict[str, RoleSpec] = field(default_factory=dict)
+    """Process entries started by `slipstream launch` / written by `slipstream scripts`."""
+    stop_timeout_s: float = 10.0
+    """Grace period between SIGTERM and SIGKILL when the launcher tears the run down."""
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    """Run naming, directories and seed."""
+    rendezvous: RendezvousConfig = field(default_factory=RendezvousConfig)
+    """How roles find Redis."""
+    router: RouterConfig = field(default_factory=RouterConfig)
+    """The router in front of the vLLM workers."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """vLLM rollout workers and weight sync."""
+    flow: FlowConfig = field(default_factory=FlowConfig)
+    """Flow control between generation and training."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """The trainer."""
+    evaluator: EvaluatorConfig = field(default_factory=EvaluatorConfig)
+    """The evaluator."""
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    """Processes of a local or multi-node launch."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Schema introspection
+# ----------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    """Docstrings of a dataclass's fields: the string literal right below each annotated field."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for node, nxt in zip(body, body[1:]):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+            and isinstance(nxt.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _is_dataclass_type(tp: Any) -> bool:
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (list, dict):
+        return f"{origin.__name__}[{', '.join(_type_name(a) for a in typing.get_args(tp))}]"
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return "none"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _suggest(key: str, options: Sequence[str]) -> str:
+    close = difflib.get_close_matches(key, list(options), n=1, cutoff=0.5)
+    if close:
+        return f"did you mean '{close[0]}'?"
+    return f"valid keys: {', '.join(options)}"
+
+
+def _coerce(value: Any, tp: Any, path: str) -> Any:
+    """Check a TOML value against a schema type and return the typed value."""
+    origin = typing.get_origin(tp)
+    if _is_dataclass_type(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a table ([{path}]), got {type(value).__name__} {value!r}")
+        return _build(tp, value, path)
+    if origin is Literal:
+        options = typing.get_args(tp)
+        if value not in options:
+            raise ConfigError(
+                f"{path}: {value!r} is not one of {', '.join(repr(o) for o in options)}"
+            )
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{path}: expected a list ({_type_name(tp)}), got {value!r}")
+        (item_tp,) = typing.get_args(tp)
+        return [_coerce(v, item_tp, f"{path}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a table ({_type_name(tp)}), got {value!r}")
+        _, val_tp = typing.get_args(tp)
+        return {str(k): _coerce(v, val_tp, f"{path}.{k}") for k, v in value.items()}
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, path)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(f"{path}: {value!r} matches none of {_type_name(tp)}")
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path}: expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{path}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{path}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f'{path}: expected a string (quote it: "{value}"), got {value!r}')
+        return value
+    raise TypeError(f"{path}: unsupported schema type {tp!r}")
+
+
+def _build(cls: type, data: Mapping[str, Any], path: str) -> Any:
+    hints = _hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        full = f"{path}.{key}" if path else key
+        if key not in hints:
+            raise ConfigError(f"unknown key '{full}': {_suggest(key, names)}")
+        kwargs[key] = _coerce(value, hints[key], full)
+    return cls(**kwargs)
+
+
+def _schema_type(path: Sequence[str]) -> Any:
+    """The schema type at a dotted key path (dict keys included), or ConfigError naming the path."""
+    tp: Any = Config
+    walked: list[str] = []
+    for part in path:
+        walked.append(part)
+        if _is_dataclass_type(tp):
+            hints = _hints(tp)
+            if part not in hints:
+                names = [f.name for f in dataclasses.fields(tp)]
+                raise ConfigError(f"unknown key '{'.'.join(walked)}': {_suggest(part, names)}")
+            tp = hints[part]
+        elif typing.get_origin(tp) is dict:
+            tp = typing.get_args(tp)[1]
+        else:
+            raise ConfigError(f"'{'.'.join(walked[:-1])}' is a {_type_name(tp)}, it has no key '{part}'")
+    return tp
+
+
+def parse_value(raw: str, tp: Any, path: str) -> Any:
+    """Parse an override's text by the schema type of its key."""
+    origin = typing.get_origin(tp)
+    if tp is str or (origin is Literal and all(isinstance(a, str) for a in typing.get_args(tp))):
+        text = raw
+        if len(raw) >= 2 and raw[0] == raw[-1] and raw[0] in "\"'":
+            text = raw[1:-1]
+        return _coerce(text, tp, path)
+    if tp is bool:
+        lowered = raw.strip().lower()
+        if lowered in ("true", "1", "yes", "on"):
+            return True
+        if lowered in ("false", "0", "no", "off"):
+            return False
+        raise ConfigError(f"{path}: expected true or false, got {raw!r}")
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        raise ConfigError(f"{path}: cannot read {raw!r} as {_type_name(tp)}") from None
+    return _coerce(value, tp, path)
+
+
+def _set_path(data: dict[str, Any], path: Sequence[str], value: Any) -> None:
+    node = data
+    for part in path[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"'{part}' is not a table; cannot set '{'.'.join(path)}'")
+        node = child
+    node[path[-1]] = value
+
+
+def apply_override(data: dict[str, Any], assignment: str, source: str = "--set") -> None:
+    """Apply one `a.b.c=value` override to raw config data, typed by the schema."""
+    key, sep, raw = assignment.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigError(f"{source} {assignment!r}: expected KEY=VALUE, for example trainer.optim.lr=3e-4")
+    parts = key.split(".")
+    tp = _schema_type(parts)
+    if _is_dataclass_type(tp):
+        raise ConfigError(f"{source} {key}: is a section; set one of its keys, e.g. {key}.<field>=...")
+    _set_path(data, parts, parse_value(raw.strip(), tp, key))
+
+
+def env_overrides(environ: Mapping[str, str]) -> list[str]:
+    """`SLIPSTREAM__a__b=v` environment variables as `a.b=v` assignments (sorted for determinism)."""
+    out = []
+    for name in sorted(environ):
+        if name.startswith(ENV_PREFIX):
+            key = name[len(ENV_PREFIX) :].replace("__", ".")
+            out.append(f"{key}={environ[name]}")
+    return out
+
+
+def from_dict(data: Mapping[str, Any]) -> Config:
+    """Typed, validated config from raw TOML data."""
+    cfg = _build(Config, data, "")
+    validate(cfg)
+    return cfg
+
+
+def load_config(
+    path: str | os.PathLike[str] | None,
+    overrides: Sequence[str] = (),
+    environ: Mapping[str, str] | None = None,
+) -> Config:
+    """Read a TOML file (None = all defaults), apply env then --set overrides, validate."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist; pass a TOML file, e.g. configs/demo.toml")
+        try:
+            data = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{p}: not valid TOML: {exc}") from None
+    for assignment in env_overrides(os.environ if environ is None else environ):
+        apply_override(data, assignment, source="environment")
+    for assignment in overrides:
+        apply_override(data, assignment)
+    return from_dict(data)
+
+
+# ----------------------------------------------------------------------------------------------
+# Validation of combinations
+# ----------------------------------------------------------------------------------------------
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def validate(cfg: Config) -> None:
+    """Reject combinations that cannot work, naming the keys and the fix."""
+    rz = cfg.rendezvous
+    _require(
+        rz.heartbeat_ttl_s >= 2 * rz.heartbeat_period_s > 0,
+        f"rendezvous.heartbeat_ttl_s ({rz.heartbeat_ttl_s}) must be at least twice "
+        f"rendezvous.heartbeat_period_s ({rz.heartbeat_period_s}) so one late beat is not a death",
+    )
+    _require(0 <= rz.redis_port < 65536, f"rendezvous.redis_port {rz.redis_port} is not a port (0 = any free)")
+    r = cfg.router
+    _require(
+        is_loopback(r.host) or bool(r.auth_token),
+        f"router.host = {r.host!r} is not loopback: set router.auth_token (or bind 127.0.0.1)",
+    )
+    _require(r.max_retries >= 0, f"router.max_retries must be >= 0, got {r.max_retries}")
+    _require(r.affinity_overload_factor >= 1.0, "router.affinity_overload_factor must be >= 1.0")
+    ro = cfg.rollout
+    _require(ro.keep_versions >= 1, f"rollout.keep_versions must be >= 1, got {ro.keep_versions}")
+    _require(
+        0 < ro.max_tokens < ro.max_model_len,
+        f"rollout.max_tokens ({ro.max_tokens}) must be positive and below rollout.max_model_len ({ro.max_model_len})",
+    )
+    f = cfg.flow
+    for name in ("prompts_per_step", "samples_per_prompt", "max_concurrent", "max_untrained_prompts"):
+        _require(getattr(f, name) >= 1, f"flow.{name} must be >= 1, got {getattr(f, name)}")
+    _require(f.max_staleness >= 0, f"flow.max_staleness must be >= 0, got {f.max_staleness}")
+    if f.strategy == "fully_async":
+        _require(
+            f.max_untrained_prompts >= f.prompts_per_step,
+            f"flow.max_untrained_prompts ({f.max_untrained_prompts}) is below flow.prompts_per_step "
+            f"({f.prompts_per_step}): a batch could never fill; raise max_untrained_prompts",
+        )
+    if f.strategy == "one_step_off":
+        _require(
+            f.max_staleness >= 1,
+            "flow.strategy = 'one_step_off' trains on samples one version old: set flow.max_staleness >= 1",
+        )
+    if f.partial_rollout:
+        _require(
+            ro.pause_mode == "keep",
+            f"flow.partial_rollout = true needs rollout.pause_mode = 'keep' (is {ro.pause_mode!r})",
+        )
+    m = cfg.trainer.model
+    _require(0 <= m.first_k_dense <= m.num_layers, "trainer.model.first_k_dense must be within [0, num_layers]")
+    _require(
+        1 <= m.num_experts_per_tok <= m.n_routed_experts,
+        f"trainer.model.num_experts_per_tok ({m.num_experts_per_tok}) must be within [1, n_routed_experts "
+        f"({m.n_routed_experts})]",
+    )
+    _require(
+        m.n_routed_experts % m.n_group == 0 and 1 <= m.topk_group <= m.n_group,
+        "trainer.model.n_group must divide n_routed_experts and topk_group must be within [1, n_group]",
+    )
+    if m.arch == "qwen3_moe":
+        _require(m.num_heads % m.num_kv_heads == 0, "trainer.model.num_heads must be a multiple of num_kv_heads")
+    _require(cfg.trainer.optim.grad_accum >= 1, "trainer.optim.grad_accum must be >= 1")
+    _require(len(cfg.trainer.optim.betas) == 2, "trainer.optim.betas must hold two numbers, e.g. [0.9, 0.95]")
+    _require(cfg.evaluator.every_n_versions >= 1, "evaluator.every_n_versions must be >= 1")
+    for name, spec in cfg.launch.roles.items():
+        role = spec.role or name
+        _require(
+            role in ROLES or bool(spec.command),
+            f"launch.roles.{name}: unknown role {role!r}; use one of {', '.join(ROLES)} or give a command",
+        )
+        _require(spec.replicas >= 0, f"launch.roles.{name}.replicas must be >= 0")
+    if cfg.launch.roles:
+        _require(
+            any(spec.critical for spec in cfg.launch.roles.values()),
+            "launch.roles: no entry is critical, so a launch would never end; set critical = true on one "
+            "(usually the trainer)",
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# Walking, printing, identity
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Leaf:
+    path: str
+    value: Any
+    doc: str
+    identity: bool
+
+
+def leaves(obj: Any, prefix: str = "") -> Iterator[Leaf]:
+    """Every scalar/list field of a config tree in declaration order, with its docstring."""
+    docs = field_docs(type(obj))
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        path = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            yield from leaves(value, path + ".")
+        elif isinstance(value, dict) and value and all(dataclasses.is_dataclass(v) for v in value.values()):
+            for key, sub in value.items():
+                yield from leaves(sub, f"{path}.{key}.")
+        else:
+            yield Leaf(path, value, docs.get(f.name, ""), bool(f.metadata.get("identity")))
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{json.dumps(str(k))} = {_toml_value(v)}" for k, v in value.items()) + "}"
+    raise TypeError(f"cannot write {value!r} as TOML")
+
+
+def _tables(obj: Any, prefix: str) -> Iterator[tuple[str, Any]]:
+    yield prefix, obj
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from _tables(value, f"{prefix}.{f.name}" if prefix else f.name)
+        elif isinstance(value, dict) and value and all(dataclasses.is_dataclass(v) for v in value.values()):
+            for key, sub in value.items():
+                yield from _tables(sub, f"{prefix}.{f.name}.{key}" if prefix else f"{f.name}.{key}")
+
+
+def render(cfg: Config, with_docs: bool = True) -> str:
+    """The resolved config as TOML; with docs, every field is preceded by its docstring."""
+    lines: list[str] = []
+    for table, obj in _tables(cfg, ""):
+        scalars = [
+            f
+            for f in dataclasses.fields(obj)
+            if not dataclasses.is_dataclass(getattr(obj, f.name))
+            and not (
+                isinstance(getattr(obj, f.name), dict)
+                and getattr(obj, f.name)
+                and all(dataclasses.is_dataclass(v) for v in getattr(obj, f.name).values())
+            )
+        ]
+        if not table or not scalars:
+            continue
+        lines.append(f"[{table}]")
+        docs = field_docs(type(obj))
+        for f in scalars:
+            if with_docs:
+                mark = " (identity)" if f.metadata.get("identity") else ""
+                lines.append(f"# {docs.get(f.name, '')}{mark}")
+            lines.append(f"{f.name} = {_toml_value(getattr(obj, f.name))}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def diff(a: Config, b: Config) -> list[tuple[str, Any, Any]]:
+    """(path, value in a, value in b) for every leaf that differs; entries only in one side included."""
+    left = {leaf.path: leaf.value for leaf in leaves(a)}
+    right = {leaf.path: leaf.value for leaf in leaves(b)}
+    missing = object()
+    out = []
+    for path in list(left) + [p for p in right if p not in left]:
+        va, vb = left.get(path, missing), right.get(path, missing)
+        if va != vb:
+            out.append((path, None if va is missing else va, None if vb is missing else vb))
+    return out
+
+
+def identity_diff(a: Config, b: Config) -> list[str]:
+    """Paths of identity fields that differ: a non-empty list means b is a different run than a."""
+    ident = {leaf.path for leaf in leaves(a) if leaf.identity}
+    return [path for path, _, _ in diff(a, b) if path in ident]
+
+
+def identity_fingerprint(cfg: Config) -> str:
+    """Short hash of the identity fields, stored with checkpoints."""
+    blob = json.dumps([(leaf.path, leaf.value) for leaf in leaves(cfg) if leaf.identity])
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def to_toml(cfg: Config) -> str:
+    """The full config as TOML text that `load_config` reads back to an equal config."""
+    return render(cfg, with_docs=False)
