@@ -1,0 +1,127 @@
+"""The `slipstream` command line: run a role, launch a whole run, write multi-node scripts, show
+configs, and hand over to the subcommands other packages own (simulate, eval)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+from collections.abc import Sequence
+
+from common.config import ROLES, ConfigError, diff, load_config, render
+
+# subcommand -> "module:function" taking the remaining argv and returning an exit code; imported
+# only when used, so `slipstream --help` stays fast and needs none of their dependencies.
+DELEGATED = {
+    "simulate": ("rollout.flow.simulator:cli_main", "run the flow-control simulator"),
+    "eval": ("evaluator.runner:cli_main", "run benchmarks against an OpenAI-compatible URL"),
+}
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", help="TOML config file, e.g. configs/demo.toml")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config value, e.g. --set trainer.optim.lr=3e-4 (repeatable)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="slipstream",
+        description="RL post-training of Mixture-of-Experts models: trainer, vLLM workers, router, evaluator.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    p = sub.add_parser("run", help=f"run the role named by the ROLE environment variable ({'|'.join(ROLES)})")
+    _add_config_args(p)
+    p = sub.add_parser("launch", help="start every role of the config on this machine and wait for the run")
+    _add_config_args(p)
+    p = sub.add_parser("scripts", help="write one script per role replica plus Slurm and Kubernetes files")
+    _add_config_args(p)
+    p.add_argument("outdir", help="directory to write the scripts into")
+    p = sub.add_parser("show", help="print the resolved config with each field's docstring, or a diff of two")
+    p.add_argument("config", help="TOML config file")
+    p.add_argument("other", nargs="?", help="a second config: print only the differences")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    for name, (_, help_text) in DELEGATED.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+    return parser
+
+
+def _cmd_show(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, args.overrides)
+    if args.other is None:
+        print(render(cfg))
+        return 0
+    other = load_config(args.other, args.overrides)
+    rows = diff(cfg, other)
+    if not rows:
+        print(f"no differences between {args.config} and {args.other}")
+    for path, a, b in rows:
+        print(f"{path}: {a!r} -> {b!r}")
+    return 0
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    import uvloop
+
+    from common import log
+    from common.roles import RoleError, context_for, lifecycle, resolve_exp, role_main
+
+    role = os.environ.get("ROLE", "")
+    if not role:
+        raise RoleError(f"ROLE is not set; run e.g. ROLE=router slipstream run CFG (roles: {', '.join(ROLES)})")
+    main = role_main(role)
+    cfg = load_config(args.config, args.overrides)
+    log.setup(role, resolve_exp(cfg, os.environ), cfg.run.log_level)
+    ctx = context_for(cfg, role, config_path=args.config)
+    try:
+        return uvloop.run(lifecycle(ctx, main))
+    finally:
+        ctx.rendezvous.close()
+
+
+def _cmd_launch(args: argparse.Namespace) -> int:
+    from common.launch import launch
+
+    return launch(args.config, args.overrides)
+
+
+def _cmd_scripts(args: argparse.Namespace) -> int:
+    from common.launch import write_scripts
+
+    for path in write_scripts(args.config, args.overrides, args.outdir):
+        print(path)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in DELEGATED:
+        target, _ = DELEGATED[argv[0]]
+        module_name, func = target.split(":")
+        return int(getattr(importlib.import_module(module_name), func)(argv[1:]))
+    args = build_parser().parse_args(argv)
+    commands = {"show": _cmd_show, "run": _cmd_run, "launch": _cmd_launch, "scripts": _cmd_scripts}
+    try:
+        return commands[args.command](args)
+    except ConfigError as exc:
+        print(f"slipstream: config error: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:
+        from common.rendezvous import RendezvousError
+        from common.roles import RoleError
+
+        if isinstance(exc, (RoleError, RendezvousError)):
+            print(f"slipstream: {exc}", file=sys.stderr)
+            return 2
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""The Redis key schema: every key of an experiment, in one place (DESIGN section 4).
+
+All keys start with `ss:{exp}:`. Liveness is always a key with a TTL refreshed by a heartbeat;
+nothing is alive without one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Keys:
+    """Key names of one experiment."""
+
+    exp: str
+
+    def __post_init__(self) -> None:
+        if not self.exp or any(c in self.exp for c in " :{}"):
+            raise ValueError(f"experiment id {self.exp!r} must be non-empty without spaces, ':' or braces")
+
+    @property
+    def prefix(self) -> str:
+        return f"ss:{self.exp}:"
+
+    def router(self, name: str = "default") -> str:
+        """The URL of the router named `name`; a TTL key, refreshed by the router's heartbeat."""
+        return f"{self.prefix}router" if name == "default" else f"{self.prefix}router:{name}"
+
+    @property
+    def workers(self) -> str:
+        """Hash worker_id -> JSON {url, model, weight_version, started_at}."""
+        return f"{self.prefix}workers"
+
+    def worker_alive(self, worker_id: str) -> str:
+        """TTL key of one worker; the worker counts as alive only while it exists."""
+        return f"{self.prefix}worker:{worker_id}:alive"
+
+    @property
+    def weights_current(self) -> str:
+        """The newest weight version every live worker acknowledged (integer)."""
+        return f"{self.prefix}weights:current"
+
+    @property
+    def weights_log(self) -> str:
+        """Stream of published versions {version, backend, location, ts}."""
+        return f"{self.prefix}weights:log"
+
+    @property
+    def events(self) -> str:
+        """Stream of lifecycle events {role, event, detail, ts}."""
+        return f"{self.prefix}events"
+
+    @property
+    def evals(self) -> str:
+        """Stream of finished evaluations {version, benchmark, score, ts}."""
+        return f"{self.prefix}evals"
+
+    def role_alive(self, role: str, instance: str) -> str:
+        """TTL key of one role process (every role heartbeats one)."""
+        return f"{self.prefix}role:{role}:{instance}:alive"
+
+    def role_pattern(self, role: str) -> str:
+        """SCAN pattern matching the liveness keys of every process of one role."""
+        return f"{self.prefix}role:{role}:*:alive"

@@ -1,0 +1,360 @@
+"""Rendezvous: every process of an experiment finds the one Redis through the shared meet directory.
+
+The first process to create the generation's lock file with O_EXCL is the leader: it starts
+`redis-server` (loopback by default, a free port, a random password, no persistence) and writes
+`redis.json` atomically (mode 0600). Everyone else waits for that file and connects. A file that
+points at a dead server (connection refused and, on the same host, a dead pid) starts the next
+generation's election, so exactly one process replaces a dead Redis. The leader stops its server
+when it exits; the server also dies with the leader (PR_SET_PDEATHSIG), so nothing outlives a run.
+
+Also here: `Heartbeat`, the TTL liveness key every role keeps alive from an asyncio task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import ctypes
+import json
+import logging
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import psutil
+import redis
+import redis.asyncio
+
+from common.config import RendezvousConfig
+
+log = logging.getLogger(__name__)
+
+INSTALL_HINT = "install it: apt-get install -y redis-server (Debian/Ubuntu), or set rendezvous.redis_server"
+# The meet dir may be a shared filesystem where inotify sees nothing, so waiting for another
+# process's file is a short poll; this is its period.
+_POLL_S = 0.05
+
+
+class RendezvousError(RuntimeError):
+    """Redis could not be found or started; the message says what was tried and what to do."""
+
+
+@dataclass(frozen=True)
+class RedisInfo:
+    """What redis.json holds: where the experiment's Redis is and who started it."""
+
+    host: str
+    port: int
+    password: str
+    pid: int
+    hostname: str
+    started_at: float
+    generation: int
+    stopped: bool = False
+
+    def client(self, timeout_s: float = 5.0) -> redis.Redis:
+        return redis.Redis(
+            host=self.host,
+            port=self.port,
+            password=self.password,
+            socket_connect_timeout=timeout_s,
+            socket_timeout=timeout_s,
+            decode_responses=True,
+        )
+
+    def async_client(self, timeout_s: float = 5.0) -> redis.asyncio.Redis:
+        return redis.asyncio.Redis(
+            host=self.host,
+            port=self.port,
+            password=self.password,
+            socket_connect_timeout=timeout_s,
+            socket_timeout=timeout_s,
+            decode_responses=True,
+        )
+
+
+def _lock_path(meet: Path, generation: int) -> Path:
+    return meet / ("redis.lock" if generation == 1 else f"redis.lock.{generation}")
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except json.JSONDecodeError:
+        return None  # a lock file being written right now; redis.json is always replaced atomically
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _refuses(host: str, port: int) -> bool:
+    """True when nothing listens at host:port (connection refused), False when something answers."""
+    try:
+        with socket.create_connection((host, port), timeout=1.0):
+            return False
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False  # a timeout or an unreachable network is not proof of death
+
+
+def _pid_dead(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _die_with_parent() -> None:
+    # Runs in the child between fork and exec: ask the kernel to SIGTERM redis-server when the
+    # leader dies, even by SIGKILL, so no server outlives the run.
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+class Rendezvous:
+    """Connects this process to the experiment's Redis, electing and starting it when needed."""
+
+    def __init__(self, meet_dir: str | os.PathLike[str], cfg: RendezvousConfig | None = None) -> None:
+        self.meet = Path(meet_dir)
+        self.cfg = cfg or RendezvousConfig()
+        self.info: RedisInfo | None = None
+        self._server: subprocess.Popen[bytes] | None = None
+
+    @property
+    def is_leader(self) -> bool:
+        return self._server is not None
+
+    # -- public ------------------------------------------------------------------------------
+
+    def connect(self, timeout_s: float | None = None) -> redis.Redis:
+        """Return a client of the experiment's Redis, starting it if this process wins the election."""
+        self._prepare_meet_dir()
+        deadline = time.monotonic() + (self.cfg.wait_timeout_s if timeout_s is None else timeout_s)
+        generation = 1
+        last_state = "no redis.json yet"
+        while True:
+            data = _read_json(self.meet / "redis.json")
+            if data is not None:
+                info = RedisInfo(**data)
+                state = self._probe(info)
+                if state == "ok":
+                    self.info = info
+                    return info.client()
+                last_state = f"redis.json generation {info.generation} points at a {state} server"
+                if state == "dead":
+                    generation = max(generation, info.generation + 1)
+            if data is None or generation > data.get("generation", 0):
+                outcome = self._try_elect(generation)
+                if outcome == "won":
+                    assert self.info is not None
+                    return self.info.client()
+                if outcome == "failed":
+                    generation += 1
+                    continue
+            if time.monotonic() > deadline:
+                raise RendezvousError(
+                    f"no Redis in meet dir {self.meet} after waiting: {last_state}. Is the leader still "
+                    f"starting? Check {self.meet}/redis.log, or remove {self.meet} if the run is over."
+                )
+            time.sleep(_POLL_S)
+
+    def async_client(self) -> redis.asyncio.Redis:
+        if self.info is None:
+            raise RendezvousError("Rendezvous.async_client() called before connect()")
+        return self.info.async_client()
+
+    def close(self) -> None:
+        """Stop the Redis server if this process started it (idempotent)."""
+        server, self._server = self._server, None
+        if server is None:
+            return
+        if self.info is not None:
+            with contextlib.suppress(OSError):
+                _write_atomic(self.meet / "redis.json", json.dumps(asdict(self.info) | {"stopped": True}))
+        server.terminate()
+        try:
+            server.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+        log.info("stopped redis-server pid %d", server.pid)
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _prepare_meet_dir(self) -> None:
+        self.meet.mkdir(parents=True, exist_ok=True, mode=0o700)
+        if self.meet.stat().st_uid == os.getuid():
+            os.chmod(self.meet, 0o700)
+
+    def _probe(self, info: RedisInfo) -> str:
+        """'ok' if the server answers PING with our password, 'dead' if provably gone, else 'unreachable'."""
+        if info.stopped:
+            return "dead"
+        try:
+            with contextlib.closing(info.client(timeout_s=2.0)) as client:
+                client.ping()
+            return "ok"
+        except redis.AuthenticationError as exc:
+            raise RendezvousError(
+                f"the Redis at {info.host}:{info.port} named in {self.meet}/redis.json rejects its password "
+                f"({exc}); another server took the port. Remove {self.meet}/redis.json to re-elect."
+            ) from None
+        except (redis.ConnectionError, redis.TimeoutError):
+            pass
+        if not _refuses(info.host, info.port):
+            return "unreachable"
+        if info.hostname == socket.gethostname() and not _pid_dead(info.pid):
+            return "unreachable"
+        return "dead"
+
+    def _try_elect(self, generation: int) -> str:
+        """'won' (this process now runs Redis), 'failed' (that generation's leader died), or 'wait'."""
+        lock = _lock_path(self.meet, generation)
+        try:
+            fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            owner = _read_json(lock)
+            if owner and owner["hostname"] == socket.gethostname() and _pid_dead(owner["pid"]):
+                return "failed"
+            return "wait"
+        with os.fdopen(fd, "w") as fh:
+            json.dump({"pid": os.getpid(), "hostname": socket.gethostname(), "ts": time.time()}, fh)
+        self._start_server(generation)
+        return "won"
+
+    def _start_server(self, generation: int) -> None:
+        binary = shutil.which(self.cfg.redis_server)
+        if binary is None:
+            raise RendezvousError(f"redis-server binary {self.cfg.redis_server!r} not found on PATH; {INSTALL_HINT}")
+        host = self.cfg.redis_bind
+        password = secrets.token_hex(24)
+        for attempt in range(3):
+            port = self.cfg.redis_port or _free_port(host)
+            conf = self.meet / "redis.conf"
+            lines = [
+                f"bind {host}",
+                f"port {port}",
+                f"requirepass {password}",
+                f"dir {self.meet}",
+                f"logfile {self.meet / 'redis.log'}",
+                "daemonize no",
+                "protected-mode yes",
+            ]
+            if self.cfg.redis_persistence:
+                lines += ["save 60 1", "appendonly yes"]
+            else:
+                lines += ['save ""', "appendonly no"]
+            # The password lives in a 0600 file, not on the command line where `ps` would show it.
+            _write_atomic(conf, "\n".join(lines) + "\n")
+            server = subprocess.Popen(
+                [binary, str(conf)],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                preexec_fn=_die_with_parent,
+            )
+            info = RedisInfo(
+                host=host,
+                port=port,
+                password=password,
+                pid=server.pid,
+                hostname=socket.gethostname(),
+                started_at=time.time(),
+                generation=generation,
+            )
+            if self._wait_ready(server, info):
+                self._server, self.info = server, info
+                atexit.register(self.close)
+                _write_atomic(self.meet / "redis.json", json.dumps(asdict(info)))
+                log.info("started redis-server pid %d on %s:%d (generation %d)", server.pid, host, port, generation)
+                return
+            server.kill()
+            server.wait()
+            if self.cfg.redis_port:
+                break
+            log.warning("redis-server did not come up on port %d (attempt %d); trying another port", port, attempt + 1)
+        tail = ""
+        with contextlib.suppress(OSError):
+            tail = (self.meet / "redis.log").read_text()[-2000:]
+        raise RendezvousError(f"redis-server failed to start on {host} (see {self.meet}/redis.log):\n{tail}")
+
+    @staticmethod
+    def _wait_ready(server: subprocess.Popen[bytes], info: RedisInfo, timeout_s: float = 10.0) -> bool:
+        deadline = time.monotonic() + timeout_s
+        with contextlib.closing(info.client(timeout_s=1.0)) as client:
+            while time.monotonic() < deadline:
+                if server.poll() is not None:
+                    return False
+                try:
+                    client.ping()
+                    return True
+                except (redis.ConnectionError, redis.TimeoutError):
+                    time.sleep(_POLL_S)
+        return False
+
+
+class Heartbeat:
+    """Keeps one TTL key alive from an asyncio task; the key's existence is the liveness signal."""
+
+    def __init__(
+        self, client: redis.asyncio.Redis, key: str, value: str, period_s: float = 2.0, ttl_s: float = 10.0
+    ) -> None:
+        if ttl_s < 2 * period_s:
+            raise ValueError(f"heartbeat ttl {ttl_s}s must be at least twice its period {period_s}s")
+        self.client, self.key, self.value = client, key, value
+        self.period_s, self.ttl_ms = period_s, int(ttl_s * 1000)
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        """Set the key now (so liveness is visible at once), then refresh it every period."""
+        await self.client.set(self.key, self.value, px=self.ttl_ms)
+        self._task = asyncio.create_task(self._run(), name=f"heartbeat {self.key}")
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.period_s)
+            try:
+                await self.client.set(self.key, self.value, px=self.ttl_ms)
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                # A Redis blip must not kill the role; if it lasts past the TTL, others see us as dead.
+                log.warning("heartbeat %s failed: %s", self.key, exc)
+
+    async def stop(self, delete: bool = True) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if delete:
+            with contextlib.suppress(redis.ConnectionError, redis.TimeoutError):
+                await self.client.delete(self.key)
+
+    async def __aenter__(self) -> Heartbeat:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
