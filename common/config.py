@@ -534,26 +534,29 @@ def _set_path(data: dict[str, Any], path: Sequence[str], value: Any) -> None:
     node[path[-1]] = value
 
 
-def apply_override(data: dict[str, Any], assignment: str, source: str = "--set") -> None:
+def apply_override(data: dict[str, Any], assignment: str, source: str) -> None:
     """Apply one `a.b.c=value` override to raw config data, typed by the schema."""
     key, sep, raw = assignment.partition("=")
     key = key.strip()
     if not sep or not key:
-        raise ConfigError(f"{source} {assignment!r}: expected KEY=VALUE, for example trainer.optim.lr=3e-4")
+        raise ConfigError(f"{source}: expected KEY=VALUE, for example trainer.optim.lr=3e-4")
     parts = key.split(".")
-    tp = _schema_type(parts)
-    if _is_dataclass_type(tp):
-        raise ConfigError(f"{source} {key}: is a section; set one of its keys, e.g. {key}.<field>=...")
-    _set_path(data, parts, parse_value(raw.strip(), tp, key))
+    try:
+        tp = _schema_type(parts)
+        if _is_dataclass_type(tp):
+            raise ConfigError(f"{key}: is a section; set one of its keys, e.g. {key}.<field>=...")
+        _set_path(data, parts, parse_value(raw.strip(), tp, key))
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
 
 
-def env_overrides(environ: Mapping[str, str]) -> list[str]:
-    """`SLIPSTREAM__a__b=v` environment variables as `a.b=v` assignments (sorted for determinism)."""
+def env_overrides(environ: Mapping[str, str]) -> list[tuple[str, str]]:
+    """(variable, `a.b=v`) for every `SLIPSTREAM__a__b=v` environment variable, sorted for determinism."""
     out = []
     for name in sorted(environ):
         if name.startswith(ENV_PREFIX):
             key = name[len(ENV_PREFIX) :].replace("__", ".")
-            out.append(f"{key}={environ[name]}")
+            out.append((name, f"{key}={environ[name]}"))
     return out
 
 
@@ -579,10 +582,10 @@ def load_config(
             data = tomllib.loads(p.read_text())
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{p}: not valid TOML: {exc}") from None
-    for assignment in env_overrides(os.environ if environ is None else environ):
-        apply_override(data, assignment, source="environment")
+    for name, assignment in env_overrides(os.environ if environ is None else environ):
+        apply_override(data, assignment, source=f"environment variable {name}")
     for assignment in overrides:
-        apply_override(data, assignment)
+        apply_override(data, assignment, source=f"--set {assignment}")
     return from_dict(data)
 
 

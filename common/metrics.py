@@ -1,0 +1,153 @@
+"""Metrics: scalar time series in DuckDB, one file per run, role and rank.
+
+Each file holds the table `metrics(run, role, rank, tag, step, ts_ms, value)`. Writers buffer
+points and insert them in one statement per batch (when the buffer fills, on a timer, and at
+exit). The writer opens its file only for the length of a flush, so readers (the evaluator, a
+dashboard, a test) can read a live run between flushes.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import duckdb
+
+log = logging.getLogger(__name__)
+
+_SCHEMA = (
+    "CREATE TABLE IF NOT EXISTS metrics("
+    "run VARCHAR, role VARCHAR, rank INTEGER, tag VARCHAR, step BIGINT, ts_ms BIGINT, value DOUBLE)"
+)
+# One statement per batch: DuckDB's executemany costs ~1 ms per row, unnest of lists ~3 us.
+_INSERT = (
+    "INSERT INTO metrics SELECT $run, $role, $rank, unnest($tag), unnest($step), unnest($ts_ms), unnest($value)"
+)
+
+
+def metrics_path(run_dir: str | Path, role: str, rank: int = 0) -> Path:
+    """The metrics file of one role and rank of a run."""
+    return Path(run_dir) / "metrics" / f"{role}-{rank}.duckdb"
+
+
+@dataclass(frozen=True)
+class Point:
+    run: str
+    role: str
+    rank: int
+    tag: str
+    step: int
+    ts_ms: int
+    value: float
+
+
+class MetricsWriter:
+    """Buffered writer of one (run, role, rank) metrics file; thread-safe."""
+
+    def __init__(
+        self,
+        run_dir: str | Path,
+        run: str,
+        role: str,
+        rank: int = 0,
+        batch_size: int = 1000,
+        flush_interval_s: float = 5.0,
+    ) -> None:
+        self.path = metrics_path(run_dir, role, rank)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.run, self.role, self.rank = run, role, rank
+        self.batch_size = batch_size
+        self._lock = threading.Lock()
+        self._tags: list[str] = []
+        self._steps: list[int] = []
+        self._ts: list[int] = []
+        self._values: list[float] = []
+        with duckdb.connect(str(self.path)) as con:
+            con.execute(_SCHEMA)
+        self._closed = threading.Event()
+        self._timer = threading.Thread(target=self._flush_periodically, args=(flush_interval_s,), daemon=True)
+        self._timer.start()
+        atexit.register(self.close)
+
+    def log(self, tag: str, step: int, value: float, ts_ms: int | None = None) -> None:
+        """Record one point; it reaches the file at the next flush."""
+        if self._closed.is_set():
+            raise RuntimeError(f"metrics writer {self.path} is closed; cannot log {tag!r}")
+        with self._lock:
+            self._tags.append(tag)
+            self._steps.append(int(step))
+            self._ts.append(int(time.time() * 1000) if ts_ms is None else int(ts_ms))
+            self._values.append(float(value))
+            full = len(self._tags) >= self.batch_size
+        if full:
+            self.flush()
+
+    def log_many(self, step: int, values: Mapping[str, float]) -> None:
+        """Record several tags at one step with one timestamp."""
+        ts_ms = int(time.time() * 1000)
+        for tag, value in values.items():
+            self.log(tag, step, value, ts_ms)
+
+    def flush(self) -> None:
+        with self._lock:
+            if not self._tags:
+                return
+            batch = {
+                "run": self.run,
+                "role": self.role,
+                "rank": self.rank,
+                "tag": self._tags,
+                "step": self._steps,
+                "ts_ms": self._ts,
+                "value": self._values,
+            }
+            with duckdb.connect(str(self.path)) as con:
+                con.execute(_INSERT, batch)
+            # Cleared only after the insert succeeded: a failed flush keeps the points for the next one.
+            self._tags, self._steps, self._ts, self._values = [], [], [], []
+
+    def _flush_periodically(self, interval_s: float) -> None:
+        while not self._closed.wait(interval_s):
+            try:
+                self.flush()
+            except duckdb.Error as exc:
+                log.warning("metrics flush to %s failed (will retry): %s", self.path, exc)
+
+    def close(self) -> None:
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self._timer.join(timeout=5)
+        self.flush()
+        atexit.unregister(self.close)
+
+    def __enter__(self) -> MetricsWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_metrics(run_dir: str | Path, tags: Iterable[str] | None = None, role: str | None = None) -> list[Point]:
+    """Every point of a run (all roles and ranks), ordered by tag, step and time."""
+    files = sorted((Path(run_dir) / "metrics").glob("*.duckdb"))
+    wanted = list(tags) if tags is not None else None
+    points: list[Point] = []
+    for path in files:
+        with duckdb.connect(str(path), read_only=True) as con:
+            query = "SELECT run, role, rank, tag, step, ts_ms, value FROM metrics WHERE true"
+            params: dict[str, object] = {}
+            if wanted is not None:
+                query += " AND list_contains($tags, tag)"
+                params["tags"] = wanted
+            if role is not None:
+                query += " AND role = $role"
+                params["role"] = role
+            points.extend(Point(*row) for row in con.execute(query, params).fetchall())
+    points.sort(key=lambda p: (p.tag, p.step, p.ts_ms, p.role, p.rank))
+    return points

@@ -1,0 +1,126 @@
+"""The run registry: one SQLite row per run (id, name, config TOML, git sha, status, start, end).
+
+It lives at `<run.root>/registry.sqlite`, next to the run directories. The git sha is read from
+the checkout the code runs from; where that is impossible it is "unknown" and the reason is logged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sqlite3
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+SOURCE_DIR = Path(__file__).resolve().parent.parent
+STATUSES = ("running", "succeeded", "failed", "interrupted")
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS runs(
+    id TEXT PRIMARY KEY,
+    name TEXT NOT NULL,
+    config TEXT NOT NULL,
+    git_sha TEXT NOT NULL,
+    git_dirty INTEGER,
+    status TEXT NOT NULL,
+    started_at REAL NOT NULL,
+    ended_at REAL
+)
+"""
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    id: str
+    name: str
+    config: str
+    git_sha: str
+    git_dirty: bool | None
+    status: str
+    started_at: float
+    ended_at: float | None
+
+
+def git_sha(repo_dir: str | Path = SOURCE_DIR) -> tuple[str, bool | None]:
+    """(sha, dirty) of the checkout at repo_dir; ("unknown", None) with the reason logged when unreadable."""
+    try:
+        sha = subprocess.run(
+            ["git", "-C", str(repo_dir), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        log.warning("git sha unknown: cannot run git in %s: %s", repo_dir, exc)
+        return "unknown", None
+    if sha.returncode != 0:
+        log.warning("git sha unknown: %s is not a git checkout with commits: %s", repo_dir, sha.stderr.strip())
+        return "unknown", None
+    status = subprocess.run(
+        ["git", "-C", str(repo_dir), "status", "--porcelain", "--untracked-files=no"],
+        capture_output=True,
+        text=True,
+        timeout=10,
+    )
+    return sha.stdout.strip(), bool(status.stdout.strip()) if status.returncode == 0 else None
+
+
+class Registry:
+    """Access to one registry file; safe for several processes (SQLite WAL, busy timeout)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self._connect() as con:
+            con.execute("PRAGMA journal_mode=WAL")
+            con.execute(_SCHEMA)
+
+    @classmethod
+    def for_root(cls, root: str | Path) -> Registry:
+        return cls(Path(root) / "registry.sqlite")
+
+    @contextlib.contextmanager
+    def _connect(self) -> Iterator[sqlite3.Connection]:
+        con = sqlite3.connect(self.path, timeout=30)
+        try:
+            with con:  # commits, or rolls back on error
+                yield con
+        finally:
+            con.close()
+
+    def start(self, run_id: str, name: str, config_toml: str, repo_dir: str | Path = SOURCE_DIR) -> RunRecord:
+        """Insert the row of a new run (status running); a run id that exists is an error."""
+        sha, dirty = git_sha(repo_dir)
+        try:
+            with self._connect() as con:
+                con.execute(
+                    "INSERT INTO runs VALUES (?, ?, ?, ?, ?, 'running', ?, NULL)",
+                    (run_id, name, config_toml, sha, None if dirty is None else int(dirty), time.time()),
+                )
+        except sqlite3.IntegrityError:
+            raise ValueError(f"run id {run_id!r} is already in {self.path}; choose another SLIPSTREAM_EXP") from None
+        return self.get(run_id)
+
+    def finish(self, run_id: str, status: str) -> None:
+        if status not in STATUSES:
+            raise ValueError(f"run status {status!r} is not one of {STATUSES}")
+        with self._connect() as con:
+            cur = con.execute("UPDATE runs SET status = ?, ended_at = ? WHERE id = ?", (status, time.time(), run_id))
+        if cur.rowcount != 1:
+            raise KeyError(f"run id {run_id!r} is not in {self.path}")
+
+    def get(self, run_id: str) -> RunRecord:
+        with self._connect() as con:
+            row = con.execute("SELECT * FROM runs WHERE id = ?", (run_id,)).fetchone()
+        if row is None:
+            raise KeyError(f"run id {run_id!r} is not in {self.path}")
+        row = list(row)
+        row[4] = None if row[4] is None else bool(row[4])
+        return RunRecord(*row)
+
+    def list(self) -> list[RunRecord]:
+        with self._connect() as con:
+            ids = [r[0] for r in con.execute("SELECT id FROM runs ORDER BY started_at")]
+        return [self.get(i) for i in ids]
