@@ -1,0 +1,322 @@
+"""HF checkpoint interop: our model to and from a directory that transformers and vLLM load
+(config.json + safetensors with one name per expert), for DeepseekV3ForCausalLM and
+Qwen3MoeForCausalLM. Our state dict already uses HF's names; the only translation is between our
+stacked expert tensors (gate_up_proj [E, 2I, H], down_proj [E, H, I]) and the per-expert
+`model.layers.L.mlp.experts.N.{gate,up,down}_proj.weight` of released checkpoints. Import also takes
+transformers' own stacked layout. `export_fresh_hf` writes a deterministic freshly initialised model
+from a ModelConfig and a seed (tiny test checkpoints for vLLM)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from common.config import ModelConfig
+from trainer.model import Transformer, build_model
+
+_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# vLLM's CPU kernels (see shared/notes/vllm-cpu.md): these shapes run, others fail at the first request.
+VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+class HFFormatError(ValueError):
+    """An HF directory or config cannot be mapped onto our model; the message names the field."""
+
+
+def hf_config(cfg: ModelConfig, dtype: str = "float32", extra: dict | None = None) -> dict:
+    """The config.json of `cfg` for transformers/vLLM; `extra` overrides or adds fields (e.g. eos_token_id)."""
+    if dtype not in _DTYPES:
+        raise HFFormatError(f"dtype {dtype!r} is not one of {', '.join(_DTYPES)}")
+    common = {
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "moe_intermediate_size": cfg.moe_intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_experts_per_tok": cfg.num_experts_per_tok,
+        "norm_topk_prob": cfg.norm_topk_prob,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_seq_len,
+        "initializer_range": 0.02,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "rope_scaling": None,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "use_cache": True,
+        "torch_dtype": dtype,
+    }
+    if cfg.arch == "deepseek_v3":
+        out = {
+            "architectures": ["DeepseekV3ForCausalLM"],
+            "model_type": "deepseek_v3",
+            **common,
+            "num_key_value_heads": cfg.num_heads,
+            "n_routed_experts": cfg.n_routed_experts,
+            "n_shared_experts": cfg.n_shared_experts,
+            "first_k_dense_replace": cfg.first_k_dense,
+            "moe_layer_freq": 1,
+            "routed_scaling_factor": cfg.routed_scaling_factor,
+            "n_group": cfg.n_group,
+            "topk_group": cfg.topk_group,
+            "topk_method": "noaux_tc",
+            "scoring_func": "sigmoid",
+            "q_lora_rank": cfg.q_lora_rank or None,
+            "kv_lora_rank": cfg.kv_lora_rank,
+            "qk_nope_head_dim": cfg.qk_nope_head_dim,
+            "qk_rope_head_dim": cfg.qk_rope_head_dim,
+            "v_head_dim": cfg.v_head_dim,
+            "rope_interleave": True,
+            "num_nextn_predict_layers": 0,
+        }
+    else:
+        problems = []
+        if cfg.n_shared_experts:
+            problems.append(f"n_shared_experts = {cfg.n_shared_experts} (Qwen3-MoE has none; set 0)")
+        if cfg.routed_scaling_factor != 1.0:
+            problems.append(f"routed_scaling_factor = {cfg.routed_scaling_factor} (Qwen3-MoE applies none; set 1.0)")
+        if cfg.n_group != 1:
+            problems.append(f"n_group = {cfg.n_group} (Qwen3-MoE has no group-limited routing; set 1)")
+        if problems:
+            raise HFFormatError("trainer.model cannot be written as Qwen3MoeForCausalLM: " + "; ".join(problems))
+        out = {
+            "architectures": ["Qwen3MoeForCausalLM"],
+            "model_type": "qwen3_moe",
+            **common,
+            "num_key_value_heads": cfg.num_kv_heads,
+            "head_dim": cfg.head_dim,
+            "num_experts": cfg.n_routed_experts,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": list(range(cfg.first_k_dense)),
+            "use_sliding_window": False,
+            "sliding_window": None,
+            "output_router_logits": False,
+            "router_aux_loss_coef": 0.0,
+        }
+    out.update(extra or {})
+    return out
+
+
+def model_config_from_hf(hf: dict, max_seq_len: int | None = None) -> ModelConfig:
+    """Our ModelConfig from an HF config.json dict of DeepseekV3 or Qwen3Moe."""
+    model_type = hf.get("model_type")
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
+        raise HFFormatError(f"rope type {rope.get('rope_type')!r} is not supported; only default RoPE is")
+    theta = float(hf.get("rope_theta") or rope.get("rope_theta") or 10000.0)
+    base = dict(
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        num_layers=hf["num_hidden_layers"],
+        intermediate_size=hf["intermediate_size"],
+        moe_intermediate_size=hf["moe_intermediate_size"],
+        num_experts_per_tok=hf["num_experts_per_tok"],
+        num_heads=hf["num_attention_heads"],
+        rope_theta=theta,
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        max_seq_len=max_seq_len or int(hf.get("max_position_embeddings", 4096)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+    )
+    if hf.get("hidden_act", "silu") != "silu" or hf.get("attention_bias", False):
+        raise HFFormatError("only hidden_act = silu and attention_bias = false are supported")
+    if model_type == "deepseek_v3":
+        if hf.get("scoring_func", "sigmoid") != "sigmoid" or not hf.get("rope_interleave", True):
+            raise HFFormatError("DeepseekV3 needs scoring_func = sigmoid and rope_interleave = true")
+        return ModelConfig(
+            arch="deepseek_v3",
+            first_k_dense=hf.get("first_k_dense_replace", 0),
+            n_routed_experts=hf.get("n_routed_experts") or hf["num_local_experts"],
+            n_shared_experts=hf.get("n_shared_experts") or 0,
+            q_lora_rank=hf.get("q_lora_rank") or 0,
+            kv_lora_rank=hf["kv_lora_rank"],
+            qk_nope_head_dim=hf["qk_nope_head_dim"],
+            qk_rope_head_dim=hf["qk_rope_head_dim"],
+            v_head_dim=hf["v_head_dim"],
+            routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+            norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+            n_group=hf.get("n_group") or 1,
+            topk_group=hf.get("topk_group") or 1,
+            num_kv_heads=hf["num_attention_heads"],
+            **base,
+        )
+    if model_type == "qwen3_moe":
+        dense = list(hf.get("mlp_only_layers") or [])
+        if hf.get("decoder_sparse_step", 1) != 1 or dense != list(range(len(dense))):
+            raise HFFormatError(
+                f"Qwen3Moe with decoder_sparse_step = {hf.get('decoder_sparse_step')} and mlp_only_layers = {dense}: "
+                "only leading dense layers (mlp_only_layers = [0..k-1], decoder_sparse_step = 1) are supported"
+            )
+        return ModelConfig(
+            arch="qwen3_moe",
+            first_k_dense=len(dense),
+            n_routed_experts=hf.get("num_experts") or hf["num_local_experts"],
+            n_shared_experts=0,
+            num_kv_heads=hf["num_key_value_heads"],
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
+            norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+            routed_scaling_factor=1.0,
+            **base,
+        )
+    raise HFFormatError(f"model_type {model_type!r} is not supported; use deepseek_v3 or qwen3_moe")
+
+
+def hf_tensors(model: Transformer, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) pairs of the model, experts split per expert; `dtype` casts floating tensors
+    except the expert-score bias, which HF keeps in fp32."""
+    state = model.state_dict()
+    if model.cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    for name, t in state.items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            prefix = name[: -len(".gate_up_proj")]
+            inter = t.shape[1] // 2
+            for e in range(t.shape[0]):
+                yield f"{prefix}.{e}.gate_proj.weight", _cast(t[e, :inter], dtype)
+                yield f"{prefix}.{e}.up_proj.weight", _cast(t[e, inter:], dtype)
+        elif name.endswith("mlp.experts.down_proj"):
+            prefix = name[: -len(".down_proj")]
+            for e in range(t.shape[0]):
+                yield f"{prefix}.{e}.down_proj.weight", _cast(t[e], dtype)
+        elif name.endswith("e_score_correction_bias"):
+            yield name, t.float()
+        else:
+            yield name, _cast(t, dtype)
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    return t if dtype is None or not t.is_floating_point() else t.to(dtype)
+
+
+def export_hf(
+    model: Transformer, out_dir: str | os.PathLike[str], dtype: str = "float32", extra: dict | None = None
+) -> Path:
+    """Write config.json and model.safetensors (per-expert names) into out_dir; returns the directory."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {name: t.detach().to("cpu").contiguous() for name, t in hf_tensors(model, _DTYPES[dtype])}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(hf_config(model.cfg, dtype, extra), indent=2) + "\n")
+    return out
+
+
+def export_fresh_hf(
+    cfg: ModelConfig, seed: int, out_dir: str | os.PathLike[str], dtype: str = "float32", extra: dict | None = None
+) -> Path:
+    """Export a freshly initialised model; the same (cfg, seed, dtype) always gives the same bytes."""
+    return export_hf(build_model(cfg, seed=seed), out_dir, dtype, extra)
+
+
+def vllm_cpu_problems(cfg: ModelConfig) -> list[str]:
+    """Shapes of `cfg` that vLLM's CPU build rejects (empty when it should serve the model)."""
+    problems = []
+    head = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim if cfg.arch == "deepseek_v3" else cfg.head_dim
+    if head not in VLLM_CPU_HEAD_SIZES:
+        problems.append(f"attention head size {head} is not one of {VLLM_CPU_HEAD_SIZES}")
+    if cfg.arch == "deepseek_v3" and cfg.kv_lora_rank + cfg.qk_rope_head_dim != 576:
+        problems.append(
+            f"kv_lora_rank + qk_rope_head_dim = {cfg.kv_lora_rank + cfg.qk_rope_head_dim}; CPU MLA needs 576 (512 + 64)"
+        )
+    for name in ("hidden_size", "moe_intermediate_size"):
+        if getattr(cfg, name) % 32:
+            problems.append(f"{name} = {getattr(cfg, name)} is not a multiple of 32")
+    return problems
+
+
+def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise HFFormatError(f"no *.safetensors files in {path}")
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():
+                tensors[name] = st.get_tensor(name)
+    return tensors
+
+
+def load_hf_state(model: Transformer, path: str | os.PathLike[str]) -> None:
+    """Copy the weights of an HF directory into `model` (shapes must match; names are checked both ways)."""
+    cfg = model.cfg
+    src = _read_tensors(Path(path))
+    target = model.state_dict()
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    with torch.no_grad():
+        for name, t in src.items():
+            layer = re.match(r"^model\.layers\.(\d+)\.", name)
+            if layer and int(layer.group(1)) >= cfg.num_layers:
+                continue  # multi-token-prediction layers of DeepSeek checkpoints: not part of the decoder
+            if "rotary_emb" in name:
+                continue
+            m = _EXPERT.match(name)
+            if m:
+                prefix, e, proj = m.group(1), int(m.group(2)), m.group(3)
+                inter = cfg.moe_intermediate_size
+                if proj == "down_proj":
+                    key, view = f"{prefix}.down_proj", target[f"{prefix}.down_proj"][e]
+                else:
+                    key = f"{prefix}.gate_up_proj"
+                    half = slice(0, inter) if proj == "gate_proj" else slice(inter, 2 * inter)
+                    view = target[key][e, half]
+                _copy(view, t, name)
+                loaded.add(f"{key}.{e}.{proj}")
+            elif name in target:
+                _copy(target[name], t, name)
+                loaded.add(name)
+            else:
+                unexpected.append(name)
+    expected = set()
+    for name in target:
+        if name.endswith("mlp.experts.gate_up_proj"):
+            expected |= {f"{name}.{e}.{p}" for e in range(cfg.n_routed_experts) for p in ("gate_proj", "up_proj")}
+        elif name.endswith("mlp.experts.down_proj"):
+            expected |= {f"{name}.{e}.down_proj" for e in range(cfg.n_routed_experts)}
+        elif not (cfg.tie_word_embeddings and name == "lm_head.weight"):
+            expected.add(name)
+    # A stacked tensor loaded whole counts for all its experts.
+    for name in list(loaded):
+        if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+            loaded |= {x for x in expected if x.startswith(name + ".")}
+    missing = sorted(expected - loaded)
+    if missing or unexpected:
+        raise HFFormatError(
+            f"{path}: {len(missing)} missing tensors {missing[:5]} and {len(unexpected)} unexpected {unexpected[:5]}; "
+            "is this checkpoint of the same architecture and shape as config.json says?"
+        )
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    if dst.shape != src.shape:
+        raise HFFormatError(f"tensor {name}: checkpoint shape {tuple(src.shape)} != model shape {tuple(dst.shape)}")
+    dst.copy_(src.to(dst.dtype))
+
+
+def import_hf(
+    path: str | os.PathLike[str],
+    experts_backend: str = "reference",
+    device: str | torch.device = "cpu",
+    max_seq_len: int | None = None,
+) -> Transformer:
+    """Build our model from an HF DeepseekV3/Qwen3Moe directory (fp32 master weights on `device`)."""
+    path = Path(path)
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise HFFormatError(f"{path} has no config.json; pass an HF checkpoint directory")
+    cfg = model_config_from_hf(json.loads(cfg_file.read_text()), max_seq_len)
+    model = build_model(cfg, experts_backend, seed=None)
+    load_hf_state(model, path)
+    for moe in model.moe_layers():
+        moe.tokens_per_expert.zero_()
+    return model.to(device)

@@ -1,0 +1,110 @@
+"""Causal self-attention in the two shapes we train: MLA (DeepSeek-V3: low-rank compressed keys and
+values, a rotary part shared by all heads, q/k head = nope + rope dims, v head separate) and GQA
+(Qwen3-MoE: grouped key/value heads with RMSNorm on each query and key head). Both end in
+`F.scaled_dot_product_attention`; the kernel is chosen from outside (see `attention_backends`)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from common.config import ModelConfig
+from trainer.model.norm import RMSNorm
+from trainer.model.rope import apply_rope
+
+# DeepSeek's reference code builds the latent norms with the default epsilon, not rms_norm_eps; HF
+# follows it, so we do too (the two agree for every released DeepSeek config, where both are 1e-6).
+LATENT_NORM_EPS = 1e-6
+
+
+@contextlib.contextmanager
+def attention_backends(device: torch.device) -> Iterator[None]:
+    """Prefer cuDNN SDPA on CUDA: flash rejects MLA's unequal q/k (192) and v (128) head dims and the
+    memory-efficient kernel is ~10x slower there. On CPU the math path runs unchanged."""
+    if device.type != "cuda":
+        yield
+        return
+    order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    with sdpa_kernel(order, set_priority=True):
+        yield
+
+
+class MLA(nn.Module):
+    """Multi-head latent attention with HF DeepseekV3Attention's parameter names."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_heads
+        self.nope_dim = cfg.qk_nope_head_dim
+        self.rope_dim = cfg.qk_rope_head_dim
+        self.v_dim = cfg.v_head_dim
+        self.kv_lora_rank = cfg.kv_lora_rank
+        qk_dim = self.nope_dim + self.rope_dim
+        self.scale = qk_dim**-0.5
+        if cfg.q_lora_rank > 0:
+            self.q_a_proj = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, LATENT_NORM_EPS)
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, cfg.num_heads * qk_dim, bias=False)
+        else:
+            self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * qk_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(cfg.hidden_size, cfg.kv_lora_rank + self.rope_dim, bias=False)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, LATENT_NORM_EPS)
+        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, cfg.num_heads * (self.nope_dim + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(cfg.num_heads * self.v_dim, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, S, _ = x.shape
+        if hasattr(self, "q_proj"):
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(B, S, self.num_heads, self.nope_dim + self.rope_dim)
+        q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(B, S, self.num_heads, self.nope_dim + self.v_dim)
+        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
+        q_rope = apply_rope(q_rope, cos, sin, interleaved=True)
+        k_rope = apply_rope(k_rope.view(B, S, 1, self.rope_dim), cos, sin, interleaved=True)
+        q = torch.cat((q_nope, q_rope), dim=-1)
+        k = torch.cat((k_nope, k_rope.expand(B, S, self.num_heads, self.rope_dim)), dim=-1)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=self.scale
+        )  # [B, heads, S, v_dim]
+        return self.o_proj(out.transpose(1, 2).reshape(B, S, self.num_heads * self.v_dim))
+
+
+class GQA(nn.Module):
+    """Grouped-query attention with per-head q/k RMSNorm, HF Qwen3MoeAttention's parameter names."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_heads
+        self.num_kv_heads = cfg.num_kv_heads
+        self.head_dim = cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, S, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(B, S, self.num_heads, self.head_dim))
+        k = self.k_norm(self.k_proj(x).view(B, S, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x).view(B, S, self.num_kv_heads, self.head_dim)
+        q = apply_rope(q, cos, sin, interleaved=False)
+        k = apply_rope(k, cos, sin, interleaved=False)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            is_causal=True,
+            enable_gqa=self.num_kv_heads != self.num_heads,
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(B, S, self.num_heads * self.head_dim))

@@ -1,0 +1,182 @@
+"""Feed-forward blocks: the dense SwiGLU MLP and the MoE layer (router, shared experts, routed
+experts stored stacked for grouped GEMM).
+
+Routing follows the two architectures we export to. DeepSeek-V3: sigmoid scores; experts are chosen
+on score + `e_score_correction_bias` (optionally only inside the best `topk_group` of `n_group`
+groups), weighted by the unbiased scores, normalised over the top-k, then multiplied by
+`routed_scaling_factor`. The bias is not trained by gradients: `update_bias` nudges it by a fixed
+step against each expert's load error (aux-loss-free balancing). Qwen3-MoE: softmax scores, top-k,
+optional renormalisation, no bias. An optional DeepSeek sequence-wise balance loss is computed on
+request. Tokens are permuted to expert order with one stable sort, run through the chosen expert
+backend, and combined back with gathers whose backward is also a gather, so the result does not
+depend on atomic-add order.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from common.config import ModelConfig
+from trainer.experts import BACKENDS
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    """Top-k expert choice. `weight` [E, H] is the gate; `e_score_correction_bias` exists for sigmoid scoring."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.sigmoid = cfg.arch == "deepseek_v3"
+        self.top_k = cfg.num_experts_per_tok
+        self.num_experts = cfg.n_routed_experts
+        self.n_group = cfg.n_group
+        self.topk_group = cfg.topk_group
+        self.norm_topk_prob = cfg.norm_topk_prob
+        self.scaling = cfg.routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size))
+        if self.sigmoid:
+            self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (weights [T, k] fp32, expert ids [T, k], scores [T, E] fp32)."""
+        # Routing decisions are made in fp32 even under bf16 autocast: near-ties flip experts otherwise.
+        with torch.autocast(x.device.type, enabled=False):
+            logits = F.linear(x.float(), self.weight.float())
+        if not self.sigmoid:
+            scores = logits.softmax(dim=-1)
+            weights, ids = scores.topk(self.top_k, dim=-1)
+            if self.norm_topk_prob:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
+            return weights * self.scaling, ids, scores
+        scores = logits.sigmoid()
+        choice = (scores + self.e_score_correction_bias).detach()
+        if self.n_group > 1:
+            T = choice.shape[0]
+            grouped = choice.view(T, self.n_group, -1)
+            group_score = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)  # [T, groups]
+            keep = torch.zeros_like(group_score, dtype=torch.bool)
+            keep.scatter_(1, group_score.topk(self.topk_group, dim=-1).indices, True)
+            choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(T, -1)
+        ids = choice.topk(self.top_k, dim=-1).indices
+        weights = scores.gather(1, ids)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.scaling, ids, scores
+
+
+class Experts(nn.Module):
+    """Routed experts, stacked: gate_up_proj [E, 2I, H] (gate rows then up rows), down_proj [E, H, I]."""
+
+    def __init__(self, cfg: ModelConfig, backend: str) -> None:
+        super().__init__()
+        E, H, inter = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * inter, H))
+        self.down_proj = nn.Parameter(torch.empty(E, H, inter))
+        self.backend = backend
+
+    def forward(self, x_sorted: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        return BACKENDS[self.backend](x_sorted, offsets, self.gate_up_proj, self.down_proj)
+
+
+class _Permute(torch.autograd.Function):
+    """rows = x[token_of_slot]; backward sums each token's k slot gradients without atomics."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, token_of_slot: torch.Tensor, sorted_pos: torch.Tensor, k: int):
+        ctx.save_for_backward(sorted_pos)
+        ctx.k = k
+        return x.index_select(0, token_of_slot)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (sorted_pos,) = ctx.saved_tensors
+        # sorted_pos[s] = where slot s (= token * k + choice) sits in expert order.
+        g = grad.index_select(0, sorted_pos).view(-1, ctx.k, grad.shape[-1]).sum(1)
+        return g, None, None, None
+
+
+class _Unpermute(torch.autograd.Function):
+    """slots = y_sorted[sorted_pos] (a permutation); backward is the inverse gather."""
+
+    @staticmethod
+    def forward(ctx, y_sorted: torch.Tensor, sorted_pos: torch.Tensor, order: torch.Tensor):
+        ctx.save_for_backward(order)
+        return y_sorted.index_select(0, sorted_pos)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (order,) = ctx.saved_tensors
+        return grad.index_select(0, order), None, None
+
+
+class MoE(nn.Module):
+    """Shared experts + routed experts; records per-expert token counts while training."""
+
+    def __init__(self, cfg: ModelConfig, backend: str) -> None:
+        super().__init__()
+        self.top_k = cfg.num_experts_per_tok
+        self.num_experts = cfg.n_routed_experts
+        self.gate = Router(cfg)
+        self.experts = Experts(cfg, backend)
+        self.shared_experts = (
+            MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts) if cfg.n_shared_experts else None
+        )
+        # Tokens routed to each expert since the last `update_bias` (training forwards only).
+        self.register_buffer("tokens_per_expert", torch.zeros(cfg.n_routed_experts), persistent=False)
+        self.compute_aux_loss = False
+        self.aux_loss: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, S, H = x.shape
+        flat = x.reshape(B * S, H)
+        weights, ids, scores = self.gate(flat)
+        T, k = ids.shape
+        slot_expert = ids.reshape(-1)  # slot = token * k + choice
+        order = torch.argsort(slot_expert, stable=True)  # slots in expert order
+        sorted_pos = torch.empty_like(order)
+        sorted_pos[order] = torch.arange(order.numel(), device=order.device)
+        counts = torch.bincount(slot_expert, minlength=self.num_experts)
+        offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+        x_sorted = _Permute.apply(flat, order // k, sorted_pos, k)
+        y_sorted = self.experts(x_sorted, offsets)
+        y = _Unpermute.apply(y_sorted, sorted_pos, order).view(T, k, H)
+        out = (y.float() * weights.unsqueeze(-1)).sum(1).to(y.dtype)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(flat)
+        if self.training:
+            with torch.no_grad():
+                self.tokens_per_expert += counts.to(self.tokens_per_expert.dtype)
+        self.aux_loss = self._sequence_aux_loss(scores, ids, B, S) if self.compute_aux_loss else None
+        return out.view(B, S, H)
+
+    def _sequence_aux_loss(self, scores: torch.Tensor, ids: torch.Tensor, B: int, S: int) -> torch.Tensor:
+        """DeepSeek-V3 sequence-wise balance loss: sum_i f_i * P_i per sequence, averaged over sequences."""
+        E, k = self.num_experts, self.top_k
+        probs = (scores / scores.sum(-1, keepdim=True)).view(B, S, E)
+        chosen = torch.zeros(B, S * k, E, device=scores.device).scatter_(2, ids.view(B, S * k, 1), 1.0)
+        f = chosen.sum(1) * (E / (k * S))  # [B, E]
+        return (f * probs.mean(1)).sum(-1).mean()
+
+    @torch.no_grad()
+    def update_bias(self, rate: float) -> None:
+        """Aux-loss-free balancing step: bias += rate * sign(mean load - load); resets the counts.
+
+        Under data parallelism, all-reduce `tokens_per_expert` across ranks before calling this."""
+        load = self.tokens_per_expert
+        if hasattr(self.gate, "e_score_correction_bias") and rate > 0 and load.sum() > 0:
+            self.gate.e_score_correction_bias += rate * torch.sign(load.mean() - load)
+        load.zero_()

@@ -1,0 +1,166 @@
+"""The decoder: token embedding, `num_layers` pre-norm blocks (attention, then a dense MLP for the
+first `first_k_dense` layers and an MoE for the rest), final norm, output head. Module and parameter
+names are HF's (`model.layers.L.self_attn.kv_b_proj.weight`, ...) so a state dict maps 1:1 onto
+DeepseekV3ForCausalLM / Qwen3MoeForCausalLM; only the routed experts are stored stacked (HF's own
+in-memory layout), and trainer/hf.py splits them into per-expert names on export."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from common.config import ModelConfig
+from trainer.model.attention import GQA, MLA, attention_backends
+from trainer.model.moe import MLP, MoE
+from trainer.model.norm import RMSNorm
+from trainer.model.rope import rope_tables
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, backend: str) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = MLA(cfg) if cfg.arch == "deepseek_v3" else GQA(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size) if layer < cfg.first_k_dense else MoE(cfg, backend)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Decoder(nn.Module):
+    """HF's `model.` prefix: embeddings, blocks, final norm."""
+
+    def __init__(self, cfg: ModelConfig, backend: str) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg, i, backend) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Transformer(nn.Module):
+    """Causal LM. `forward(tokens)` gives logits; `token_logprobs` gives log p(target) per position."""
+
+    def __init__(self, cfg: ModelConfig, experts_backend: str = "reference") -> None:
+        super().__init__()
+        if experts_backend not in ("reference", "grouped_mm"):
+            raise ValueError(
+                f"experts_backend {experts_backend!r} is not a resolved backend; pass the result of "
+                "trainer.experts.select_backend(...)"
+            )
+        self.cfg = cfg
+        self.model = Decoder(cfg, experts_backend)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        rope_dim = cfg.qk_rope_head_dim if cfg.arch == "deepseek_v3" else cfg.head_dim
+        self.register_buffer("rope_angles", rope_tables(rope_dim, cfg.max_seq_len, cfg.rope_theta), persistent=False)
+
+    def moe_layers(self) -> list[MoE]:
+        return [blk.mlp for blk in self.model.layers if isinstance(blk.mlp, MoE)]
+
+    def hidden_states(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens [B, S] (int64) -> final-normed hidden states [B, S, H]; positions [B, S] default 0..S-1."""
+        B, S = tokens.shape
+        if positions is None:
+            if S > self.cfg.max_seq_len:
+                raise ValueError(f"sequence of {S} tokens exceeds trainer.model.max_seq_len = {self.cfg.max_seq_len}")
+            angles = self.rope_angles[:S].unsqueeze(0)
+        else:
+            if int(positions.max()) >= self.cfg.max_seq_len:
+                raise ValueError(f"position {int(positions.max())} exceeds trainer.model.max_seq_len")
+            angles = self.rope_angles[positions]
+        cos, sin = angles.cos(), angles.sin()
+        x = self.model.embed_tokens(tokens)
+        with attention_backends(tokens.device):
+            for block in self.model.layers:
+                x = block(x, cos, sin)
+        return self.model.norm(x)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens [B, S] -> logits [B, S, vocab]."""
+        return self.lm_head(self.hidden_states(tokens, positions))
+
+    def token_logprobs(
+        self, tokens: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """log p(targets[b, s] | tokens[b, :s+1]) as float32 [B, S]; targets < 0 give 0 (padding)."""
+        return logprobs_of(self(tokens, positions), targets)
+
+    def aux_loss(self) -> torch.Tensor | None:
+        """Sum of the MoE layers' sequence balance losses of the last forward (None when not computed)."""
+        losses = [m.aux_loss for m in self.moe_layers() if m.aux_loss is not None]
+        return torch.stack(losses).sum() if losses else None
+
+    def set_aux_loss(self, enabled: bool) -> None:
+        for m in self.moe_layers():
+            m.compute_aux_loss = enabled
+
+
+def logprobs_of(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Per-position log-probabilities of targets (float32); positions whose target is < 0 give 0."""
+    flat = logits.reshape(-1, logits.shape[-1]).float()
+    tgt = targets.reshape(-1)
+    lp = -F.cross_entropy(flat, tgt.clamp(min=0), reduction="none")
+    return torch.where(tgt >= 0, lp, torch.zeros_like(lp)).view(targets.shape)
+
+
+@torch.no_grad()
+def init_weights(model: Transformer, seed: int, std: float = 0.02) -> None:
+    """Deterministic initialisation from a seed: N(0, std) for matrices, embeddings, router and experts
+    (HF's initializer_range), ones for norms, zeros for the expert bias. Same seed, same weights."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+        else:
+            # Draw on the CPU so the weights do not depend on the device the model lives on.
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32).mul_(std))
+    for moe in model.moe_layers():
+        if hasattr(moe.gate, "e_score_correction_bias"):
+            moe.gate.e_score_correction_bias.zero_()
+        moe.tokens_per_expert.zero_()
+
+
+def build_model(
+    cfg: ModelConfig, experts_backend: str = "reference", seed: int | None = 0, device: str | torch.device = "cpu"
+) -> Transformer:
+    """A Transformer on `device`, initialised from `seed` (None leaves the weights uninitialised)."""
+    model = Transformer(cfg, experts_backend)
+    if seed is not None:
+        init_weights(model, seed)
+    return model.to(device)
+
+
+def count_params(cfg: ModelConfig) -> tuple[int, int]:
+    """(total, active per token) parameter counts; active counts top-k routed experts, not embeddings."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    total = sum(p.numel() for p in model.parameters())
+    E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    routed = sum(m.experts.gate_up_proj.numel() + m.experts.down_proj.numel() for m in model.moe_layers())
+    embed = model.model.embed_tokens.weight.numel()
+    active = total - routed + routed * k // E - (0 if cfg.tie_word_embeddings else embed)
+    return total, active
+
+
+def attention_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Forward+backward FLOPs per token of causal attention scores and values (not the projections)."""
+    if cfg.arch == "deepseek_v3":
+        qk, v = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
+    else:
+        qk = v = cfg.head_dim
+    # 2 FLOPs per MAC, half the keys on average under the causal mask, x3 for forward + backward.
+    return 3 * 2 * cfg.num_heads * (qk + v) * seq_len / 2 * cfg.num_layers
+
+
+__all__ = [
+    "Transformer",
+    "build_model",
+    "init_weights",
+    "count_params",
+    "attention_flops_per_token",
+    "logprobs_of",
+]
