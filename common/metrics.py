@@ -133,13 +133,25 @@ class MetricsWriter:
         self.close()
 
 
+def _open_for_reading(path: Path, timeout_s: float = 5.0) -> duckdb.DuckDBPyConnection:
+    """Open a metrics file read-only, waiting out a writer's flush (it holds the file for milliseconds)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return duckdb.connect(str(path), read_only=True)
+        except (duckdb.IOException, duckdb.ConnectionException) as exc:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"metrics file {path} stayed locked for {timeout_s}s: {exc}") from None
+            time.sleep(0.01)
+
+
 def read_metrics(run_dir: str | Path, tags: Iterable[str] | None = None, role: str | None = None) -> list[Point]:
     """Every point of a run (all roles and ranks), ordered by tag, step and time."""
     files = sorted((Path(run_dir) / "metrics").glob("*.duckdb"))
     wanted = list(tags) if tags is not None else None
     points: list[Point] = []
     for path in files:
-        with duckdb.connect(str(path), read_only=True) as con:
+        with _open_for_reading(path) as con:
             query = "SELECT run, role, rank, tag, step, ts_ms, value FROM metrics WHERE true"
             params: dict[str, object] = {}
             if wanted is not None:

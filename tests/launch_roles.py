@@ -1,0 +1,28 @@
+"""Small stand-in processes for the launcher tests: each records its pid under <run_dir>/pids and then
+sleeps, exits with a code, ignores SIGTERM, or leaves a grandchild in its own session."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+mode, run_dir = sys.argv[1], Path(sys.argv[2])
+pids = run_dir / "pids"
+pids.mkdir(exist_ok=True)
+replica = os.environ["SLIPSTREAM_REPLICA"]
+(pids / f"{os.environ['ROLE']}-{replica}-{os.getpid()}").touch()
+print(f"role={os.environ['ROLE']} exp={os.environ['SLIPSTREAM_EXP']} meet={os.environ['SLIPSTREAM_MEET_DIR']}", flush=True)
+
+if mode == "grandchild":
+    # A descendant in its own session: outside the child's process group, like vLLM's engine.
+    orphan = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+    (pids / f"grandchild-{replica}-{orphan.pid}").touch()
+elif mode == "stubborn":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+elif mode.startswith("exit"):
+    time.sleep(float(os.environ.get("EXIT_AFTER_S", "0.5")))
+    sys.exit(int(mode[len("exit"):]))
+(pids / f"ready-{os.environ['ROLE']}-{replica}").touch()
+time.sleep(600)

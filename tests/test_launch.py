@@ -1,0 +1,180 @@
+"""`slipstream launch` and `slipstream scripts` with small stand-in roles (tests/launch_roles.py):
+exit codes propagate, signals tear the whole process tree down, and nothing survives."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from common.launch import write_scripts
+from common.registry import Registry
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def role(name: str, mode: str, critical: bool = False, extra: str = "") -> str:
+    return (
+        f"[launch.roles.{name}]\ncritical = {str(critical).lower()}\n"
+        f'command = "{{python}} tests/launch_roles.py {mode} {{run_dir}}"\n{extra}'
+    )
+
+
+def make_config(tmp_path: Path, *roles: str) -> Path:
+    text = f'[run]\nname = "lt"\nroot = "{tmp_path / "runs"}"\n\n[launch]\nstop_timeout_s = 5.0\n\n' + "\n".join(roles)
+    path = tmp_path / "launch.toml"
+    path.write_text(text)
+    return path
+
+
+def start_launch(cfg: Path, exp: str) -> subprocess.Popen[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLIPSTREAM")} | {"SLIPSTREAM_EXP": exp}
+    return subprocess.Popen(
+        [sys.executable, "-m", "common.cli", "launch", str(cfg)], cwd=REPO, env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True,
+    )
+
+
+def recorded_pids(run_dir: Path) -> list[int]:
+    return [int(p.name.rsplit("-", 1)[1]) for p in (run_dir / "pids").glob("*") if not p.name.startswith("ready")]
+
+
+def survivors(pids: list[int]) -> list[int]:
+    alive = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                alive.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
+
+def wait_for(predicate, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(0.05)
+
+
+@pytest.mark.timeout(120)
+def test_a_failing_role_stops_the_run_with_its_exit_code(tmp_path):
+    cfg = make_config(
+        tmp_path,
+        role("server", "grandchild", critical=True),
+        role("helper", "sleep"),
+        role("broken", "exit7", extra='env = {EXIT_AFTER_S = "2"}\n'),
+    )
+    launcher = start_launch(cfg, "lt-fail")
+    out, _ = launcher.communicate(timeout=60)
+    assert launcher.returncode == 7, out
+    assert "broken/0 failed with exit code 7" in out
+    run_dir = tmp_path / "runs" / "lt-fail"
+    # Every stand-in printed what the launcher gave it, prefixed with its label.
+    assert f"[helper/0] role=helper exp=lt-fail meet={run_dir / 'meet'}" in out
+    pids = recorded_pids(run_dir)
+    assert len(pids) == 4  # three roles and the grandchild in its own session
+    wait_for(lambda: not survivors(pids), 5, "all processes to be gone")
+    record = Registry.for_root(tmp_path / "runs").get("lt-fail")
+    assert record.status == "failed"
+
+
+@pytest.mark.timeout(120)
+def test_sigint_tears_the_whole_tree_down_within_ten_seconds(tmp_path):
+    cfg = make_config(
+        tmp_path,
+        role("server", "grandchild", critical=True),
+        role("stubborn", "stubborn"),
+        role("helper", "sleep", extra="replicas = 2\n"),
+    )
+    launcher = start_launch(cfg, "lt-int")
+    run_dir = tmp_path / "runs" / "lt-int"
+    wait_for(lambda: len(list((run_dir / "pids").glob("ready-*"))) == 4 if (run_dir / "pids").exists() else False,
+             60, "four replicas to be ready")
+    pids = recorded_pids(run_dir)
+    assert len(pids) == 5
+    start = time.monotonic()
+    launcher.send_signal(signal.SIGINT)
+    out, _ = launcher.communicate(timeout=20)
+    elapsed = time.monotonic() - start
+    assert launcher.returncode == 130, out
+    assert elapsed < 10.0
+    assert "ignored SIGTERM" in out  # the stubborn one needed SIGKILL
+    wait_for(lambda: not survivors(pids), 5, "all processes to be gone")
+    assert Registry.for_root(tmp_path / "runs").get("lt-int").status == "interrupted"
+    # The launcher was the rendezvous leader and stopped its Redis.
+    assert not any("redis" in (p.info["name"] or "") and _cwd(p) == run_dir / "meet"
+                   for p in psutil.process_iter(["name"]))
+
+
+def _cwd(p: psutil.Process) -> Path | None:
+    try:
+        return Path(p.cwd())
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return None
+
+
+@pytest.mark.timeout(120)
+def test_success_of_the_critical_roles_ends_the_run_with_zero(tmp_path):
+    cfg = make_config(
+        tmp_path,
+        role("trainerish", "exit0", critical=True, extra='env = {EXIT_AFTER_S = "1"}\n'),
+        role("service", "sleep"),
+    )
+    launcher = start_launch(cfg, "lt-ok")
+    out, _ = launcher.communicate(timeout=60)
+    assert launcher.returncode == 0, out
+    pids = recorded_pids(tmp_path / "runs" / "lt-ok")
+    wait_for(lambda: not survivors(pids), 5, "the service to be stopped")
+    record = Registry.for_root(tmp_path / "runs").get("lt-ok")
+    assert record.status == "succeeded" and record.ended_at is not None
+    assert (tmp_path / "runs" / "lt-ok" / "config.toml").read_text().count("[launch.roles.") == 2
+
+
+@pytest.mark.timeout(120)
+def test_on_failure_restarts_a_replica_up_to_its_limit(tmp_path):
+    cfg = make_config(
+        tmp_path,
+        role("flaky", "exit3", critical=True, extra='restart = "on-failure"\nmax_restarts = 2\nenv = {EXIT_AFTER_S = "0.1"}\n'),
+    )
+    launcher = start_launch(cfg, "lt-restart")
+    out, _ = launcher.communicate(timeout=60)
+    assert launcher.returncode == 3, out
+    assert out.count("restarting") == 2
+    assert len(recorded_pids(tmp_path / "runs" / "lt-restart")) == 3
+
+
+def test_scripts_export_meet_dir_and_experiment_for_every_replica(tmp_path, monkeypatch):
+    cfg = make_config(
+        tmp_path,
+        role("trainer", "sleep", critical=True),
+        "[launch.roles.vllm]\nreplicas = 2\nenv = {VLLM_CPU_KVCACHE_SPACE = \"1\"}\n",
+    )
+    monkeypatch.chdir(REPO)
+    monkeypatch.setenv("SLIPSTREAM_EXP", "lt-scripts")
+    out = tmp_path / "scripts"
+    paths = write_scripts(str(cfg), [], out)
+    names = sorted(p.name for p in paths)
+    assert names == ["config.toml", "k8s.yaml", "slurm.sbatch", "trainer-0.sh", "vllm-0.sh", "vllm-1.sh"]
+    meet = tmp_path / "runs" / "lt-scripts" / "meet"
+    for script in ("trainer-0.sh", "vllm-0.sh", "vllm-1.sh", "slurm.sbatch"):
+        subprocess.run(["bash", "-n", str(out / script)], check=True)
+    vllm1 = (out / "vllm-1.sh").read_text()
+    assert f"export SLIPSTREAM_MEET_DIR={meet}" in vllm1
+    assert "export SLIPSTREAM_EXP=lt-scripts" in vllm1
+    assert "export ROLE=vllm" in vllm1 and "export SLIPSTREAM_REPLICA=1" in vllm1
+    assert "export VLLM_CPU_KVCACHE_SPACE=1" in vllm1
+    assert "-m common.cli run" in vllm1 and str(tmp_path / "runs" / "lt-scripts" / "config.toml") in vllm1
+    assert os.access(out / "vllm-1.sh", os.X_OK)
+    slurm = (out / "slurm.sbatch").read_text()
+    assert "#SBATCH --nodes=3" in slurm and slurm.count("srun ") == 3
+    k8s = (out / "k8s.yaml").read_text()
+    assert k8s.count("kind: Job") == 3
+    assert "{name: SLIPSTREAM_MEET_DIR, value: " in k8s and "lt-scripts-vllm-1" in k8s

@@ -1,0 +1,172 @@
+"""Rendezvous against a real redis-server: one leader among racing processes, re-election after the
+server dies, password enforcement, and no server left behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import redis
+
+from common.config import RendezvousConfig
+from common.rendezvous import RedisInfo, Rendezvous, RendezvousError
+
+CHILD = r"""
+import json, sys
+from common.rendezvous import Rendezvous
+rz = Rendezvous(sys.argv[1])
+client = rz.connect(timeout_s=30)
+client.incr("joined")
+print(json.dumps({"leader": rz.is_leader, "port": rz.info.port, "generation": rz.info.generation}), flush=True)
+sys.stdin.read()  # hold the connection (and, for the leader, the server) until the test closes stdin
+rz.close()
+"""
+
+
+def redis_servers_of(meet: Path) -> list[psutil.Process]:
+    """redis-server processes of this meet dir (the server rewrites its title, but works in the meet dir)."""
+    found = []
+    for proc in psutil.process_iter(["name"]):
+        try:
+            if "redis" in (proc.info["name"] or "") and Path(proc.cwd()) == meet:
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+def start_child(meet: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(meet)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+
+
+def read_report(child: subprocess.Popen[str]) -> dict:
+    assert child.stdout is not None
+    line = child.stdout.readline()
+    assert line, f"child {child.pid} exited without connecting (code {child.wait()})"
+    return json.loads(line)
+
+
+def info_of(meet: Path) -> RedisInfo:
+    return RedisInfo(**json.loads((meet / "redis.json").read_text()))
+
+
+@pytest.mark.timeout(120)
+def test_racing_processes_elect_one_leader_and_reelect_after_server_death(tmp_path):
+    meet = tmp_path / "meet"
+    children = [start_child(meet) for _ in range(8)]
+    try:
+        reports = [read_report(c) for c in children]
+        assert sum(r["leader"] for r in reports) == 1
+        assert len({r["port"] for r in reports}) == 1
+        info = info_of(meet)
+        assert oct(meet.stat().st_mode & 0o777) == "0o700"
+        assert oct((meet / "redis.json").stat().st_mode & 0o777) == "0o600"
+        assert info.host == "127.0.0.1"
+        assert len(redis_servers_of(meet)) == 1
+        with info.client() as client:
+            assert int(client.get("joined")) == 8
+
+        # A client with a wrong password, or none, is refused.
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(port=info.port, password="wrong", socket_timeout=2).ping()
+        with pytest.raises((redis.AuthenticationError, redis.ResponseError)):
+            redis.Redis(port=info.port, socket_timeout=2).ping()
+
+        # Kill the server; a newcomer finds it dead and becomes the next generation's leader.
+        os.kill(info.pid, signal.SIGKILL)
+        start = time.monotonic()
+        newcomer = start_child(meet)
+        children.append(newcomer)
+        report = read_report(newcomer)
+        elapsed = time.monotonic() - start
+        assert report["leader"] and report["generation"] == 2
+        assert elapsed < 5.0, f"re-election took {elapsed:.1f}s"
+        assert info_of(meet).pid != info.pid
+    finally:
+        for child in children:
+            if child.poll() is None:
+                child.stdin.close()  # type: ignore[union-attr]
+        for child in children:
+            child.wait(timeout=30)
+    # Every leader stopped its server at exit.
+    deadline = time.monotonic() + 5
+    while redis_servers_of(meet) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert redis_servers_of(meet) == []
+
+
+@pytest.mark.timeout(60)
+def test_server_dies_with_a_killed_leader(tmp_path):
+    meet = tmp_path / "meet"
+    leader = start_child(meet)
+    try:
+        assert read_report(leader)["leader"]
+        server_pid = info_of(meet).pid
+        leader.kill()  # SIGKILL: no atexit, no cleanup code runs
+        leader.wait()
+        assert psutil.Process(server_pid).wait(timeout=5) is not None or not psutil.pid_exists(server_pid)
+    finally:
+        if leader.poll() is None:
+            leader.kill()
+    assert redis_servers_of(meet) == []
+
+
+@pytest.mark.timeout(60)
+def test_stale_lock_of_a_dead_candidate_moves_the_election_on(tmp_path):
+    meet = tmp_path / "meet"
+    meet.mkdir(mode=0o700)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    # A candidate won generation 1 and died before writing redis.json.
+    import socket
+
+    (meet / "redis.lock").write_text(json.dumps({"pid": dead.pid, "hostname": socket.gethostname(), "ts": 0}))
+    rz = Rendezvous(meet)
+    try:
+        client = rz.connect(timeout_s=10)
+        assert client.ping() and rz.is_leader and rz.info is not None and rz.info.generation == 2
+    finally:
+        rz.close()
+
+
+@pytest.mark.timeout(60)
+def test_follower_times_out_with_a_message_when_no_leader_appears(tmp_path):
+    meet = tmp_path / "meet"
+    meet.mkdir(mode=0o700)
+    import socket
+
+    # A live candidate (this test process) holds the lock but never writes redis.json.
+    (meet / "redis.lock").write_text(json.dumps({"pid": os.getpid(), "hostname": socket.gethostname(), "ts": 0}))
+    start = time.monotonic()
+    with pytest.raises(RendezvousError, match=r"no Redis in meet dir .* after waiting"):
+        Rendezvous(meet).connect(timeout_s=1.0)
+    assert time.monotonic() - start < 5
+
+
+def test_missing_redis_binary_prints_the_install_command(tmp_path):
+    rz = Rendezvous(tmp_path / "meet", RendezvousConfig(redis_server="no-such-redis-server"))
+    with pytest.raises(RendezvousError, match=r"apt-get install -y redis-server"):
+        rz.connect(timeout_s=5)
+
+
+@pytest.mark.timeout(60)
+def test_clean_shutdown_lets_a_later_process_start_a_new_server(tmp_path):
+    meet = tmp_path / "meet"
+    first = Rendezvous(meet)
+    first.connect()
+    first.close()
+    second = Rendezvous(meet)
+    try:
+        assert second.connect(timeout_s=10).ping()
+        assert second.is_leader and second.info is not None and second.info.generation == 2
+    finally:
+        second.close()
