@@ -1,0 +1,145 @@
+"""Training checkpoints through torch.distributed.checkpoint (DCP): the model (with the router
+biases), the AdamW state, the schedule position, every RNG, the data cursor, an opaque slot for the
+flow runtime's state, and the config (its identity fingerprint decides whether a resume is allowed).
+DCP writes one directory per checkpoint and works in a single process without a process group; under
+data/expert parallelism every rank calls the same functions. Resume is exact: N steps, save, load,
+N more steps gives bitwise the weights of 2N uninterrupted steps (on CPU)."""
+
+from __future__ import annotations
+
+import random
+import shutil
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+
+from common.config import Config, from_dict, identity_diff, identity_fingerprint, to_toml
+from trainer.optim import Optimizer
+
+_PREFIX = "step_"
+
+
+class CheckpointMismatch(RuntimeError):
+    """The checkpoint belongs to a run with a different identity (model shape, data, seed, ...)."""
+
+
+@dataclass
+class TrainState:
+    """Where a run stands, besides tensors."""
+
+    step: int = 0
+    tokens: int = 0
+    data_cursor: dict[str, Any] = field(default_factory=dict)
+    """Position of the data source (opaque to the checkpoint; the source reads it back)."""
+    flow_state: dict[str, Any] = field(default_factory=dict)
+    """Queued / in-flight / buffered prompts of the flow runtime (opaque)."""
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def checkpoint_dir(root: str | Path, step: int) -> Path:
+    return Path(root) / f"{_PREFIX}{step:08d}"
+
+
+def list_checkpoints(root: str | Path) -> list[Path]:
+    """Complete checkpoints under root, oldest first (a directory without DCP metadata is incomplete)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.name.startswith(_PREFIX) and (p / ".metadata").is_file()]
+    return sorted(found, key=lambda p: int(p.name[len(_PREFIX) :]))
+
+
+def save_checkpoint(
+    root: str | Path, model: nn.Module, optimizer: Optimizer, state: TrainState, cfg: Config, keep: int = 0
+) -> Path:
+    """Write checkpoint `root/step_<state.step>`; then keep only the newest `keep` (0 = all)."""
+    path = checkpoint_dir(root, state.step)
+    model_sd, optim_sd = get_state_dict(model, optimizer.adamw)
+    dcp.save(
+        {
+            "model": model_sd,
+            "optim": optim_sd,
+            "meta": {
+                "state": state,
+                "optimizer_steps": optimizer.steps,
+                "optimizer_tokens": optimizer.tokens,
+                "fingerprint": identity_fingerprint(cfg),
+                "config": to_toml(cfg),
+            },
+            "rng": _rng_state(),
+        },
+        checkpoint_id=str(path),
+    )
+    if keep > 0:
+        for old in list_checkpoints(root)[:-keep]:
+            shutil.rmtree(old)
+    return path
+
+
+def load_checkpoint(path: str | Path, model: nn.Module, optimizer: Optimizer | None, cfg: Config) -> TrainState:
+    """Restore a checkpoint into model (and optimizer, RNG); refuses one whose config identity differs."""
+    path = Path(path)
+    if not (path / ".metadata").is_file():
+        raise FileNotFoundError(f"{path} is not a complete checkpoint (no .metadata); pick one of list_checkpoints()")
+    meta: dict[str, Any] = {"meta": {"fingerprint": "", "config": ""}}
+    dcp.load(meta, checkpoint_id=str(path))
+    saved_fp = meta["meta"]["fingerprint"]
+    if saved_fp != identity_fingerprint(cfg):
+        old = from_dict(tomllib.loads(meta["meta"]["config"]))
+        raise CheckpointMismatch(
+            f"checkpoint {path} was written by a different run (identity {saved_fp} != "
+            f"{identity_fingerprint(cfg)}): identity fields differ: {', '.join(identity_diff(old, cfg))}. "
+            "Restore those values, or start a new run directory."
+        )
+    full: dict[str, Any] = {"meta": {"state": None, "optimizer_steps": 0, "optimizer_tokens": 0}}
+    if optimizer is not None:
+        full["model"], full["optim"] = get_state_dict(model, optimizer.adamw)
+        full["rng"] = _rng_state()
+    else:
+        full["model"] = get_model_state_dict(model)
+    dcp.load(full, checkpoint_id=str(path))
+    if optimizer is not None:
+        set_state_dict(model, optimizer.adamw, model_state_dict=full["model"], optim_state_dict=full["optim"])
+        optimizer.steps = full["meta"]["optimizer_steps"]
+        optimizer.tokens = full["meta"]["optimizer_tokens"]
+        _set_rng_state(full["rng"])
+    else:
+        set_model_state_dict(model, full["model"])
+    return full["meta"]["state"]
+
+
+def load_model_weights(path: str | Path, model: nn.Module) -> None:
+    """Only the model tensors of a checkpoint (to start a new run from it; no identity check)."""
+    sd = {"model": get_model_state_dict(model)}
+    dcp.load(sd, checkpoint_id=str(path))
+    set_model_state_dict(model, sd["model"])

@@ -1,0 +1,140 @@
+"""The optimizer step: AdamW over three parameter groups with their own peak learning rates (dense,
+router gate, routed experts), the WSD schedule in tokens, global gradient-norm clipping, and the
+aux-loss-free router-bias update with its own rate. Parameters are the fp32 master weights and
+AdamW's moments are fp32; `autocast` gives bf16 compute on top of them (weights are cast per op in
+the forward, gradients land in fp32). Gradient accumulation is the caller's loop of backward passes
+before one `Optimizer.step`."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from common.config import OptimConfig
+from trainer.model.moe import MoE
+from trainer.schedule import WSD
+
+GROUPS = ("dense", "router", "expert")
+
+
+def group_of(name: str) -> str:
+    """Which learning-rate group a parameter (by its HF-style name) belongs to."""
+    if ".mlp.experts." in name:
+        return "expert"
+    if name.endswith(".mlp.gate.weight"):
+        return "router"
+    return "dense"
+
+
+@dataclass
+class RouterStats:
+    """Balance telemetry of one MoE layer over the tokens of the last optimizer step."""
+
+    layer: int
+    load_cv: float
+    """Coefficient of variation (std / mean) of tokens per expert; 0 = perfectly balanced."""
+    load_entropy: float
+    """Entropy of the token share per expert, over log(E): 1 = perfectly balanced."""
+    bias_min: float
+    bias_max: float
+
+
+@dataclass
+class StepStats:
+    step: int
+    tokens: int
+    lr_factor: float
+    grad_norm: float
+    bias_rate: float
+    router: list[RouterStats] = field(default_factory=list)
+
+
+def router_stats(model: nn.Module) -> list[RouterStats]:
+    """Telemetry of every MoE layer from the token counts accumulated since the last bias update."""
+    out = []
+    for name, mod in model.named_modules():
+        if not isinstance(mod, MoE):
+            continue
+        load = mod.tokens_per_expert.double()
+        total = float(load.sum())
+        if total == 0:
+            continue
+        share = load / total
+        ent = float(-(share * share.clamp_min(1e-30).log()).sum()) / float(torch.log(torch.tensor(load.numel())))
+        bias = getattr(mod.gate, "e_score_correction_bias", torch.zeros(1))
+        layer = int(name.split(".")[2]) if name.startswith("model.layers.") else -1
+        cv = float(load.std(unbiased=False) / load.mean())
+        out.append(RouterStats(layer, cv, ent, float(bias.min()), float(bias.max())))
+    return out
+
+
+class Optimizer:
+    """AdamW + WSD + clipping + router-bias balancing for one model. `step(tokens)` after the backward
+    passes of one batch; `tokens` is the number of trained tokens in that batch."""
+
+    def __init__(self, model: nn.Module, cfg: OptimConfig) -> None:
+        self.model = model
+        self.cfg = cfg
+        self.schedule = WSD.from_config(cfg)
+        peak = {"dense": cfg.lr, "router": cfg.router_lr, "expert": cfg.expert_lr}
+        buckets: dict[tuple[str, bool], list[nn.Parameter]] = {}
+        for name, p in model.named_parameters():
+            if not p.requires_grad:
+                continue
+            # Norm gains (1-D) are not decayed: shrinking them towards 0 only fights the normalisation.
+            buckets.setdefault((group_of(name), p.ndim >= 2), []).append(p)
+        groups = [
+            {
+                "params": ps,
+                "name": g,
+                "peak_lr": peak[g],
+                "lr": peak[g],
+                "weight_decay": cfg.weight_decay if dec else 0.0,
+            }
+            for (g, dec), ps in sorted(buckets.items())
+        ]
+        self.params = [p for grp in groups for p in grp["params"]]
+        fused = bool(self.params) and all(p.is_cuda for p in self.params)
+        self.adamw = torch.optim.AdamW(
+            groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay, fused=fused or None
+        )
+        self.steps = 0
+        self.tokens = 0
+
+    def bias_rate(self, tokens: int) -> float:
+        """The aux-loss-free bias step after `tokens` tokens (falls to 0 over the decay phase if configured)."""
+        decay = self.schedule.decay_progress(tokens) if self.cfg.bias_update_decay else 0.0
+        return self.cfg.bias_update_rate * (1.0 - decay)
+
+    def step(self, tokens: int) -> StepStats:
+        self.tokens += tokens
+        factor = self.schedule.lr_factor(self.tokens)
+        for grp in self.adamw.param_groups:
+            grp["lr"] = grp["peak_lr"] * factor
+        max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+        self.adamw.step()
+        self.adamw.zero_grad(set_to_none=True)
+        telemetry = router_stats(self.model)
+        rate = self.bias_rate(self.tokens)
+        for mod in self.model.modules():
+            if isinstance(mod, MoE):
+                mod.update_bias(rate)
+        self.steps += 1
+        return StepStats(self.steps, self.tokens, factor, grad_norm, rate, telemetry)
+
+
+@contextlib.contextmanager
+def autocast(device: torch.device, dtype: str) -> Iterator[None]:
+    """Compute in `dtype` ("bfloat16" or "float32") over fp32 master weights."""
+    if dtype == "float32":
+        yield
+        return
+    if dtype != "bfloat16":
+        raise ValueError(f"trainer.dtype {dtype!r} is not float32 or bfloat16")
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        yield

@@ -1,0 +1,288 @@
+"""Next-token training (supervised warm starts): JSONL text through a tokenizer, or pre-tokenized
+arrays, packed into fixed-length rows and trained with the model, optimizer, schedule and
+checkpoints of the trainer core. Loss, gradient norm, throughput and per-MoE-layer router telemetry
+go to a metrics writer (anything with `log(tag, step, value)`, e.g. common.metrics.MetricsWriter).
+
+    python -m trainer.pretrain CONFIG --data text.jsonl --tokenizer TOKENIZER_DIR --seq-len 256 \\
+        --batch-size 8 [--run-dir DIR] [--set trainer.steps=100 ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from common.config import Config, load_config
+from trainer.checkpoint import TrainState, list_checkpoints, load_checkpoint, load_model_weights, save_checkpoint
+from trainer.experts import select_backend
+from trainer.hf import load_hf_state
+from trainer.model import Transformer, build_model
+from trainer.optim import Optimizer, StepStats, autocast
+
+log = logging.getLogger(__name__)
+
+
+class MetricsSink(Protocol):
+    def log(self, tag: str, step: int, value: float) -> None: ...
+
+
+@dataclass
+class PretrainData:
+    path: str
+    """A .jsonl file of {text_key: str} objects, or a .npy array of token ids (1-D stream or 2-D rows)."""
+    seq_len: int
+    """Tokens per training row (each row holds seq_len + 1 ids: inputs and shifted targets)."""
+    batch_size: int
+    """Rows per micro-batch."""
+    tokenizer: str = ""
+    """HF tokenizer directory (tokenizer.json) for JSONL text; unused for arrays."""
+    text_key: str = "text"
+    """Field of each JSONL object that holds the text."""
+    eos_id: int | None = None
+    """Id appended after every document; None = the tokenizer's eos token."""
+
+
+def load_tokenizer(path: str) -> tuple[Callable[[str], list[int]], int | None]:
+    """(encode, eos id) of an HF tokenizer directory or tokenizer.json file."""
+    from tokenizers import Tokenizer
+
+    p = Path(path)
+    file = p / "tokenizer.json" if p.is_dir() else p
+    if not file.is_file():
+        raise FileNotFoundError(f"no tokenizer.json at {path}; pass an HF tokenizer directory")
+    tok = Tokenizer.from_file(str(file))
+    eos_id = None
+    cfg_file = file.parent / "tokenizer_config.json"
+    if cfg_file.is_file():
+        eos = json.loads(cfg_file.read_text()).get("eos_token")
+        eos = eos.get("content") if isinstance(eos, dict) else eos
+        eos_id = tok.token_to_id(eos) if eos else None
+    return (lambda text: tok.encode(text, add_special_tokens=False).ids), eos_id
+
+
+def token_rows(data: PretrainData, encode: Callable[[str], list[int]] | None = None) -> np.ndarray:
+    """All training rows [N, seq_len + 1] (int64; -1 = no target) of a data source."""
+    path = Path(data.path)
+    width = data.seq_len + 1
+    if path.suffix == ".npy":
+        arr = np.load(path)
+        if arr.ndim == 2:
+            if arr.shape[1] != width:
+                raise ValueError(f"{path}: rows have {arr.shape[1]} ids, expected seq_len + 1 = {width}")
+            return arr.astype(np.int64)
+        stream = arr.astype(np.int64).reshape(-1)
+    elif path.suffix == ".jsonl":
+        eos = data.eos_id
+        if encode is None:
+            if not data.tokenizer:
+                raise ValueError(f"{path} is text: pass a tokenizer directory (--tokenizer)")
+            encode, tok_eos = load_tokenizer(data.tokenizer)
+            eos = tok_eos if eos is None else eos
+        if eos is None:
+            raise ValueError("no end-of-document id: the tokenizer has no eos_token; pass --eos-id")
+        ids: list[int] = []
+        with path.open() as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                obj = json.loads(line)
+                if data.text_key not in obj:
+                    raise ValueError(f"{path}:{n}: no {data.text_key!r} field (set --text-key)")
+                ids.extend(encode(obj[data.text_key]))
+                ids.append(eos)
+        stream = np.asarray(ids, dtype=np.int64)
+    else:
+        raise ValueError(f"{path}: unknown data format {path.suffix!r}; use .jsonl (text) or .npy (token ids)")
+    n_rows = (len(stream) - 1) // data.seq_len
+    if n_rows < 1:
+        raise ValueError(f"{path}: {len(stream)} tokens do not fill one row of seq_len + 1 = {width}")
+    # Rows overlap by one token so every token except the very first is a target exactly once.
+    idx = np.arange(n_rows)[:, None] * data.seq_len + np.arange(width)[None, :]
+    return stream[idx]
+
+
+class RowSampler:
+    """Shuffled pass after pass over the rows; the cursor (epoch, position) is all its state."""
+
+    def __init__(self, rows: np.ndarray, seed: int) -> None:
+        self.rows = rows
+        self.seed = seed
+        self.epoch = 0
+        self.position = 0
+        self._order = self._shuffle(0)
+
+    def _shuffle(self, epoch: int) -> np.ndarray:
+        return np.random.default_rng([self.seed, epoch]).permutation(len(self.rows))
+
+    def next_batch(self, size: int) -> torch.Tensor:
+        picked = []
+        while len(picked) < size:
+            if self.position == len(self.rows):
+                self.epoch, self.position = self.epoch + 1, 0
+                self._order = self._shuffle(self.epoch)
+            take = min(size - len(picked), len(self.rows) - self.position)
+            picked.extend(self._order[self.position : self.position + take])
+            self.position += take
+        return torch.from_numpy(self.rows[np.asarray(picked)])
+
+    def cursor(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def restore(self, cursor: dict[str, Any]) -> None:
+        self.epoch, self.position = int(cursor["epoch"]), int(cursor["position"])
+        self._order = self._shuffle(self.epoch)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def initial_model(cfg: Config, device: torch.device) -> Transformer:
+    """The model of `trainer.init`: fresh from run.seed, an HF directory, or one of our checkpoints."""
+    tc = cfg.trainer
+    dtype = torch.bfloat16 if tc.dtype == "bfloat16" else torch.float32
+    backend = select_backend(tc.experts.backend, device, dtype)
+    model = build_model(tc.model, backend, seed=cfg.run.seed if not tc.init else None)
+    init = Path(tc.init) if tc.init else None
+    if init is not None:
+        if (init / "config.json").is_file():
+            load_hf_state(model, init)
+        elif (init / ".metadata").is_file():
+            load_model_weights(init, model)
+        else:
+            raise FileNotFoundError(f"trainer.init = {tc.init!r} is neither an HF directory nor a checkpoint")
+    return model.to(device)
+
+
+class Pretrainer:
+    """One next-token training run: `run()` trains `trainer.steps` optimizer steps, resuming if it can."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        data: PretrainData,
+        run_dir: str | Path,
+        metrics: MetricsSink | None = None,
+        encode: Callable[[str], list[int]] | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.device = resolve_device(cfg.trainer.device)
+        self.run_dir = Path(run_dir)
+        self.ckpt_root = self.run_dir / "checkpoints"
+        self.metrics = metrics
+        self.data = data
+        self.sampler = RowSampler(token_rows(data, encode), cfg.run.seed)
+        self.model = initial_model(cfg, self.device)
+        self.optimizer = Optimizer(self.model, cfg.trainer.optim)
+        self.state = TrainState()
+        self.model.set_aux_loss(cfg.trainer.optim.seq_aux_loss_coef > 0)
+        if cfg.trainer.checkpoint.resume and list_checkpoints(self.ckpt_root):
+            latest = list_checkpoints(self.ckpt_root)[-1]
+            self.state = load_checkpoint(latest, self.model, self.optimizer, cfg)
+            self.sampler.restore(self.state.data_cursor)
+            log.info("resumed from %s at step %d", latest, self.state.step)
+
+    def train_step(self) -> tuple[float, StepStats]:
+        """One optimizer step over grad_accum micro-batches; returns (mean loss per token, stats)."""
+        oc = self.cfg.trainer.optim
+        batches = [self.sampler.next_batch(self.data.batch_size) for _ in range(oc.grad_accum)]
+        n_targets = int(sum(int((b[:, 1:] >= 0).sum()) for b in batches))
+        self.model.train()
+        loss_sum = torch.zeros((), device=self.device)
+        for batch in batches:
+            batch = batch.to(self.device)
+            inputs, targets = batch[:, :-1].clamp(min=0), batch[:, 1:]
+            with autocast(self.device, self.cfg.trainer.dtype):
+                logits = self.model(inputs)
+            ce = F.cross_entropy(
+                logits.float().reshape(-1, logits.shape[-1]),
+                targets.reshape(-1).masked_fill(targets.reshape(-1) < 0, -100),
+                reduction="sum",
+            )
+            loss = ce / n_targets
+            aux = self.model.aux_loss()
+            if aux is not None:
+                loss = loss + oc.seq_aux_loss_coef * aux / oc.grad_accum
+            loss.backward()
+            loss_sum += ce.detach()
+        stats = self.optimizer.step(n_targets)
+        return float(loss_sum) / n_targets, stats
+
+    def _log(self, loss: float, stats: StepStats, tokens_per_s: float) -> None:
+        if self.metrics is None:
+            return
+        step = stats.step
+        for tag, value in (
+            ("train/loss", loss),
+            ("train/grad_norm", stats.grad_norm),
+            ("train/lr_factor", stats.lr_factor),
+            ("train/tokens_per_s", tokens_per_s),
+            ("train/bias_rate", stats.bias_rate),
+        ):
+            self.metrics.log(tag, step, value)
+        for r in stats.router:
+            self.metrics.log(f"router/layer{r.layer}/load_cv", step, r.load_cv)
+            self.metrics.log(f"router/layer{r.layer}/entropy", step, r.load_entropy)
+            self.metrics.log(f"router/layer{r.layer}/bias_range", step, r.bias_max - r.bias_min)
+
+    def save(self) -> Path:
+        self.state.data_cursor = self.sampler.cursor()
+        return save_checkpoint(
+            self.ckpt_root, self.model, self.optimizer, self.state, self.cfg, keep=self.cfg.trainer.checkpoint.keep
+        )
+
+    def run(self, steps: int | None = None) -> list[float]:
+        """Train until step `steps` (default trainer.steps); returns the losses of the steps run here."""
+        target = self.cfg.trainer.steps if steps is None else steps
+        interval = self.cfg.trainer.checkpoint.interval_steps
+        losses = []
+        while self.state.step < target:
+            t0 = time.perf_counter()
+            loss, stats = self.train_step()
+            self.state.step, self.state.tokens = stats.step, stats.tokens
+            n_tokens = self.cfg.trainer.optim.grad_accum * self.data.batch_size * self.data.seq_len
+            self._log(loss, stats, n_tokens / (time.perf_counter() - t0))
+            losses.append(loss)
+            log.info("step %d loss %.4f grad_norm %.3f", stats.step, loss, stats.grad_norm)
+            if interval and self.state.step % interval == 0 and self.state.step < target:
+                self.save()
+        self.save()
+        return losses
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m trainer.pretrain", description=__doc__.splitlines()[0])
+    ap.add_argument("config", help="TOML config (the trainer section is used)")
+    ap.add_argument("--data", required=True, help=".jsonl text or .npy token ids")
+    ap.add_argument("--tokenizer", default="", help="HF tokenizer directory (for .jsonl)")
+    ap.add_argument("--seq-len", type=int, required=True)
+    ap.add_argument("--batch-size", type=int, required=True)
+    ap.add_argument("--text-key", default="text")
+    ap.add_argument("--eos-id", type=int, default=None)
+    ap.add_argument("--run-dir", default="", help="default: run.dir, else <run.root>/<run.name>")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s trainer %(message)s")
+    cfg = load_config(args.config, args.overrides)
+    run_dir = Path(args.run_dir or cfg.run.dir or Path(cfg.run.root) / cfg.run.name)
+    data = PretrainData(args.data, args.seq_len, args.batch_size, args.tokenizer, args.text_key, args.eos_id)
+    from common.metrics import MetricsWriter
+
+    with MetricsWriter(run_dir, cfg.run.name, "trainer") as metrics:
+        Pretrainer(cfg, data, run_dir, metrics).run()
+
+
+if __name__ == "__main__":
+    main()
