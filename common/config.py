@@ -268,6 +268,8 @@ class OptimConfig:
     """Learning rate at the end of the decay, as a fraction of the peak."""
     bias_update_rate: float = 1e-3
     """Aux-loss-free balancing: step of the sign-based expert-bias update."""
+    bias_update_decay: bool = True
+    """Let the bias update step fall linearly to zero over the WSD decay phase (the bias is frozen at the end)."""
     seq_aux_loss_coef: float = 0.0
     """Coefficient of the sequence-wise balance loss (0 = off)."""
 
