@@ -1,0 +1,6 @@
+"""Flow control between generation and training: `policy` holds the pure, deterministic state
+machines of the three strategies (on-policy, one-step-off, fully-async) that decide which prompt is
+generated when, which complete groups form a train batch and when weights are published; `runtime`
+drives a policy for real with the GenerationController and the trainer's callbacks, with a
+checkpointable state; `simulator` drives the very same policy objects in simulated time to predict
+the schedule, utilisation and staleness of a run before spending hardware on it."""

@@ -1,0 +1,677 @@
+"""Flow-control policies: pure, deterministic state machines (no threads, I/O, clocks or randomness)
+that decide when each prompt is generated, which complete prompt groups form a train batch, and when
+new weights are published. A driver (the runtime, or the simulator) feeds events in (`start`,
+`on_sample_done`, `on_sample_failed`, `on_train_done`, `on_published`, `on_data_exhausted`) and
+executes the actions that come out (`Dispatch`, `Abort`, `Train`, `Publish`, `Finish`) in order.
+Versions follow DESIGN section 7: version 0 is the initial model and optimizer step t produces
+version t+1. A prompt is a group of `samples_per_prompt` samples; a batch is `prompts_per_step`
+complete groups. The trainer is one serial resource: at most one `Train` or `Publish` is outstanding
+at a time, and the driver reports its end before the policy issues the next. Staleness of a sample is
+`step - oldest`, where `step` is the trainer's version when the sample is consumed and `oldest` the
+oldest weight version among its tokens. The whole state is a plain dict (`state_dict`) for
+checkpoints; `start()` on a restored policy re-issues whatever was in flight.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from common.config import FlowConfig
+
+SampleKey = tuple[int, int]
+"""(prompt id, sample index within its group)."""
+
+
+class FlowError(RuntimeError):
+    """The driver broke the policy's contract (an unknown sample, an unexpected event or version)."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Events and actions
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SampleDone:
+    """One sample finished generating; versions are the oldest and newest weight version of its tokens."""
+
+    prompt_id: int
+    index: int
+    oldest_version: int
+    newest_version: int
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """Start generation requests for these samples of one prompt (the generators are on `version`)."""
+
+    prompt_id: int
+    samples: tuple[int, ...]
+    version: int
+
+
+@dataclass(frozen=True)
+class Abort:
+    """Cancel these in-flight requests (weights are about to change and partial rollout is off)."""
+
+    keys: tuple[SampleKey, ...]
+
+
+@dataclass(frozen=True)
+class Train:
+    """Run optimizer step `step` on these complete prompt groups; it produces version step + 1."""
+
+    step: int
+    prompt_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Publish:
+    """Publish weight version `version` to the generators (they are paused in keep mode meanwhile)."""
+
+    version: int
+
+
+@dataclass(frozen=True)
+class Finish:
+    """The run is over: every step is trained (`max_steps`) or the data is used up (`end_of_data`)."""
+
+    reason: str
+
+
+Action = Dispatch | Abort | Train | Publish | Finish
+
+
+@dataclass
+class FlowCounters:
+    """What happened to the samples of a run; `staleness` maps staleness -> trained samples."""
+
+    dispatched_samples: int = 0
+    completed_samples: int = 0
+    failed_samples: int = 0
+    aborted_samples: int = 0
+    reissued_samples: int = 0
+    trained_prompts: int = 0
+    trained_samples: int = 0
+    stale_samples: int = 0
+    requeued_samples: int = 0
+    dropped_prompts: int = 0
+    dropped_samples: int = 0
+    staleness: dict[int, int] = field(default_factory=dict)
+
+
+# ----------------------------------------------------------------------------------------------
+# Shared bookkeeping
+# ----------------------------------------------------------------------------------------------
+
+
+class FlowPolicy:
+    """Bookkeeping shared by the strategies; subclasses decide in `_advance` what happens next."""
+
+    strategy: ClassVar[str] = ""
+
+    def __init__(
+        self,
+        *,
+        prompts_per_step: int = 8,
+        samples_per_prompt: int = 4,
+        max_concurrent: int = 64,
+        max_untrained_prompts: int = 32,
+        max_staleness: int = 2,
+        stale_policy: str = "requeue",
+        partial_rollout: bool = True,
+        end_of_data: str = "train_partial",
+        num_prompts: int | None = None,
+        max_steps: int | None = None,
+    ) -> None:
+        for name, value in (
+            ("prompts_per_step", prompts_per_step),
+            ("samples_per_prompt", samples_per_prompt),
+            ("max_concurrent", max_concurrent),
+            ("max_untrained_prompts", max_untrained_prompts),
+        ):
+            if value < 1:
+                raise ValueError(f"flow.{name} must be >= 1, got {value}")
+        if max_staleness < 0:
+            raise ValueError(f"flow.max_staleness must be >= 0, got {max_staleness}")
+        if stale_policy not in ("drop", "requeue"):
+            raise ValueError(f"flow.stale_policy must be 'drop' or 'requeue', got {stale_policy!r}")
+        if end_of_data not in ("train_partial", "drop"):
+            raise ValueError(f"flow.end_of_data must be 'train_partial' or 'drop', got {end_of_data!r}")
+        if num_prompts is not None and num_prompts < 0:
+            raise ValueError(f"num_prompts must be >= 0 or None (unknown), got {num_prompts}")
+        if max_steps is not None and max_steps < 0:
+            raise ValueError(f"max_steps must be >= 0 or None (until the data ends), got {max_steps}")
+        self.prompts_per_step = prompts_per_step
+        self.samples_per_prompt = samples_per_prompt
+        self.max_concurrent = max_concurrent
+        self.max_untrained_prompts = max_untrained_prompts
+        self.max_staleness = max_staleness
+        self.stale_policy = stale_policy
+        self.partial_rollout = partial_rollout
+        self.end_of_data = end_of_data
+        self.max_steps = max_steps
+
+        self.step = 0  # optimizer steps done = the trainer's weight version
+        self.published = 0  # version the generators run
+        self.job: tuple[str, int] | None = None  # the trainer's outstanding ("train", step) or ("publish", v)
+        self.job_groups: dict[int, dict[int, tuple[int, int]]] = {}  # the groups being trained, in batch order
+        self.next_prompt = 0  # the data cursor: prompt ids are indices into the data
+        self.data_end: int | None = num_prompts
+        self.pending: deque[SampleKey] = deque()  # admitted samples waiting for a request slot
+        self.in_flight: dict[SampleKey, int] = {}  # -> version at dispatch
+        self.done: dict[int, dict[int, tuple[int, int]]] = {}  # prompt -> index -> (oldest, newest)
+        self.untrained: dict[int, None] = {}  # admitted prompts not yet handed to the trainer (ordered set)
+        self.ready: list[int] = []  # complete groups, in completion order
+        self.finished = False
+        self.counters = FlowCounters()
+
+    @staticmethod
+    def from_config(
+        cfg: FlowConfig, *, num_prompts: int | None = None, max_steps: int | None = None
+    ) -> FlowPolicy:
+        """The policy of `cfg.strategy` with the knobs of the flow config section."""
+        cls = STRATEGIES.get(cfg.strategy)
+        if cls is None:
+            raise ValueError(f"flow.strategy {cfg.strategy!r} is unknown; use one of {', '.join(STRATEGIES)}")
+        return cls(
+            prompts_per_step=cfg.prompts_per_step,
+            samples_per_prompt=cfg.samples_per_prompt,
+            max_concurrent=cfg.max_concurrent,
+            max_untrained_prompts=cfg.max_untrained_prompts,
+            max_staleness=cfg.max_staleness,
+            stale_policy=cfg.stale_policy,
+            partial_rollout=cfg.partial_rollout,
+            end_of_data=cfg.end_of_data,
+            num_prompts=num_prompts,
+            max_steps=max_steps,
+        )
+
+    # -- events --------------------------------------------------------------------------------
+
+    def start(self) -> list[Action]:
+        """First actions of a run. On a restored policy, in-flight requests are re-issued first and an
+        interrupted trainer job is redone, so no prompt is lost or trained twice."""
+        if self.in_flight:
+            keys = list(self.in_flight)
+            self.in_flight.clear()
+            self.pending.extendleft(reversed(keys))
+            self.counters.reissued_samples += len(keys)
+        if self.job is not None:
+            if self.job[0] == "train":
+                # Interrupted mid-step: the batch goes back to the head of the buffer, untouched.
+                for pid, group in self.job_groups.items():
+                    self.done[pid] = group
+                    self.untrained[pid] = None
+                self.ready[:0] = list(self.job_groups)
+                self.job_groups = {}
+            self.job = None
+        return self._run()
+
+    def on_sample_done(self, sample: SampleDone) -> list[Action]:
+        key = (sample.prompt_id, sample.index)
+        if key not in self.in_flight:
+            raise FlowError(f"sample {key} finished but is not in flight; report each dispatched sample once")
+        # During a publish the generators may already run the new version before its end is reported.
+        newest_possible = self.job[1] if self.job is not None and self.job[0] == "publish" else self.published
+        if sample.oldest_version > sample.newest_version or sample.newest_version > newest_possible:
+            raise FlowError(
+                f"sample {key} reports versions {sample.oldest_version}..{sample.newest_version} but the "
+                f"generators run version {self.published}; report the oldest and newest token versions"
+            )
+        del self.in_flight[key]
+        self._check_sample(sample)
+        group = self.done.setdefault(sample.prompt_id, {})
+        group[sample.index] = (sample.oldest_version, sample.newest_version)
+        self.counters.completed_samples += 1
+        if len(group) == self.samples_per_prompt:
+            self.ready.append(sample.prompt_id)
+        return self._run()
+
+    def on_sample_failed(self, prompt_id: int, index: int) -> list[Action]:
+        """A request failed for good (after the controller's retries): generate the sample again."""
+        key = (prompt_id, index)
+        if key not in self.in_flight:
+            raise FlowError(f"sample {key} failed but is not in flight")
+        del self.in_flight[key]
+        self.pending.appendleft(key)
+        self.counters.failed_samples += 1
+        return self._run()
+
+    def on_train_done(self, step: int) -> list[Action]:
+        if self.job != ("train", step):
+            raise FlowError(f"train step {step} finished but the trainer's job is {self.job}")
+        for group in self.job_groups.values():
+            for oldest, _ in group.values():
+                lag = step - oldest
+                self.counters.staleness[lag] = self.counters.staleness.get(lag, 0) + 1
+            self.counters.trained_samples += len(group)
+        self.counters.trained_prompts += len(self.job_groups)
+        self.job = None
+        self.job_groups = {}
+        self.step = step + 1
+        return self._run()
+
+    def on_published(self, version: int) -> list[Action]:
+        if self.job != ("publish", version):
+            raise FlowError(f"version {version} published but the trainer's job is {self.job}")
+        self.job = None
+        self.published = version
+        return self._run()
+
+    def on_data_exhausted(self, num_prompts: int) -> list[Action]:
+        """The data holds only `num_prompts` prompts. Dispatches of ids >= num_prompts already handed
+        out are void: the driver skips them and the policy forgets them."""
+        if self.data_end is not None and num_prompts > self.data_end:
+            raise FlowError(f"data exhausted at {num_prompts} but it already ended at {self.data_end}")
+        gone = [p for p in self.untrained if p >= num_prompts]
+        for p in gone:
+            if p in self.done:
+                raise FlowError(f"prompt {p} produced samples, so the data cannot end at {num_prompts}")
+            del self.untrained[p]
+        self.pending = deque(k for k in self.pending if k[0] < num_prompts)
+        for key in [k for k in self.in_flight if k[0] >= num_prompts]:
+            del self.in_flight[key]
+            self.counters.dispatched_samples -= 1
+        self._forget_prompts(gone)
+        self.data_end = num_prompts
+        self.next_prompt = min(self.next_prompt, num_prompts)
+        return self._run()
+
+    # -- checkpoint ----------------------------------------------------------------------------
+
+    IDENTITY: ClassVar[tuple[str, ...]] = ("prompts_per_step", "samples_per_prompt")
+
+    def state_dict(self) -> dict[str, Any]:
+        """The policy state as plain JSON-able data (ints, strings, lists, dicts with string keys)."""
+        return {
+            "strategy": self.strategy,
+            "prompts_per_step": self.prompts_per_step,
+            "samples_per_prompt": self.samples_per_prompt,
+            "step": self.step,
+            "published": self.published,
+            "job": list(self.job) if self.job else None,
+            "job_groups": [[p, s, o, n] for p, group in self.job_groups.items() for s, (o, n) in group.items()],
+            "next_prompt": self.next_prompt,
+            "data_end": self.data_end,
+            "pending": [list(k) for k in self.pending],
+            "in_flight": [[p, s, v] for (p, s), v in self.in_flight.items()],
+            "done": [[p, s, o, n] for p, group in self.done.items() for s, (o, n) in group.items()],
+            "untrained": list(self.untrained),
+            "ready": list(self.ready),
+            "finished": self.finished,
+            "counters": {**dataclasses.asdict(self.counters), "staleness": _str_keys(self.counters.staleness)},
+            **self._extra_state(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a state saved by `state_dict`. The strategy and the group/batch sizes must match
+        the checkpoint; runtime knobs (caps, staleness, timeouts) come from the current config."""
+        if state["strategy"] != self.strategy:
+            raise FlowError(
+                f"checkpoint flow strategy {state['strategy']!r} differs from flow.strategy {self.strategy!r}; "
+                "resume with the checkpoint's strategy"
+            )
+        for name in self.IDENTITY:
+            if state[name] != getattr(self, name):
+                raise FlowError(
+                    f"checkpoint flow.{name} = {state[name]} differs from the config's {getattr(self, name)}; "
+                    "it defines the run, so resume with the checkpoint's value"
+                )
+        self.step = state["step"]
+        self.published = state["published"]
+        self.job = (state["job"][0], state["job"][1]) if state["job"] else None
+        self.job_groups = {}
+        for p, s, o, n in state["job_groups"]:
+            self.job_groups.setdefault(p, {})[s] = (o, n)
+        self.next_prompt = state["next_prompt"]
+        if state["data_end"] is not None:
+            self.data_end = state["data_end"] if self.data_end is None else min(self.data_end, state["data_end"])
+        self.pending = deque((p, s) for p, s in state["pending"])
+        self.in_flight = {(p, s): v for p, s, v in state["in_flight"]}
+        self.done = {}
+        for p, s, o, n in state["done"]:
+            self.done.setdefault(p, {})[s] = (o, n)
+        self.untrained = dict.fromkeys(state["untrained"])
+        self.ready = list(state["ready"])
+        self.finished = state["finished"]
+        counters = dict(state["counters"])
+        counters["staleness"] = {int(k): v for k, v in counters["staleness"].items()}
+        self.counters = FlowCounters(**counters)
+        self._load_extra_state(state)
+
+    def forget_buffered(self, keys: Iterable[SampleKey]) -> None:
+        """Finished samples whose results were lost (e.g. not stored in a checkpoint) are generated
+        again; call before `start()`."""
+        for p, s in keys:
+            group = self.done.get(p)
+            if group is None or s not in group:
+                raise FlowError(f"sample {(p, s)} is not buffered, so it cannot be forgotten")
+            del group[s]
+            if not group:
+                del self.done[p]
+            if p in self.ready:
+                self.ready.remove(p)
+            self.pending.appendleft((p, s))
+
+    # -- queries -------------------------------------------------------------------------------
+
+    def held_keys(self) -> list[SampleKey]:
+        """Finished samples whose results the driver must keep: buffered ones and the batch in training."""
+        return [(p, s) for groups in (self.done, self.job_groups) for p, group in groups.items() for s in group]
+
+    def sample_versions(self, prompt_id: int) -> list[tuple[int, int]]:
+        """(oldest, newest) versions of a buffered group's samples, in sample order."""
+        group = self.done[prompt_id]
+        return [group[s] for s in sorted(group)]
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _run(self) -> list[Action]:
+        if self.finished:
+            return []
+        actions: list[Action] = []
+        self._advance(actions)
+        reason = self._finish_reason()
+        if reason is not None:
+            self.finished = True
+            actions.append(Finish(reason))
+        return actions
+
+    def _advance(self, actions: list[Action]) -> None:
+        raise NotImplementedError
+
+    def _finish_reason(self) -> str | None:
+        raise NotImplementedError
+
+    def _extra_state(self) -> dict[str, Any]:
+        return {}
+
+    def _load_extra_state(self, state: dict[str, Any]) -> None:
+        pass
+
+    def _check_sample(self, sample: SampleDone) -> None:
+        pass
+
+    def _forget_prompts(self, prompt_ids: list[int]) -> None:
+        pass
+
+    def _steps_left(self) -> bool:
+        return self.max_steps is None or self.step < self.max_steps
+
+    def _data_left(self) -> bool:
+        return self.data_end is None or self.next_prompt < self.data_end
+
+    def _generator_idle(self) -> bool:
+        return not self.in_flight and not self.pending
+
+    def _admit(self) -> int:
+        pid = self.next_prompt
+        self.next_prompt += 1
+        self.untrained[pid] = None
+        self.pending.extend((pid, s) for s in range(self.samples_per_prompt))
+        return pid
+
+    def _dispatch(self, actions: list[Action]) -> bool:
+        """Start pending samples while request slots are free; the cap holds at every moment. Nothing
+        starts during a publish: the generators are paused and would run the new version anyway."""
+        if self.job is not None and self.job[0] == "publish":
+            return False
+        started = False
+        while self.pending and len(self.in_flight) < self.max_concurrent:
+            pid = self.pending[0][0]
+            samples: list[int] = []
+            while self.pending and self.pending[0][0] == pid and len(self.in_flight) < self.max_concurrent:
+                _, s = self.pending.popleft()
+                self.in_flight[(pid, s)] = self.published
+                samples.append(s)
+            self.counters.dispatched_samples += len(samples)
+            actions.append(Dispatch(pid, tuple(samples), self.published))
+            started = True
+        return started
+
+    def _publish(self, actions: list[Action]) -> None:
+        self.job = ("publish", self.step)
+        actions.append(Publish(self.step))
+
+    def _train(self, prompt_ids: list[int], actions: list[Action]) -> None:
+        """Hand these complete groups to the trainer (the moment of consumption)."""
+        for pid in prompt_ids:
+            self.job_groups[pid] = self.done.pop(pid)
+            self.untrained.pop(pid, None)
+            if pid in self.ready:
+                self.ready.remove(pid)
+        self.job = ("train", self.step)
+        actions.append(Train(self.step, tuple(prompt_ids)))
+
+    def _drop(self, prompt_ids: list[int]) -> None:
+        for pid in prompt_ids:
+            group = self.done.pop(pid, {})
+            self.untrained.pop(pid, None)
+            if pid in self.ready:
+                self.ready.remove(pid)
+            self.counters.dropped_prompts += 1
+            self.counters.dropped_samples += len(group)
+
+
+def _str_keys(d: dict[int, int]) -> dict[str, int]:
+    return {str(k): v for k, v in sorted(d.items())}
+
+
+# ----------------------------------------------------------------------------------------------
+# Batch-synchronous strategies: on-policy (lag 0) and one-step-off (lag 1)
+# ----------------------------------------------------------------------------------------------
+
+
+class _SyncPolicy(FlowPolicy):
+    """Batch b is a fixed set of prompts, all generated with version max(0, b - lag). The generators
+    work on one batch at a time; weights change only while they are idle, so a batch is pure."""
+
+    lag: ClassVar[int] = 0
+
+    def __init__(self, **knobs: Any) -> None:
+        super().__init__(**knobs)
+        self.batches: list[list[int]] = []  # prompt ids of batch b
+        self.batch_versions: list[int] = []  # the version batch b is generated with
+        self.batch_of: dict[int, int] = {}
+
+    def _extra_state(self) -> dict[str, Any]:
+        return {"batches": [list(b) for b in self.batches], "batch_versions": list(self.batch_versions)}
+
+    def _load_extra_state(self, state: dict[str, Any]) -> None:
+        self.batches = [list(b) for b in state["batches"]]
+        self.batch_versions = list(state["batch_versions"])
+        self.batch_of = {p: b for b, batch in enumerate(self.batches) for p in batch}
+
+    def _check_sample(self, sample: SampleDone) -> None:
+        expected = self.batch_versions[self.batch_of[sample.prompt_id]]
+        if sample.oldest_version != expected or sample.newest_version != expected:
+            raise FlowError(
+                f"{self.strategy}: sample {(sample.prompt_id, sample.index)} of batch "
+                f"{self.batch_of[sample.prompt_id]} has versions {sample.oldest_version}..{sample.newest_version}, "
+                f"expected {expected}; weights must not change while a batch is generated"
+            )
+
+    def _forget_prompts(self, prompt_ids: list[int]) -> None:
+        gone = set(prompt_ids)
+        if not gone:
+            return
+        last = self.batches[-1]
+        last[:] = [p for p in last if p not in gone]
+        for p in gone:
+            self.batch_of.pop(p, None)
+        if not last:
+            self.batches.pop()
+            self.batch_versions.pop()
+
+    def _batch_complete(self, b: int) -> bool:
+        return all(len(self.done.get(p, ())) == self.samples_per_prompt for p in self.batches[b])
+
+    def _advance(self, actions: list[Action]) -> None:
+        while True:
+            progressed = False
+            if self.job is None:
+                if self.step > self.published and self._generator_idle():
+                    self._publish(actions)
+                    progressed = True
+                elif self._steps_left() and self.step < len(self.batches) and self._batch_complete(self.step):
+                    batch = self.batches[self.step]
+                    if len(batch) < self.prompts_per_step and self.end_of_data == "drop":
+                        self._drop(batch)
+                        for p in batch:
+                            self.batch_of.pop(p, None)
+                        self.batches.pop()
+                        self.batch_versions.pop()
+                    else:
+                        self._train(batch, actions)
+                    progressed = True
+            b = len(self.batches)
+            if (
+                self._generator_idle()
+                and (self.job is None or self.job[0] != "publish")
+                and self._data_left()
+                and (self.max_steps is None or b < self.max_steps)
+                and self.published == max(0, b - self.lag)
+            ):
+                n = self.prompts_per_step
+                if self.data_end is not None:
+                    n = min(n, self.data_end - self.next_prompt)
+                batch = [self._admit() for _ in range(n)]
+                self.batches.append(batch)
+                self.batch_versions.append(self.published)
+                self.batch_of.update((p, b) for p in batch)
+                progressed = True
+            progressed |= self._dispatch(actions)
+            if not progressed:
+                return
+
+    def _finish_reason(self) -> str | None:
+        if self.job is not None or self.published != self.step:
+            return None
+        if not self._steps_left():
+            return "max_steps"
+        if not self._data_left() and self._generator_idle() and self.step == len(self.batches):
+            return "end_of_data"
+        return None
+
+
+class OnPolicy(_SyncPolicy):
+    """Batch t is generated with version t only: generate, train, publish, repeat."""
+
+    strategy = "on_policy"
+    lag = 0
+
+
+class OneStepOff(_SyncPolicy):
+    """Batch t is generated with version t-1 (batch 0 with version 0) while batch t-1 trains."""
+
+    strategy = "one_step_off"
+    lag = 1
+
+
+# ----------------------------------------------------------------------------------------------
+# Fully-async
+# ----------------------------------------------------------------------------------------------
+
+
+class FullyAsync(FlowPolicy):
+    """Continuous generation under admission control (in-flight plus buffered prompts never exceed
+    `max_untrained_prompts`, in-flight requests never exceed `max_concurrent`). A batch is the first
+    `prompts_per_step` complete groups, in completion order, all of whose samples pass the staleness
+    check at consumption; a stale sample is re-generated (requeue) or its prompt dropped (drop).
+    Weights are published after every step; in-flight requests keep going across the update when
+    `partial_rollout` is on and are aborted and re-issued otherwise."""
+
+    strategy = "fully_async"
+
+    def __init__(self, **knobs: Any) -> None:
+        super().__init__(**knobs)
+        if self.max_untrained_prompts < self.prompts_per_step:
+            raise ValueError(
+                f"flow.max_untrained_prompts ({self.max_untrained_prompts}) is below flow.prompts_per_step "
+                f"({self.prompts_per_step}): a batch could never fill; raise max_untrained_prompts"
+            )
+
+    def _is_stale(self, oldest: int) -> bool:
+        return oldest < self.step - self.max_staleness
+
+    def _sweep_stale(self) -> None:
+        """Staleness is checked per sample by its oldest token version. Groups in the buffer are
+        checked whenever the trainer's version moves: a sample stale now is stale at any later
+        consumption, so deciding early is the same decision made sooner."""
+        requeue: list[SampleKey] = []
+        for pid in list(self.ready):
+            group = self.done[pid]
+            stale = sorted(s for s, (oldest, _) in group.items() if self._is_stale(oldest))
+            if not stale:
+                continue
+            self.counters.stale_samples += len(stale)
+            if self.stale_policy == "drop":
+                self._drop([pid])
+                continue
+            self.ready.remove(pid)
+            for s in stale:
+                del group[s]
+                requeue.append((pid, s))
+        self.counters.requeued_samples += len(requeue)
+        self.pending.extendleft(reversed(requeue))  # re-generated before any new prompt
+
+    def _drained(self) -> bool:
+        """No sample will ever arrive again: the data is used up and nothing is pending or in flight."""
+        return not self._data_left() and self._generator_idle()
+
+    def _may_admit(self) -> bool:
+        if not self._data_left() or len(self.untrained) >= self.max_untrained_prompts:
+            return False
+        if self.max_steps is None:
+            return True
+        # Enough prompts for the remaining steps are admitted already (dropped ones get replaced).
+        planned = self.counters.trained_prompts + len(self.job_groups) + len(self.untrained)
+        return planned < self.max_steps * self.prompts_per_step
+
+    def _advance(self, actions: list[Action]) -> None:
+        while True:
+            progressed = False
+            if self.job is None:
+                if self.step > self.published:
+                    if not self.partial_rollout and self.in_flight:
+                        keys = tuple(self.in_flight)
+                        self.in_flight.clear()
+                        self.pending.extendleft(reversed(keys))
+                        self.counters.aborted_samples += len(keys)
+                        actions.append(Abort(keys))
+                    self._publish(actions)
+                    progressed = True
+                elif self._steps_left():
+                    self._sweep_stale()
+                    if len(self.ready) >= self.prompts_per_step:
+                        self._train(self.ready[: self.prompts_per_step], actions)
+                        progressed = True
+                    elif self.ready and self._drained() and len(self.ready) == len(self.untrained):
+                        if self.end_of_data == "train_partial":
+                            self._train(list(self.ready), actions)
+                        else:
+                            self._drop(list(self.ready))
+                        progressed = True
+            if self.job is None or self.job[0] != "publish":
+                while len(self.in_flight) + len(self.pending) < self.max_concurrent and self._may_admit():
+                    self._admit()
+            progressed |= self._dispatch(actions)
+            if not progressed:
+                return
+
+    def _finish_reason(self) -> str | None:
+        if self.job is not None or self.published != self.step:
+            return None
+        if not self._steps_left():
+            return "max_steps"
+        if self._drained() and not self.untrained:
+            return "end_of_data"
+        return None
+
+
+STRATEGIES: dict[str, type[FlowPolicy]] = {cls.strategy: cls for cls in (OnPolicy, OneStepOff, FullyAsync)}

@@ -1,0 +1,346 @@
+"""Flow policies as specifications: hand-computed event sequences per strategy, then seeded random
+drivers that check the invariants (caps, staleness, versions, exactly-once across a resume)."""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field
+
+import pytest
+
+from common.config import FlowConfig
+from rollout.flow.policy import (
+    Abort,
+    Dispatch,
+    Finish,
+    FlowError,
+    FlowPolicy,
+    FullyAsync,
+    OneStepOff,
+    OnPolicy,
+    Publish,
+    SampleDone,
+    Train,
+)
+
+
+def done(p: int, s: int = 0, oldest: int = 0, newest: int | None = None) -> SampleDone:
+    return SampleDone(p, s, oldest, oldest if newest is None else newest)
+
+
+# ----------------------------------------------------------------------------------------------
+# Hand-computed sequences
+# ----------------------------------------------------------------------------------------------
+
+
+def test_on_policy_generates_batch_t_with_version_t_then_trains_then_publishes():
+    pol = OnPolicy(prompts_per_step=2, samples_per_prompt=1, max_concurrent=4, num_prompts=4)
+    assert pol.start() == [Dispatch(0, (0,), 0), Dispatch(1, (0,), 0)]
+    assert pol.on_sample_done(done(1)) == []
+    assert pol.on_sample_done(done(0)) == [Train(0, (0, 1))]
+    assert pol.on_train_done(0) == [Publish(1)]
+    assert pol.on_published(1) == [Dispatch(2, (0,), 1), Dispatch(3, (0,), 1)]
+    assert pol.on_sample_done(done(2, oldest=1)) == []
+    assert pol.on_sample_done(done(3, oldest=1)) == [Train(1, (2, 3))]
+    assert pol.on_train_done(1) == [Publish(2)]
+    assert pol.on_published(2) == [Finish("end_of_data")]
+    assert pol.counters.staleness == {0: 4}
+
+
+def test_one_step_off_versions_are_0_0_1_and_training_overlaps_generation():
+    pol = OneStepOff(prompts_per_step=1, samples_per_prompt=1, max_concurrent=4, num_prompts=3)
+    assert pol.start() == [Dispatch(0, (0,), 0)]
+    # Batch 1 starts on version 0 while batch 0 trains.
+    assert pol.on_sample_done(done(0)) == [Train(0, (0,)), Dispatch(1, (0,), 0)]
+    assert pol.on_train_done(0) == []  # batch 1 still generating: weights must not change under it
+    assert pol.on_sample_done(done(1)) == [Publish(1)]
+    assert pol.on_published(1) == [Train(1, (1,)), Dispatch(2, (0,), 1)]
+    assert pol.on_train_done(1) == []
+    assert pol.on_sample_done(done(2, oldest=1)) == [Publish(2)]
+    assert pol.on_published(2) == [Train(2, (2,))]
+    assert pol.on_train_done(2) == [Publish(3)]
+    assert pol.on_published(3) == [Finish("end_of_data")]
+    assert pol.batch_versions == [0, 0, 1]
+    assert pol.counters.staleness == {0: 1, 1: 2}
+
+
+def test_sync_policy_rejects_a_sample_made_by_the_wrong_version():
+    pol = OnPolicy(prompts_per_step=1, samples_per_prompt=1, num_prompts=2)
+    pol.start()
+    pol.on_sample_done(done(0))
+    pol.on_train_done(0)
+    pol.on_published(1)
+    with pytest.raises(FlowError, match="expected 1"):
+        pol.on_sample_done(done(1, oldest=0, newest=1))
+
+
+def test_max_concurrent_caps_requests_and_waves_refill_freed_slots():
+    pol = OnPolicy(prompts_per_step=2, samples_per_prompt=3, max_concurrent=4, num_prompts=2)
+    assert pol.start() == [Dispatch(0, (0, 1, 2), 0), Dispatch(1, (0,), 0)]
+    assert pol.on_sample_done(done(0, 1)) == [Dispatch(1, (1,), 0)]
+    assert pol.on_sample_done(done(1, 0)) == [Dispatch(1, (2,), 0)]
+    assert len(pol.in_flight) == 4
+
+
+def test_fully_async_requeues_a_sample_stale_at_consumption():
+    pol = FullyAsync(
+        prompts_per_step=1, samples_per_prompt=1, max_concurrent=2, max_untrained_prompts=2, max_staleness=0
+    )
+    assert pol.start() == [Dispatch(0, (0,), 0), Dispatch(1, (0,), 0)]
+    # Prompt 0 is consumed, which frees an admission slot for prompt 2.
+    assert pol.on_sample_done(done(0)) == [Train(0, (0,)), Dispatch(2, (0,), 0)]
+    assert pol.on_train_done(0) == [Publish(1)]
+    assert pol.on_sample_done(done(1)) == []  # nothing starts while weights change
+    # At version 1 with max_staleness 0, prompt 1 (oldest token version 0) is stale: re-generated.
+    assert pol.on_published(1) == [Dispatch(1, (0,), 1)]
+    # Prompt 2 started on version 0 and finished on 1 (partial rollout): its oldest token makes it stale.
+    assert pol.on_sample_done(done(2, oldest=0, newest=1)) == [Dispatch(2, (0,), 1)]
+    assert pol.on_sample_done(done(1, oldest=1)) == [Train(1, (1,)), Dispatch(3, (0,), 1)]
+    assert pol.counters.stale_samples == 2 and pol.counters.requeued_samples == 2
+    assert pol.counters.dropped_prompts == 0
+
+
+def test_fully_async_drop_policy_drops_the_stale_prompt_and_admits_another():
+    pol = FullyAsync(
+        prompts_per_step=1,
+        samples_per_prompt=1,
+        max_concurrent=2,
+        max_untrained_prompts=2,
+        max_staleness=0,
+        stale_policy="drop",
+    )
+    pol.start()
+    pol.on_sample_done(done(0))
+    pol.on_train_done(0)
+    pol.on_sample_done(done(1))
+    assert pol.on_published(1) == [Dispatch(3, (0,), 1)]
+    assert pol.counters.dropped_prompts == 1 and pol.counters.dropped_samples == 1
+    assert 1 not in pol.untrained
+
+
+def test_fully_async_without_partial_rollout_aborts_in_flight_and_reissues_after_publish():
+    pol = FullyAsync(
+        prompts_per_step=1, samples_per_prompt=1, max_concurrent=2, max_untrained_prompts=2, partial_rollout=False
+    )
+    pol.start()
+    pol.on_sample_done(done(0))
+    assert pol.on_train_done(0) == [Abort(((1, 0), (2, 0))), Publish(1)]
+    assert pol.on_published(1) == [Dispatch(1, (0,), 1), Dispatch(2, (0,), 1)]
+    assert pol.counters.aborted_samples == 2
+
+
+def test_fully_async_trains_the_partial_last_batch_at_end_of_data():
+    pol = FullyAsync(prompts_per_step=2, samples_per_prompt=1, max_concurrent=4, max_untrained_prompts=4, num_prompts=3)
+    assert pol.start() == [Dispatch(0, (0,), 0), Dispatch(1, (0,), 0), Dispatch(2, (0,), 0)]
+    pol.on_sample_done(done(2))
+    assert pol.on_sample_done(done(0)) == [Train(0, (2, 0))]  # completion order, not prompt order
+    assert pol.on_sample_done(done(1)) == []
+    assert pol.on_train_done(0) == [Publish(1)]
+    assert pol.on_published(1) == [Train(1, (1,))]
+    assert pol.on_train_done(1) == [Publish(2)]
+    assert pol.on_published(2) == [Finish("end_of_data")]
+
+
+def test_end_of_data_drop_discards_the_partial_last_batch():
+    pol = OnPolicy(prompts_per_step=2, samples_per_prompt=1, num_prompts=3, end_of_data="drop")
+    pol.start()
+    pol.on_sample_done(done(0))
+    pol.on_sample_done(done(1))
+    pol.on_train_done(0)
+    assert pol.on_published(1) == [Dispatch(2, (0,), 1)]
+    assert pol.on_sample_done(done(2, oldest=1)) == [Finish("end_of_data")]
+    assert pol.counters.dropped_prompts == 1 and pol.counters.trained_prompts == 2
+
+
+def test_data_exhausted_event_voids_prompts_past_the_end():
+    pol = OnPolicy(prompts_per_step=2, samples_per_prompt=1)
+    pol.start()
+    pol.on_sample_done(done(0))
+    pol.on_sample_done(done(1))
+    pol.on_train_done(0)
+    assert pol.on_published(1) == [Dispatch(2, (0,), 1), Dispatch(3, (0,), 1)]
+    # The driver found no prompt 3: the last batch is {2} and trains partially.
+    assert pol.on_data_exhausted(3) == []
+    assert pol.on_sample_done(done(2, oldest=1)) == [Train(1, (2,))]
+    pol.on_train_done(1)
+    assert pol.on_published(2) == [Finish("end_of_data")]
+
+
+def test_max_steps_finishes_after_the_last_publish():
+    pol = FullyAsync(prompts_per_step=1, samples_per_prompt=1, max_concurrent=1, max_untrained_prompts=2, max_steps=1)
+    assert pol.start() == [Dispatch(0, (0,), 0)]
+    assert pol.on_sample_done(done(0)) == [Train(0, (0,))]  # one step needs one prompt: no more admitted
+    assert pol.on_train_done(0) == [Publish(1)]
+    assert pol.on_published(1) == [Finish("max_steps")]
+
+
+def test_events_that_break_the_contract_name_the_problem():
+    pol = OnPolicy(prompts_per_step=1, samples_per_prompt=1, num_prompts=1)
+    pol.start()
+    with pytest.raises(FlowError, match=r"\(5, 0\).*not in flight"):
+        pol.on_sample_done(done(5))
+    with pytest.raises(FlowError, match="train step 0 finished"):
+        pol.on_train_done(0)
+
+
+def test_from_config_builds_the_configured_strategy_and_rejects_bad_knobs():
+    pol = FlowPolicy.from_config(FlowConfig(strategy="one_step_off", prompts_per_step=3), num_prompts=9)
+    assert isinstance(pol, OneStepOff) and pol.prompts_per_step == 3 and pol.data_end == 9
+    with pytest.raises(ValueError, match="max_untrained_prompts"):
+        FlowPolicy.from_config(FlowConfig(prompts_per_step=8, max_untrained_prompts=4))
+    with pytest.raises(ValueError, match="stale_policy"):
+        FullyAsync(stale_policy="keep")
+
+
+# ----------------------------------------------------------------------------------------------
+# Seeded random drivers: invariants
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Driver:
+    """Executes a policy's actions with random completion orders: samples finish in random order, the
+    trainer's job ends at random moments, weights change only when a publish ends."""
+
+    policy: FlowPolicy
+    rng: random.Random
+    version: int = 0
+    in_flight: dict = field(default_factory=dict)  # key -> version at start
+    finished_meta: dict = field(default_factory=dict)  # key -> oldest version of the sample
+    job: object = None
+    trained: list = field(default_factory=list)  # (step, prompt ids), in order of train end
+    batch_oldest: dict = field(default_factory=dict)  # step -> oldest versions of its samples
+    max_in_flight: int = 0
+    max_untrained: int = 0
+    finish: Finish | None = None
+
+    def apply(self, actions: list) -> None:
+        pol = self.policy
+        for a in actions:
+            if isinstance(a, Dispatch):
+                assert not isinstance(self.job, Publish), "dispatch during a publish"
+                for s in a.samples:
+                    self.in_flight[(a.prompt_id, s)] = self.version
+            elif isinstance(a, Abort):
+                for k in a.keys:
+                    del self.in_flight[k]
+            elif isinstance(a, (Train, Publish)):
+                assert self.job is None, "two trainer jobs at once"
+                self.job = a
+                if isinstance(a, Train):
+                    spp = pol.samples_per_prompt
+                    self.batch_oldest[a.step] = [self.finished_meta[(p, s)] for p in a.prompt_ids for s in range(spp)]
+            elif isinstance(a, Finish):
+                self.finish = a
+        self.max_in_flight = max(self.max_in_flight, len(self.in_flight))
+        self.max_untrained = max(self.max_untrained, len(pol.untrained))
+
+    def step(self) -> None:
+        pol = self.policy
+        if self.in_flight and (self.job is None or self.rng.random() < 0.7):
+            key = self.rng.choice(sorted(self.in_flight))
+            oldest = self.in_flight.pop(key)
+            self.finished_meta[key] = oldest
+            self.apply(pol.on_sample_done(SampleDone(key[0], key[1], oldest, self.version)))
+        elif isinstance(self.job, Train):
+            job, self.job = self.job, None
+            self.trained.append((job.step, job.prompt_ids))
+            self.apply(pol.on_train_done(job.step))
+        elif isinstance(self.job, Publish):
+            job, self.job = self.job, None
+            self.version = job.version
+            self.apply(pol.on_published(job.version))
+        else:
+            raise AssertionError(f"deadlock: nothing in flight and no trainer job; policy state {pol.state_dict()}")
+
+    def run(self, max_events: int = 100_000) -> None:
+        self.apply(self.policy.start())
+        for _ in range(max_events):
+            if self.finish is not None:
+                return
+            self.step()
+        raise AssertionError("the run did not finish")
+
+
+def make(strategy: str, **knobs) -> FlowPolicy:
+    num_prompts = knobs.pop("num_prompts", None)
+    base = dict(prompts_per_step=3, samples_per_prompt=2, max_concurrent=5, max_untrained_prompts=7, max_staleness=1)
+    base.update(knobs)
+    return FlowPolicy.from_config(FlowConfig(strategy=strategy, **base), num_prompts=num_prompts)
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("strategy,lag", [("on_policy", 0), ("one_step_off", 1)])
+def test_sync_strategies_version_sequence_and_exactly_once(strategy, lag, seed):
+    pol = make(strategy, num_prompts=20)
+    d = Driver(pol, random.Random(seed))
+    d.run()
+    assert d.finish == Finish("end_of_data")
+    assert [step for step, _ in d.trained] == list(range(7))
+    for step, oldest in d.batch_oldest.items():
+        assert set(oldest) == {max(0, step - lag)}, f"batch {step} versions {set(oldest)}"
+    trained = sorted(p for _, ids in d.trained for p in ids)
+    assert trained == list(range(20))
+    assert d.max_in_flight <= 5
+
+
+@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("max_staleness", [0, 1, 2])
+@pytest.mark.parametrize("partial_rollout", [True, False])
+def test_fully_async_caps_and_staleness_bound_hold_and_every_prompt_trains_once(max_staleness, partial_rollout, seed):
+    pol = make("fully_async", num_prompts=25, max_staleness=max_staleness, partial_rollout=partial_rollout)
+    d = Driver(pol, random.Random(seed))
+    d.run()
+    assert d.finish == Finish("end_of_data")
+    assert d.max_in_flight <= 5
+    assert d.max_untrained <= 7
+    for step, oldest in d.batch_oldest.items():
+        assert min(oldest) >= step - max_staleness, f"step {step} consumed versions {oldest}"
+    trained = sorted(p for _, ids in d.trained for p in ids)
+    assert trained == list(range(25))
+    assert sum(pol.counters.staleness.values()) == 25 * 2
+    assert max(pol.counters.staleness) <= max_staleness
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_fully_async_drop_policy_trains_each_prompt_at_most_once_and_counts_the_rest(seed):
+    pol = make("fully_async", num_prompts=25, max_staleness=0, stale_policy="drop")
+    d = Driver(pol, random.Random(seed))
+    d.run()
+    trained = [p for _, ids in d.trained for p in ids]
+    assert len(trained) == len(set(trained))
+    assert len(trained) + pol.counters.dropped_prompts == 25
+    assert pol.counters.trained_prompts == len(trained)
+
+
+@pytest.mark.parametrize("seed", range(10))
+@pytest.mark.parametrize("strategy", ["on_policy", "one_step_off", "fully_async"])
+def test_resume_from_a_saved_state_loses_and_duplicates_no_prompt(strategy, seed):
+    rng = random.Random(seed)
+    pol = make(strategy, num_prompts=22)
+    d = Driver(pol, rng)
+    d.apply(pol.start())
+    for _ in range(rng.randrange(5, 60)):
+        if d.finish:
+            break
+        d.step()
+    state = json.loads(json.dumps(pol.state_dict()))  # a checkpoint is plain data
+    before = [ids for _, ids in d.trained]
+
+    # A new process: fresh policy from the config, the saved state, a driver with nothing in flight.
+    pol2 = make(strategy, num_prompts=22)
+    pol2.load_state_dict(state)
+    d2 = Driver(pol2, random.Random(seed + 100), version=pol2.published, finished_meta=dict(d.finished_meta))
+    d2.run()
+    after = [ids for _, ids in d2.trained]
+    trained = sorted(p for ids in before + after for p in ids)
+    assert trained == list(range(22))
+
+
+def test_load_state_refuses_a_different_group_size():
+    pol = make("fully_async")
+    state = pol.state_dict()
+    other = make("fully_async", samples_per_prompt=4)
+    with pytest.raises(FlowError, match="samples_per_prompt"):
+        other.load_state_dict(state)
