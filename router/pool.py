@@ -1,0 +1,268 @@
+"""The worker pool: which vLLM workers exist and which of them may be routed to. `WorkerPool` is the
+state (no I/O): it applies snapshots of the Redis workers hash plus their liveness keys, and health
+verdicts, and keeps the tuple of routable workers that the hot path reads. `PoolSync` is the I/O
+around it: it re-reads Redis every REFRESH_S (a worker whose heartbeat key expired disappears), and
+health-checks every worker with GET /health on an interval, evicting a failing worker and
+re-admitting it once it passes. A worker is routable only while its heartbeat lives and its last
+health check passed; a newly seen worker is checked at once so it joins within a second.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import aiohttp
+import redis
+import redis.asyncio
+
+from common.keys import Keys
+from common.roles import announce
+
+log = logging.getLogger(__name__)
+
+# Redis keyspace notifications are off by default and a TTL expiry cannot be awaited otherwise, so
+# the pool polls; twice a second keeps any change visible within one second.
+REFRESH_S = 0.5
+
+
+@dataclass(frozen=True)
+class WorkerRecord:
+    """One entry of the Redis workers hash, as a rollout worker registers itself."""
+
+    id: str
+    url: str
+    model: str = ""
+    weight_version: int | None = None
+    started_at: float = 0.0
+
+    @classmethod
+    def parse(cls, worker_id: str, raw: str) -> WorkerRecord:
+        """Decode the JSON value of the workers hash; a bad value raises ValueError naming the worker."""
+        try:
+            data = json.loads(raw)
+            url = data["url"]
+        except (json.JSONDecodeError, TypeError, KeyError) as exc:
+            raise ValueError(
+                f"worker {worker_id!r}: value {raw[:200]!r} of the workers hash is not JSON with a 'url' "
+                f"({exc}); a worker registers {{url, model, weight_version, started_at}}"
+            ) from None
+        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+            raise ValueError(f"worker {worker_id!r}: url {url!r} must be an http:// or https:// URL")
+        version = data.get("weight_version")
+        return cls(
+            id=worker_id,
+            url=url.rstrip("/"),
+            model=str(data.get("model", "")),
+            weight_version=int(version) if version is not None else None,
+            started_at=float(data.get("started_at", 0.0)),
+        )
+
+
+@dataclass(eq=False)
+class Worker:
+    """A worker as the router sees it; compared by identity, since a re-registered worker is a new one."""
+
+    id: str
+    url: str
+    model: str = ""
+    weight_version: int | None = None
+    started_at: float = 0.0
+    healthy: bool = False
+    outstanding: int = 0
+    requests: int = 0
+    last_error: str = ""
+    checked_at: float = 0.0
+
+    def as_json(self) -> dict[str, object]:
+        return {
+            "id": self.id,
+            "url": self.url,
+            "model": self.model,
+            "weight_version": self.weight_version,
+            "started_at": self.started_at,
+            "healthy": self.healthy,
+            "outstanding": self.outstanding,
+            "requests": self.requests,
+            "last_error": self.last_error,
+        }
+
+
+@dataclass(frozen=True)
+class PoolChanges:
+    """What one snapshot changed: workers that joined (not yet routable) and workers removed, with why."""
+
+    added: tuple[Worker, ...] = ()
+    removed: tuple[tuple[Worker, str], ...] = ()
+
+
+class WorkerPool:
+    """The known workers and the routable subset (`healthy`, rebuilt only when something changes)."""
+
+    def __init__(self) -> None:
+        self.workers: dict[str, Worker] = {}
+        self.healthy: tuple[Worker, ...] = ()
+
+    def _rebuild(self) -> None:
+        # Sorted by id so round robin and tie-breaks do not depend on registration order.
+        self.healthy = tuple(w for _, w in sorted(self.workers.items()) if w.healthy)
+
+    def apply(self, records: Mapping[str, WorkerRecord], alive: set[str]) -> PoolChanges:
+        """Make the pool match one snapshot: the registered workers and the ids whose liveness key exists."""
+        added: list[Worker] = []
+        removed: list[tuple[Worker, str]] = []
+        for worker_id, worker in list(self.workers.items()):
+            record = records.get(worker_id)
+            if record is None:
+                reason = "deregistered"
+            elif worker_id not in alive:
+                reason = "heartbeat expired"
+            elif record.url != worker.url:
+                reason = f"re-registered at {record.url}"
+            else:
+                worker.model, worker.weight_version = record.model, record.weight_version
+                continue
+            del self.workers[worker_id]
+            removed.append((worker, reason))
+        for worker_id, record in records.items():
+            if worker_id in alive and worker_id not in self.workers:
+                worker = Worker(record.id, record.url, record.model, record.weight_version, record.started_at)
+                self.workers[worker_id] = worker
+                added.append(worker)
+        if added or removed:
+            self._rebuild()
+        return PoolChanges(tuple(added), tuple(removed))
+
+    def set_health(self, worker: Worker, ok: bool, error: str = "") -> str | None:
+        """Record a health verdict; returns "admitted" or "evicted" when routability changed, else None."""
+        worker.checked_at = time.time()
+        if error:
+            worker.last_error = error
+        if self.workers.get(worker.id) is not worker or worker.healthy == ok:
+            return None  # removed meanwhile, or no change
+        worker.healthy = ok
+        self._rebuild()
+        return "admitted" if ok else "evicted"
+
+
+class PoolSync:
+    """Keeps a WorkerPool in step with Redis and with the workers' own /health answers."""
+
+    def __init__(
+        self,
+        pool: WorkerPool,
+        client: redis.asyncio.Redis,
+        keys: Keys,
+        session: aiohttp.ClientSession,
+        health_interval_s: float = 1.0,
+        health_timeout_s: float = 1.0,
+        refresh_s: float = REFRESH_S,
+    ) -> None:
+        self.pool, self.client, self.keys, self.session = pool, client, keys, session
+        self.health_interval_s, self.refresh_s = health_interval_s, refresh_s
+        self.health_timeout = aiohttp.ClientTimeout(total=health_timeout_s)
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._bad_records: set[tuple[str, str]] = set()
+        self._redis_error = ""
+
+    async def start(self) -> None:
+        """Read Redis once and health-check what it lists (so a fresh router can route at once), then
+        keep both going in the background."""
+        await self.refresh()
+        await asyncio.gather(*(self.check(w) for w in list(self.pool.workers.values())))
+        self._spawn(self._refresh_loop(), "pool refresh")
+        self._spawn(self._health_loop(), "pool health checks")
+
+    async def stop(self) -> None:
+        tasks, self._tasks = self._tasks, set()
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    def _spawn(self, coro: object, name: str) -> None:
+        task = asyncio.create_task(coro, name=name)  # type: ignore[arg-type]
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def refresh(self) -> PoolChanges:
+        """Apply one snapshot of the workers hash and their liveness keys."""
+        raw = await self.client.hgetall(self.keys.workers)
+        records: dict[str, WorkerRecord] = {}
+        for worker_id, value in raw.items():
+            try:
+                records[worker_id] = WorkerRecord.parse(worker_id, value)
+            except ValueError as exc:
+                if (worker_id, value) not in self._bad_records:  # once per bad value, not twice a second
+                    self._bad_records.add((worker_id, value))
+                    log.warning("ignoring worker: %s", exc)
+        alive: set[str] = set()
+        if records:
+            ids = list(records)
+            flags = await self.client.mget([self.keys.worker_alive(i) for i in ids])
+            alive = {i for i, flag in zip(ids, flags, strict=True) if flag is not None}
+        changes = self.pool.apply(records, alive)
+        for worker in changes.added:
+            log.info("worker %s at %s registered; admitted once GET /health passes", worker.id, worker.url)
+            if self._tasks:  # running: check it now instead of at the next health round
+                self._spawn(self.check(worker), f"health {worker.id}")
+        for worker, reason in changes.removed:
+            log.info("worker %s at %s removed: %s", worker.id, worker.url, reason)
+            await announce(self.client, self.keys, "router", "worker_removed", worker=worker.id, reason=reason)
+        return changes
+
+    async def check(self, worker: Worker) -> None:
+        """One GET /health of one worker, with the short health timeout; the verdict goes to the pool."""
+        try:
+            async with self.session.get(worker.url + "/health", timeout=self.health_timeout) as resp:
+                await resp.read()
+                ok, error = resp.status == 200, "" if resp.status == 200 else f"GET /health answered {resp.status}"
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            ok, error = False, f"GET /health failed: {describe(exc)}"
+        await self.verdict(worker, ok, error)
+
+    async def verdict(self, worker: Worker, ok: bool, error: str) -> None:
+        """Apply a health verdict (from a check, or a refused connection seen by the proxy) and log changes."""
+        change = self.pool.set_health(worker, ok, error)
+        if change == "admitted":
+            log.info("worker %s at %s admitted (%d routable)", worker.id, worker.url, len(self.pool.healthy))
+        elif change == "evicted":
+            log.warning(
+                "worker %s at %s evicted: %s (%d routable)", worker.id, worker.url, error, len(self.pool.healthy)
+            )
+            with contextlib.suppress(redis.ConnectionError, redis.TimeoutError):  # the eviction itself is done
+                await announce(self.client, self.keys, "router", "worker_evicted", worker=worker.id, reason=error)
+
+    async def _refresh_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.refresh_s)
+            try:
+                await self.refresh()
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                # Keep routing to the last known pool; the health checks still evict dead workers.
+                if not self._redis_error:
+                    log.warning("cannot read the worker pool from Redis (%s); keeping the last known pool", exc)
+                self._redis_error = str(exc)
+                continue
+            if self._redis_error:
+                log.info("reading the worker pool from Redis again")
+                self._redis_error = ""
+
+    async def _health_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            started = loop.time()
+            await asyncio.gather(*(self.check(w) for w in list(self.pool.workers.values())))
+            await asyncio.sleep(max(0.0, self.health_interval_s - (loop.time() - started)))
+
+
+def describe(exc: BaseException) -> str:
+    """A one-line description of a transport error (some aiohttp errors have an empty str())."""
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
