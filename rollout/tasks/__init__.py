@@ -1,0 +1,67 @@
+"""Tasks: a task is an indexable prompt source plus a verifier that turns a completion into a reward.
+
+Problems are addressed by index, so a data cursor is one integer and a resumed run continues
+exactly where it stopped. Verifiers are pure and bounded: they read at most a fixed number of
+trailing characters of a completion, and symbolic comparisons run under a time limit.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from common.config import TaskConfig
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One prompt of a task and the reference its verifier compares against (never sent to the model)."""
+
+    id: str
+    prompt: str
+    answer: str
+
+
+@runtime_checkable
+class Task(Protocol):
+    name: str
+
+    def __len__(self) -> int:
+        """Number of problems; the data ends after the last one."""
+        ...
+
+    def problem(self, index: int) -> Problem:
+        """The problem at an index in [0, len)."""
+        ...
+
+    def reward(self, problem: Problem, completion: str) -> float:
+        """The reward of one completion of a problem (1.0 correct, 0.0 wrong for the built-ins)."""
+        ...
+
+
+def load_task(cfg: TaskConfig) -> Task:
+    """The task a config names."""
+    if cfg.kind == "arithmetic":
+        from rollout.tasks.arithmetic import ArithmeticTask
+
+        return ArithmeticTask.from_config(cfg)
+    if cfg.kind == "jsonl_math":
+        from rollout.tasks.jsonl_math import JsonlMathTask
+
+        return JsonlMathTask.from_config(cfg)
+    module_name, _, attr = cfg.import_path.partition(":")
+    try:
+        factory = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(
+            f"rollout.task.import_path {cfg.import_path!r} cannot be loaded ({exc}); "
+            "it must name 'package.module:factory' importable from the trainer's environment"
+        ) from None
+    task = factory(cfg)
+    if not isinstance(task, Task):
+        raise TypeError(
+            f"rollout.task.import_path {cfg.import_path!r} returned {type(task).__name__}, which lacks "
+            "name, __len__, problem(index) and reward(problem, completion)"
+        )
+    return task

@@ -1,0 +1,54 @@
+"""JSONL math problems: one {"prompt", "answer"} record per line; the reward compares the
+completion's final answer (last \\boxed{}, else last number) with the reference through math-verify."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from common.config import TaskConfig
+from rollout.tasks import Problem
+from rollout.tasks.mathanswer import answers_equal, extract_answer
+
+
+def read_problems(path: str | Path) -> list[Problem]:
+    """Problems of a JSONL file; a malformed line is an error naming the file and line."""
+    problems = []
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"rollout.task.path {str(path)!r} does not exist; give a JSONL file of prompt/answer")
+    for lineno, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            problems.append(Problem(str(record.get("id", f"{path.stem}-{lineno}")), record["prompt"],
+                                    str(record["answer"])))
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise ValueError(f"{path}:{lineno}: expected a JSON object with 'prompt' and 'answer' ({exc})") from None
+    if not problems:
+        raise ValueError(f"{path} holds no problems")
+    return problems
+
+
+@dataclass(frozen=True)
+class JsonlMathTask:
+    problems: tuple[Problem, ...]
+    max_completion_chars: int = 4096
+    verify_timeout_s: float = 5.0
+    name: str = "jsonl_math"
+
+    @classmethod
+    def from_config(cls, cfg: TaskConfig) -> JsonlMathTask:
+        return cls(tuple(read_problems(cfg.path)), cfg.max_completion_chars, cfg.verify_timeout_s)
+
+    def __len__(self) -> int:
+        return len(self.problems)
+
+    def problem(self, index: int) -> Problem:
+        return self.problems[index]
+
+    def reward(self, problem: Problem, completion: str) -> float:
+        pred = extract_answer(completion, self.max_completion_chars)
+        return 1.0 if answers_equal(pred, problem.answer, self.verify_timeout_s) else 0.0
