@@ -111,6 +111,32 @@ class RouterConfig:
 
 
 @dataclass
+class TaskConfig:
+    kind: Literal["arithmetic", "jsonl_math", "import"] = identity("arithmetic")
+    """Prompt source and verifier: synthetic arithmetic, a JSONL math file, or a user task (import_path)."""
+    path: str = identity("")
+    """JSONL file of {"prompt", "answer"} records (kind = jsonl_math)."""
+    import_path: str = identity("")
+    """`package.module:factory` called with this TaskConfig, returning a Task (kind = import)."""
+    seed: int = identity(0)
+    """Seed of the arithmetic generator; held-out evaluation uses a different seed."""
+    num_problems: int = identity(100_000)
+    """Problems in the arithmetic source (the data ends after them)."""
+    min_operands: int = identity(2)
+    """Fewest operands of an arithmetic problem."""
+    max_operands: int = identity(2)
+    """Most operands of an arithmetic problem."""
+    max_value: int = identity(20)
+    """Operands are drawn from [0, max_value]."""
+    operators: str = identity("+-")
+    """Operators an arithmetic problem may use (a subset of "+-*")."""
+    max_completion_chars: int = 4096
+    """Verifiers read at most this many trailing characters of a completion (adversarial-size bound)."""
+    verify_timeout_s: float = 5.0
+    """Longest a symbolic answer comparison may take before the answer counts as wrong."""
+
+
+@dataclass
 class RolloutConfig:
     model: str = identity("tiny-deepseek")
     """Initial policy: an HF checkpoint directory, or a tiny-model kit name (tiny-deepseek, tiny-qwen3)."""
@@ -146,6 +172,8 @@ class RolloutConfig:
     """Nucleus sampling threshold of rollouts."""
     max_tokens: int = 64
     """Largest number of generated tokens per sample."""
+    task: TaskConfig = field(default_factory=TaskConfig)
+    """The task: where prompts come from and how completions are rewarded."""
 
 
 @dataclass
@@ -631,6 +659,20 @@ def validate(cfg: Config) -> None:
     _require(
         0 < ro.max_tokens < ro.max_model_len,
         f"rollout.max_tokens ({ro.max_tokens}) must be positive and below rollout.max_model_len ({ro.max_model_len})",
+    )
+    t = ro.task
+    _require(
+        bool(t.operators) and set(t.operators) <= set("+-*"),
+        f"rollout.task.operators {t.operators!r} must be a non-empty subset of \"+-*\"",
+    )
+    _require(
+        1 <= t.min_operands <= t.max_operands,
+        f"rollout.task.min_operands ({t.min_operands}) must be within [1, max_operands ({t.max_operands})]",
+    )
+    _require(t.kind != "jsonl_math" or bool(t.path), "rollout.task.kind = 'jsonl_math' needs rollout.task.path")
+    _require(
+        t.kind != "import" or ":" in t.import_path,
+        "rollout.task.kind = 'import' needs rollout.task.import_path = 'package.module:factory'",
     )
     f = cfg.flow
     for name in ("prompts_per_step", "samples_per_prompt", "max_concurrent", "max_untrained_prompts"):
