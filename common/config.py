@@ -313,6 +313,26 @@ class CheckpointConfig:
 
 
 @dataclass
+class RLConfig:
+    normalize_std: bool = identity(True)
+    """GRPO: divide group-centred rewards by the group's standard deviation."""
+    filter_zero_variance: bool = identity(True)
+    """Drop groups whose samples all got the same reward (their advantages are zero)."""
+    clip_low: float = identity(0.2)
+    """PPO ratio clip below 1 (ratio >= 1 - clip_low)."""
+    clip_high: float = identity(0.28)
+    """PPO ratio clip above 1 (ratio <= 1 + clip_high; a higher bound keeps exploration, as DAPO)."""
+    tis_cap: float = identity(2.0)
+    """Truncation of the behaviour-to-proximal importance weight (truncated importance sampling)."""
+    kl_coef: float = identity(0.0)
+    """Weight of the k3 KL estimate to the frozen reference policy (0 = no reference model)."""
+    aggregation: Literal["token_mean", "seq_mean"] = identity("token_mean")
+    """Loss aggregation: mean over all tokens of the batch, or mean over sequences of their token means."""
+    micro_batch_samples: int = 16
+    """Samples per forward/backward pass (memory knob; the gradient is the same)."""
+
+
+@dataclass
 class TrainerConfig:
     steps: int = 20
     """Optimizer steps of the run."""
@@ -330,6 +350,8 @@ class TrainerConfig:
     """Optimizer and learning-rate schedule."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpointing."""
+    rl: RLConfig = field(default_factory=RLConfig)
+    """The RL objective (GRPO advantages, decoupled PPO loss)."""
 
 
 @dataclass
@@ -709,6 +731,10 @@ def validate(cfg: Config) -> None:
         _require(m.num_heads % m.num_kv_heads == 0, "trainer.model.num_heads must be a multiple of num_kv_heads")
     _require(cfg.trainer.optim.grad_accum >= 1, "trainer.optim.grad_accum must be >= 1")
     _require(len(cfg.trainer.optim.betas) == 2, "trainer.optim.betas must hold two numbers, e.g. [0.9, 0.95]")
+    rl = cfg.trainer.rl
+    _require(0 <= rl.clip_low < 1 and rl.clip_high >= 0, "trainer.rl.clip_low must be in [0, 1) and clip_high >= 0")
+    _require(rl.tis_cap >= 1.0, f"trainer.rl.tis_cap ({rl.tis_cap}) must be >= 1 (1 = weights capped at one)")
+    _require(rl.micro_batch_samples >= 1, "trainer.rl.micro_batch_samples must be >= 1")
     _require(cfg.evaluator.every_n_versions >= 1, "evaluator.every_n_versions must be >= 1")
     for name, spec in cfg.launch.roles.items():
         role = spec.role or name
