@@ -169,17 +169,20 @@ class PoolSync:
         self._tasks: set[asyncio.Task[None]] = set()
         self._bad_records: set[tuple[str, str]] = set()
         self._redis_error = ""
+        self._running = False
 
     async def start(self) -> None:
         """Read Redis once and health-check what it lists (so a fresh router can route at once), then
         keep both going in the background."""
         await self.refresh()
         await asyncio.gather(*(self.check(w) for w in list(self.pool.workers.values())))
+        self._running = True
         self._spawn(self._refresh_loop(), "pool refresh")
         self._spawn(self._health_loop(), "pool health checks")
 
     async def stop(self) -> None:
-        tasks, self._tasks = self._tasks, set()
+        self._running = False
+        tasks = list(self._tasks)
         for task in tasks:
             task.cancel()
         for task in tasks:
@@ -210,7 +213,7 @@ class PoolSync:
         changes = self.pool.apply(records, alive)
         for worker in changes.added:
             log.info("worker %s at %s registered; admitted once GET /health passes", worker.id, worker.url)
-            if self._tasks:  # running: check it now instead of at the next health round
+            if self._running:  # check it now instead of at the next health round
                 self._spawn(self.check(worker), f"health {worker.id}")
         for worker, reason in changes.removed:
             log.info("worker %s at %s removed: %s", worker.id, worker.url, reason)

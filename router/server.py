@@ -1,0 +1,237 @@
+"""The router's HTTP layer and lifecycle. `make_app` builds the aiohttp application (the proxied
+OpenAI and vLLM routes, /health, /workers, /metrics, bearer-token auth, the body-size limit) over a
+WorkerPool; `Router` runs it: one ClientSession, the pool kept in step with Redis, the listening
+socket, and the router's URL published under `Keys.router(name)` with a heartbeat. The name is
+claimed with SET NX, so a second router of the same name refuses to start, naming the running one.
+`main` is the `ROLE=router slipstream run CFG` entry point.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import socket
+from collections.abc import Awaitable, Callable
+
+import aiohttp
+import redis.asyncio
+from aiohttp import web
+
+from common.config import RouterConfig, is_loopback
+from common.keys import Keys
+from common.rendezvous import Heartbeat
+from common.roles import RunContext
+from router.metrics import Metrics
+from router.pool import PoolSync, WorkerPool
+from router.proxy import Proxy, json_error
+
+log = logging.getLogger(__name__)
+
+# Routes forwarded to the workers: the OpenAI API subset vLLM serves, and vLLM's token-in route.
+PROXIED_ROUTES = (
+    ("POST", "/v1/completions"),
+    ("POST", "/v1/chat/completions"),
+    ("GET", "/v1/models"),
+    ("POST", "/inference/v1/generate"),
+)
+# Bounds only the TCP connect to a worker (a dead host can swallow SYNs for minutes); generation
+# itself gets no router timeout.
+CONNECT_TIMEOUT_S = 5.0
+# Below the 5 s keep-alive of vLLM's uvicorn server, so the router never reuses a connection the
+# worker is about to close.
+UPSTREAM_KEEPALIVE_S = 4.0
+# In-flight requests get this long to finish when the router stops (the launcher kills after 10 s).
+SHUTDOWN_GRACE_S = 5.0
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class RouterError(RuntimeError):
+    """The router cannot start: its name is taken, or its address needs a token; the message says which."""
+
+
+def published_url(host: str, port: int) -> str:
+    """The URL other processes use to reach a router bound to host:port."""
+    if host in ("0.0.0.0", "::", ""):
+        host = socket.gethostname()  # bound to every interface: publish a name others can resolve
+    if ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{port}"
+
+
+def new_session() -> aiohttp.ClientSession:
+    """The one upstream ClientSession of a router process (connections to workers are reused)."""
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=UPSTREAM_KEEPALIVE_S),
+        timeout=aiohttp.ClientTimeout(total=None, connect=None, sock_read=None, sock_connect=CONNECT_TIMEOUT_S),
+        # Bytes pass through untouched: no decompression, and no Accept-Encoding the client did not send.
+        auto_decompress=False,
+        skip_auto_headers=("Accept-Encoding",),
+        cookie_jar=aiohttp.DummyCookieJar(),
+    )
+
+
+def make_app(
+    cfg: RouterConfig,
+    pool: WorkerPool,
+    session: aiohttp.ClientSession,
+    metrics: Metrics | None = None,
+    sync: PoolSync | None = None,
+) -> web.Application:
+    """The router's aiohttp application over `pool`, forwarding through `session`."""
+    if not is_loopback(cfg.host) and not cfg.auth_token:
+        raise RouterError(f"router.host = {cfg.host!r} is not loopback: set router.auth_token (or bind 127.0.0.1)")
+    metrics = metrics or Metrics()
+    proxy = Proxy(cfg, pool, session, metrics, sync)
+    expected = f"Bearer {cfg.auth_token}".encode()
+
+    def guarded(handler: Handler) -> Handler:
+        if not cfg.auth_token:
+            return handler
+
+        async def check(request: web.Request) -> web.StreamResponse:
+            given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+            if not hmac.compare_digest(given, expected):
+                metrics.error("unauthorized")
+                return json_error(
+                    401,
+                    "missing or wrong bearer token: send 'Authorization: Bearer <router.auth_token>'",
+                    "unauthorized",
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
+            return await handler(request)
+
+        return check
+
+    async def health(request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "workers": len(pool.workers), "healthy": len(pool.healthy)})
+
+    async def workers(request: web.Request) -> web.Response:
+        listed = [w.as_json() for _, w in sorted(pool.workers.items())]
+        return web.json_response({"router": cfg.name, "policy": cfg.policy, "workers": listed})
+
+    async def prometheus(request: web.Request) -> web.Response:
+        return web.Response(text=metrics.render(pool.workers.values()), content_type="text/plain", charset="utf-8")
+
+    app = web.Application(client_max_size=cfg.max_body_bytes)
+    for method, path in PROXIED_ROUTES:
+        app.router.add_route(method, path, guarded(proxy.handle))
+    app.router.add_get("/health", health)  # open, for liveness probes; it reveals only counts
+    app.router.add_get("/workers", guarded(workers))
+    app.router.add_get("/metrics", guarded(prometheus))
+    return app
+
+
+class Router:
+    """A running router: serve, keep the pool in step, hold the name in Redis. Use as `async with`."""
+
+    def __init__(
+        self,
+        cfg: RouterConfig,
+        client: redis.asyncio.Redis,
+        keys: Keys,
+        heartbeat_period_s: float = 2.0,
+        heartbeat_ttl_s: float = 10.0,
+    ) -> None:
+        self.cfg, self.client, self.keys = cfg, client, keys
+        self.heartbeat_period_s, self.heartbeat_ttl_s = heartbeat_period_s, heartbeat_ttl_s
+        self.pool = WorkerPool()
+        self.metrics = Metrics()
+        self.url = ""
+        self._session: aiohttp.ClientSession | None = None
+        self._sync: PoolSync | None = None
+        self._runner: web.AppRunner | None = None
+        self._heartbeat: Heartbeat | None = None
+
+    async def start(self) -> str:
+        """Bind, load the pool, claim the name in Redis and return the published URL."""
+        cfg = self.cfg
+        try:
+            self._session = new_session()
+            self._sync = PoolSync(
+                self.pool, self.client, self.keys, self._session, cfg.health_interval_s, cfg.health_timeout_s
+            )
+            app = make_app(cfg, self.pool, self._session, self.metrics, self._sync)
+            # handler_cancellation: a client that disconnects cancels its handler, and so the upstream request.
+            self._runner = web.AppRunner(
+                app, access_log=None, handler_cancellation=True, shutdown_timeout=SHUTDOWN_GRACE_S
+            )
+            await self._runner.setup()
+            site = web.TCPSite(self._runner, cfg.host, cfg.port, backlog=1024)
+            await site.start()
+            self.url = published_url(cfg.host, self._runner.addresses[0][1])
+            await self._sync.start()
+            await self._claim_name()
+        except BaseException:
+            await self.stop()
+            raise
+        log.info(
+            "router %r serving at %s (policy %s, %d of %d workers routable)",
+            cfg.name,
+            self.url,
+            cfg.policy,
+            len(self.pool.healthy),
+            len(self.pool.workers),
+        )
+        return self.url
+
+    async def _claim_name(self) -> None:
+        key = self.keys.router(self.cfg.name)
+        ttl_ms = int(self.heartbeat_ttl_s * 1000)
+        for _ in range(2):  # the holder's key may expire between our SET NX and our GET
+            if await self.client.set(key, self.url, nx=True, px=ttl_ms):
+                self._heartbeat = Heartbeat(self.client, key, self.url, self.heartbeat_period_s, self.heartbeat_ttl_s)
+                await self._heartbeat.start()
+                return
+            holder = await self.client.get(key)
+            if holder is not None:
+                raise RouterError(
+                    f"router {self.cfg.name!r} of experiment {self.keys.exp} is already running at {holder} "
+                    f"(Redis key {key}); stop it, or give this router another router.name"
+                )
+        raise RouterError(f"could not claim Redis key {key} for router {self.cfg.name!r}; try again")
+
+    async def stop(self) -> None:
+        """Withdraw the URL, stop serving (in-flight requests get a short grace), release everything."""
+        heartbeat, self._heartbeat = self._heartbeat, None
+        runner, self._runner = self._runner, None
+        sync, self._sync = self._sync, None
+        session, self._session = self._session, None
+        try:
+            if heartbeat is not None:
+                await heartbeat.stop()
+            if runner is not None:
+                await runner.cleanup()
+        finally:
+            if sync is not None:
+                await sync.stop()
+            if session is not None:
+                await session.close()
+
+    async def __aenter__(self) -> Router:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+
+async def main(ctx: RunContext) -> int:
+    """`ROLE=router slipstream run CFG`: serve until SIGTERM/SIGINT cancels this task."""
+    rz = ctx.cfg.rendezvous
+    client = ctx.async_redis()
+    router = Router(ctx.cfg.router, client, ctx.keys, rz.heartbeat_period_s, rz.heartbeat_ttl_s)
+    try:
+        try:
+            await router.start()
+        except RouterError as exc:
+            log.error("%s", exc)
+            return 2
+        try:
+            await asyncio.get_running_loop().create_future()  # serve until cancelled
+        finally:
+            await router.stop()
+    finally:
+        await client.aclose()
+    return 0
