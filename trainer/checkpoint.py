@@ -10,6 +10,9 @@ from __future__ import annotations
 import random
 import shutil
 import tomllib
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -66,6 +69,24 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+@contextmanager
+def _single_process_quiet() -> Iterator[None]:
+    """DCP warns on every call that no process group exists; single-process use is intended here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _dcp_save(state: dict[str, Any], path: Path) -> None:
+    with _single_process_quiet():
+        dcp.save(state, checkpoint_id=str(path))
+
+
+def _dcp_load(state: dict[str, Any], path: Path) -> None:
+    with _single_process_quiet():
+        dcp.load(state, checkpoint_id=str(path))
+
+
 def checkpoint_dir(root: str | Path, step: int) -> Path:
     return Path(root) / f"{_PREFIX}{step:08d}"
 
@@ -85,7 +106,7 @@ def save_checkpoint(
     """Write checkpoint `root/step_<state.step>`; then keep only the newest `keep` (0 = all)."""
     path = checkpoint_dir(root, state.step)
     model_sd, optim_sd = get_state_dict(model, optimizer.adamw)
-    dcp.save(
+    _dcp_save(
         {
             "model": model_sd,
             "optim": optim_sd,
@@ -98,7 +119,7 @@ def save_checkpoint(
             },
             "rng": _rng_state(),
         },
-        checkpoint_id=str(path),
+        path,
     )
     if keep > 0:
         for old in list_checkpoints(root)[:-keep]:
@@ -112,7 +133,7 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: Optimizer | N
     if not (path / ".metadata").is_file():
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no .metadata); pick one of list_checkpoints()")
     meta: dict[str, Any] = {"meta": {"fingerprint": "", "config": ""}}
-    dcp.load(meta, checkpoint_id=str(path))
+    _dcp_load(meta, path)
     saved_fp = meta["meta"]["fingerprint"]
     if saved_fp != identity_fingerprint(cfg):
         old = from_dict(tomllib.loads(meta["meta"]["config"]))
@@ -127,7 +148,7 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: Optimizer | N
         full["rng"] = _rng_state()
     else:
         full["model"] = get_model_state_dict(model)
-    dcp.load(full, checkpoint_id=str(path))
+    _dcp_load(full, path)
     if optimizer is not None:
         set_state_dict(model, optimizer.adamw, model_state_dict=full["model"], optim_state_dict=full["optim"])
         optimizer.steps = full["meta"]["optimizer_steps"]
@@ -141,5 +162,5 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: Optimizer | N
 def load_model_weights(path: str | Path, model: nn.Module) -> None:
     """Only the model tensors of a checkpoint (to start a new run from it; no identity check)."""
     sd = {"model": get_model_state_dict(model)}
-    dcp.load(sd, checkpoint_id=str(path))
+    _dcp_load(sd, path)
     set_model_state_dict(model, sd["model"])

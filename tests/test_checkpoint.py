@@ -1,0 +1,71 @@
+"""Checkpoints: exact resume (2N steps == N + resume + N, bitwise on CPU) and identity refusal."""
+
+import numpy as np
+import pytest
+import torch
+
+from common.config import Config
+from trainer.checkpoint import CheckpointMismatch, TrainState, list_checkpoints, load_checkpoint, save_checkpoint
+from trainer.optim import Optimizer
+from trainer.pretrain import PretrainData, Pretrainer
+
+
+def _cfg() -> Config:
+    cfg = Config()
+    cfg.trainer.steps = 6
+    cfg.trainer.optim.grad_accum = 2
+    cfg.trainer.optim.seq_aux_loss_coef = 0.01
+    cfg.trainer.optim.bias_update_rate = 0.01
+    cfg.trainer.optim.warmup_tokens = 200
+    return cfg
+
+
+@pytest.fixture
+def data(tmp_path) -> PretrainData:
+    stream = np.random.default_rng(0).integers(0, 128, 3000)
+    np.save(tmp_path / "tokens.npy", stream)
+    return PretrainData(str(tmp_path / "tokens.npy"), seq_len=16, batch_size=3)
+
+
+def test_resume_is_bitwise_exact(tmp_path, data):
+    straight = Pretrainer(_cfg(), data, tmp_path / "straight")
+    straight.run()
+    first = Pretrainer(_cfg(), data, tmp_path / "resumed")
+    first.run(3)
+    second = Pretrainer(_cfg(), data, tmp_path / "resumed")
+    assert second.state.step == 3 and second.state.data_cursor == {"epoch": 0, "position": 18}
+    second.run()
+    a, b = straight.model.state_dict(), second.model.state_dict()
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    assert any(m.gate.e_score_correction_bias.abs().sum() > 0 for m in second.model.moe_layers())
+    sa, sb = straight.optimizer.adamw.state_dict()["state"], second.optimizer.adamw.state_dict()["state"]
+    assert all(torch.equal(sa[i]["exp_avg_sq"], sb[i]["exp_avg_sq"]) for i in sa)
+
+
+def test_resume_refuses_a_different_identity(tmp_path, data):
+    Pretrainer(_cfg(), data, tmp_path).run(2)
+    cfg = _cfg()
+    cfg.trainer.model.num_layers = 3
+    with pytest.raises(CheckpointMismatch, match="trainer.model.num_layers"):
+        Pretrainer(cfg, data, tmp_path)
+    runtime_change = _cfg()
+    runtime_change.trainer.steps = 9  # runtime fields may change
+    assert Pretrainer(runtime_change, data, tmp_path).state.step == 2
+
+
+def test_flow_state_rng_and_keep(tmp_path):
+    cfg = Config()
+    model = torch.nn.Linear(3, 3)
+    opt = Optimizer(model, cfg.trainer.optim)
+    flow = {"queued": [1, 2, 3], "in_flight": {"p7": 2}}
+    for step in (1, 2, 3):
+        torch.manual_seed(step)
+        save_checkpoint(tmp_path, model, opt, TrainState(step=step, flow_state=flow), cfg, keep=2)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000002", "step_00000003"]
+    expected = torch.rand(4)  # what the RNG gives right after the last save
+    torch.manual_seed(99)
+    state = load_checkpoint(list_checkpoints(tmp_path)[-1], model, opt, cfg)
+    assert state.flow_state == flow and state.step == 3
+    torch.testing.assert_close(torch.rand(4), expected)
