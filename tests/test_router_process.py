@@ -1,0 +1,87 @@
+"""The router as its role process (`ROLE=router python -m common.cli run CFG`): it publishes its URL
+in Redis, serves through it, refuses to start a second time under the same name while naming the
+running one, and withdraws its URL when stopped by SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from fake_openai import start_backends
+
+from common.config import RendezvousConfig
+from common.keys import Keys
+from common.rendezvous import Rendezvous
+
+ROOT = Path(__file__).resolve().parent.parent
+EXP = "routerproc"
+
+
+@pytest.fixture
+def rz(tmp_path: Path) -> Iterator[Rendezvous]:
+    rz = Rendezvous(tmp_path / "meet", RendezvousConfig())
+    rz.connect(timeout_s=10)
+    yield rz
+    rz.close()
+
+
+def start_router(config: Path, meet: Path) -> subprocess.Popen[str]:
+    env = os.environ | {
+        "ROLE": "router",
+        "SLIPSTREAM_MEET_DIR": str(meet),
+        "SLIPSTREAM_EXP": EXP,
+        "PYTHONPATH": str(ROOT),
+    }
+    cmd = [sys.executable, "-m", "common.cli", "run", str(config)]
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_router_role_publishes_serves_refuses_a_duplicate_and_withdraws(rz: Rendezvous, tmp_path: Path):
+    config = tmp_path / "router.toml"
+    config.write_text(
+        f'[run]\nname = "rp"\nroot = "{tmp_path / "runs"}"\n'
+        "[rendezvous]\nheartbeat_period_s = 0.2\nheartbeat_ttl_s = 1.0\n"
+        '[router]\nname = "main"\nhealth_interval_s = 0.2\npolicy = "least_outstanding"\n'
+    )
+    (backend,) = start_backends(["w0"], rz.meet, EXP)
+    redis = rz.info.client()  # type: ignore[union-attr]
+    key = Keys(EXP).router("main")
+    first = start_router(config, rz.meet)
+    try:
+        deadline = time.monotonic() + 30
+        while (url := redis.get(key)) is None:
+            assert first.poll() is None, f"router exited with {first.returncode}: {first.communicate()[1]}"
+            assert time.monotonic() < deadline, "router never published its URL"
+            time.sleep(0.05)
+        request = urllib.request.Request(
+            url + "/v1/completions", data=json.dumps({"prompt": "p"}).encode(), method="POST"
+        )
+        with urllib.request.urlopen(request, timeout=10) as resp:
+            assert json.loads(resp.read())["worker"] == "w0"
+
+        second = start_router(config, rz.meet)
+        _, err = second.communicate(timeout=30)
+        assert second.returncode == 2
+        assert f"router 'main' of experiment {EXP} is already running at {url}" in err
+        assert redis.get(key) == url
+
+        first.send_signal(signal.SIGTERM)
+        first.wait(timeout=15)
+        assert first.returncode == 128 + signal.SIGTERM
+        assert redis.get(key) is None
+    finally:
+        if first.poll() is None:
+            first.kill()
+        first.communicate()
+        backend.stop()
+        redis.close()
