@@ -1,0 +1,78 @@
+"""Held-out arithmetic: problems of the RL arithmetic task (`rollout.tasks.arithmetic`: same generator,
+same prompt rendering, same exact verifier) drawn from a held-out seed that differs from the training
+seed. `<data_root>/arithmetic/heldout.json` fixes the seed, the number of problems and the generator's
+knobs; given the run's task config (`train_task`), the knobs follow training instead, so the held-out
+problems come from the distribution the policy is trained on, and a held-out seed equal to the
+training seed is refused. Seeds are disjoint, problems need not be: a small problem space (the demo's
+two operands up to 20) repeats problems across any two seeds.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import cached_property
+
+from evaluator.benchmark import Benchmark, BenchmarkError, Case, SampleScore, Sampling
+from rollout.tasks.arithmetic import ArithmeticTask, verify
+
+DATA_FILE = "arithmetic/heldout.json"
+
+
+@dataclass(frozen=True)
+class HeldOutSpec:
+    seed: int
+    count: int
+    min_operands: int
+    max_operands: int
+    max_value: int
+    operators: str
+    max_tokens: int
+
+
+class HeldOutArithmetic(Benchmark):
+    name = "arithmetic"
+    primary = "accuracy/mean"
+
+    @cached_property
+    def spec(self) -> HeldOutSpec:
+        path = self.data_file(DATA_FILE)
+        try:
+            spec = HeldOutSpec(**json.loads(path.read_text()))
+        except (json.JSONDecodeError, TypeError) as exc:
+            raise BenchmarkError(f"{path}: expected a JSON object with the fields of HeldOutSpec ({exc})") from None
+        t = self.train_task
+        if t is None:
+            return spec
+        if t.kind != "arithmetic":
+            raise BenchmarkError(
+                f"benchmark 'arithmetic' follows the training task, but rollout.task.kind = {t.kind!r}; "
+                "evaluate another benchmark or train on arithmetic"
+            )
+        if t.seed == spec.seed:
+            raise BenchmarkError(f"held-out seed {spec.seed} ({path}) equals rollout.task.seed; change one of them")
+        return HeldOutSpec(
+            spec.seed, spec.count, t.min_operands, t.max_operands, t.max_value, t.operators, spec.max_tokens
+        )
+
+    @cached_property
+    def _cases(self) -> list[Case]:
+        s = self.spec
+        task = ArithmeticTask(
+            seed=s.seed,
+            num_problems=s.count,
+            min_operands=s.min_operands,
+            max_operands=s.max_operands,
+            max_value=s.max_value,
+            operators=s.operators,
+        )
+        sampling = Sampling(temperature=0.0, max_tokens=s.max_tokens)
+        return [
+            Case(p.id, p.prompt, sampling, 1, {"answer": p.answer}) for p in (task.problem(i) for i in range(len(task)))
+        ]
+
+    def cases(self) -> list[Case]:
+        return self._cases
+
+    def score(self, case: Case, completion: str) -> SampleScore:
+        return SampleScore({"accuracy": float(verify(completion, case.context["answer"]))})

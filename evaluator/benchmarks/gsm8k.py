@@ -1,0 +1,60 @@
+"""Math word problems in GSM8K's JSONL format: one {"question", "answer"} per line, the reference
+answer's final value after its last `#### `. The model is asked (one chat user message) to finish with
+the answer in \\boxed{}; a completion's answer is its last \\boxed{} content, else its last number, and it
+is compared with the reference by the verifier the RL task uses (`rollout.tasks.mathanswer`), so
+training reward and evaluation agree. Data: `<data_root>/gsm8k/test.jsonl`.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import cached_property
+
+from evaluator.benchmark import Benchmark, BenchmarkError, Case, ChatMessage, SampleScore, Sampling
+from rollout.tasks.mathanswer import answers_equal, extract_answer
+
+DATA_FILE = "gsm8k/test.jsonl"
+INSTRUCTION = "Solve the problem step by step. Write the final answer as \\boxed{N} at the end."
+
+
+def final_answer(answer: str) -> str:
+    """The reference value of a GSM8K answer: the text after its last '####', without thousands commas."""
+    head, sep, tail = answer.rpartition("####")
+    if not sep or not tail.strip():
+        raise ValueError(f"GSM8K answer {answer[-80:]!r} has no final value after '####'")
+    return tail.strip().replace(",", "")
+
+
+class GSM8K(Benchmark):
+    name = "gsm8k"
+    primary = "accuracy/mean"
+    sampling = Sampling(temperature=0.0, max_tokens=256)
+
+    @cached_property
+    def _cases(self) -> list[Case]:
+        path = self.data_file(DATA_FILE)
+        cases = []
+        for lineno, line in enumerate(path.read_text().splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                question, gold = record["question"], final_answer(record["answer"])
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+                raise BenchmarkError(
+                    f"{path}:{lineno}: expected a JSON object with 'question' and an 'answer' "
+                    f"ending in '#### N' ({exc})"
+                ) from None
+            prompt = (ChatMessage("user", f"{question}\n{INSTRUCTION}"),)
+            cases.append(Case(str(record.get("id", f"gsm8k-{lineno}")), prompt, self.sampling, 1, {"answer": gold}))
+        if not cases:
+            raise BenchmarkError(f"{path} holds no problems")
+        return cases
+
+    def cases(self) -> list[Case]:
+        return self._cases
+
+    def score(self, case: Case, completion: str) -> SampleScore:
+        pred = extract_answer(completion)
+        correct = answers_equal(pred, case.context["answer"])
+        return SampleScore({"accuracy": float(correct)}, {"extracted": pred})
