@@ -1,0 +1,163 @@
+"""Async rollout client: token ids in, sampled token ids with behaviour log-probs and versions out.
+
+Requests go to vLLM's token-in/token-out route (/inference/v1/generate) through the router, whose
+URL is read from Redis (`keys.router(name)`), or straight to one worker's URL. Every returned
+`Sample` carries the sampled token ids, the behaviour log-prob of every sampled token (processed,
+i.e. after temperature, as the worker runs vLLM with `--logprobs-mode processed_logprobs`), the
+weight version that produced each token, and the finish reason ("stop", "length", or "abort" when a
+weight update in abort mode cut it short). A response without a log-prob for every token is an
+error (`RolloutError`), never zeros. Samples of one prompt group carry the same affinity header so
+the router keeps them on one worker, where they share the prompt's prefix cache.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import aiohttp
+import redis.asyncio
+
+from common.keys import Keys
+
+GENERATE_PATH = "/inference/v1/generate"
+
+
+class RolloutError(RuntimeError):
+    """A generation response is unusable for RL (an HTTP error, or tokens without log-probs or versions)."""
+
+
+class NoRouterError(RolloutError):
+    """No router URL is published for this experiment."""
+
+
+@dataclass
+class Sample:
+    """One generated completion, with what an RL trainer needs to weigh it."""
+
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: str
+
+    @property
+    def aborted(self) -> bool:
+        """True when a weight update in abort mode ended the request early (the tokens are partial)."""
+        return self.finish_reason == "abort"
+
+    @property
+    def oldest_version(self) -> int | None:
+        return min(self.versions) if self.versions else None
+
+
+def parse_choice(prompt: list[int], choice: dict) -> Sample:
+    """A Sample from one choice of a /inference/v1/generate response; RolloutError if anything is missing."""
+    tokens = choice.get("token_ids")
+    if tokens is None:
+        raise RolloutError(f"response choice has no token_ids: {str(choice)[:300]}")
+    content = (choice.get("logprobs") or {}).get("content")
+    if content is None or len(content) != len(tokens):
+        raise RolloutError(
+            f"response has {0 if content is None else len(content)} log-probs for {len(tokens)} tokens; the "
+            "worker must return the behaviour log-prob of every sampled token (logprobs=0 in sampling_params)"
+        )
+    logprobs = []
+    for i, (tok, entry) in enumerate(zip(tokens, content, strict=True)):
+        if entry.get("token_id") != tok or entry.get("logprob") is None:
+            raise RolloutError(f"log-prob entry {i} is for token {entry.get('token_id')}, not the sampled {tok}")
+        logprobs.append(float(entry["logprob"]))
+    versions: list[int | None] = [None] * len(tokens)
+    for span in choice.get("weight_versions") or []:
+        for i in range(span["start"], span["end"]):
+            versions[i] = int(span["version"])
+    if any(v is None for v in versions):
+        raise RolloutError(
+            f"response labels {sum(v is not None for v in versions)} of {len(tokens)} tokens with a weight version; "
+            "the worker must set a version label at start (rollout.worker does)"
+        )
+    return Sample(list(prompt), list(tokens), logprobs, [int(v) for v in versions if v is not None],
+                  str(choice.get("finish_reason")))  # fmt: skip
+
+
+class RolloutClient:
+    """Generates through the experiment's router (or one fixed URL) with one aiohttp session."""
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        url: str | None = None,
+        redis_client: redis.asyncio.Redis | None = None,
+        keys: Keys | None = None,
+        router_name: str = "default",
+        affinity_header: str = "X-Slipstream-Group",
+        session: aiohttp.ClientSession | None = None,
+    ) -> None:
+        if url is None and (redis_client is None or keys is None):
+            raise ValueError("RolloutClient needs a url, or redis_client and keys to find the router")
+        self.model, self._url = model, url.rstrip("/") if url else None
+        self.redis, self.keys, self.router_name = redis_client, keys, router_name
+        self.affinity_header = affinity_header
+        self._session, self._own_session = session, session is None
+
+    async def __aenter__(self) -> RolloutClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._own_session and self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def base_url(self) -> str:
+        """The fixed URL, or the router's URL as currently published in Redis."""
+        if self._url is not None:
+            return self._url
+        assert self.redis is not None and self.keys is not None
+        url = await self.redis.get(self.keys.router(self.router_name))
+        if not url:
+            raise NoRouterError(
+                f"no router URL at {self.keys.router(self.router_name)}; start one (ROLE=router slipstream run CFG)"
+            )
+        return url.rstrip("/")
+
+    async def generate(
+        self,
+        prompt_token_ids: Sequence[int],
+        *,
+        n: int = 1,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        max_tokens: int = 64,
+        seed: int | None = None,
+        group: str | None = None,
+        ignore_eos: bool = False,
+        stop_token_ids: Sequence[int] | None = None,
+        timeout_s: float | None = None,
+    ) -> list[Sample]:
+        """Sample n completions of one prompt; `group` pins requests of one prompt group to one worker."""
+        params: dict = {"n": n, "temperature": temperature, "top_p": top_p, "max_tokens": max_tokens,
+                        "logprobs": 0, "ignore_eos": ignore_eos}  # fmt: skip
+        if seed is not None:
+            params["seed"] = seed
+        if stop_token_ids:
+            params["stop_token_ids"] = list(stop_token_ids)
+        body = {"model": self.model, "token_ids": list(prompt_token_ids), "sampling_params": params,
+                "request_id": f"ss-{uuid.uuid4().hex}"}  # fmt: skip
+        headers = {self.affinity_header: group} if group else {}
+        if self._session is None:
+            self._session = aiohttp.ClientSession()
+        url = f"{await self.base_url()}{GENERATE_PATH}"
+        timeout = aiohttp.ClientTimeout(total=timeout_s)
+        async with self._session.post(url, json=body, headers=headers, timeout=timeout) as r:
+            if r.status != 200:
+                raise RolloutError(f"POST {url} -> HTTP {r.status}: {(await r.text())[:500]}")
+            data = await r.json()
+        choices = sorted(data.get("choices") or [], key=lambda c: c["index"])
+        if len(choices) != n:
+            raise RolloutError(f"asked for {n} samples, got {len(choices)} choices")
+        return [parse_choice(list(prompt_token_ids), c) for c in choices]

@@ -1,0 +1,32 @@
+"""Slipstream's vLLM general plugin: the `file` weight-transfer engine and the CPU MoE reload fix.
+
+vLLM runs `register` (entry point group `vllm.general_plugins`, see pyproject.toml) in every vLLM
+process. It registers the `file` engine, which loads a published weight version from safetensors
+files (rollout/weights.py writes them) and works on any machine that sees the files, and, on the CPU
+platform of vLLM 0.32, makes weight reloads re-run the CPU expert pre-packing that vLLM skips.
+vLLM's own engines (nccl, ipc, ...) stay registered and selectable with
+`--weight-transfer-config '{"backend": "nccl"}'` on GPUs.
+"""
+
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger(__name__)
+
+FILE_BACKEND = "file"
+
+
+def register() -> None:
+    """Entry point run by vLLM in each of its processes; idempotent."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    # vLLM loads general plugins once per process, but a process that imports us twice (tests) must
+    # not fail on the factory's duplicate-name check.
+    if FILE_BACKEND not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(
+            FILE_BACKEND, "rollout.vllm_plugin.file_engine", "FileWeightTransferEngine"
+        )
+    from rollout.vllm_plugin.cpu_moe_fix import install
+
+    install()

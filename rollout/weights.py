@@ -1,0 +1,446 @@
+"""Versioned weight publishing, the trainer side of weight sync (DESIGN section 6).
+
+`WeightPublisher.publish(version, tensors)` exports the tensors in HF naming (fused expert tensors
+are split into one name per expert, which vLLM's loaders require), writes them to
+`<weight_dir>/v<N>/` atomically (a temporary directory renamed into place), then drives every live
+worker through vLLM's RL endpoints: /pause?mode=..., /start_weight_update, /update_weights,
+/finish_weight_update {weight_version}, /reset_prefix_cache, /resume. All workers are driven
+concurrently and every response is checked. A worker that fails is evicted (removed from the
+`workers` hash and its liveness key, so the router stops using it; the worker notices and exits to
+be restarted) and reported in the result and as an event. `weights:current` advances only after
+every live worker acknowledged the version; then the version is appended to `weights:log` and
+version directories older than the newest `keep_versions` are removed.
+
+Transports: `file` (above; any machine that sees the weight dir) and `nccl` (`NcclTransport`,
+vLLM's trainer-side NCCL engine; GPUs only, needs vLLM's GPU build in the trainer process).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import re
+import shutil
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import redis.asyncio
+import torch
+
+from common.config import RolloutConfig
+from common.keys import Keys
+from common.roles import announce
+
+log = logging.getLogger(__name__)
+
+WEIGHTS_LOG_MAXLEN = 10_000
+# A weight update of a large model can take minutes; a stuck worker is still bounded by this.
+UPDATE_TIMEOUT_S = 600.0
+_VERSION_DIR = re.compile(r"^v(\d+)$")
+# transformers keeps routed experts fused in memory: [E, 2I, H] gate|up and [E, H, I] down.
+_FUSED_GATE_UP = re.compile(r"^(.*\.experts)\.gate_up_proj$")
+_FUSED_DOWN = re.compile(r"^(.*\.experts)\.down_proj$")
+
+
+class WorkerError(RuntimeError):
+    """A worker answered a weight-sync call with an error (or not at all); names the call and the worker."""
+
+
+class PublishError(RuntimeError):
+    """A version could not be published (bad version number or tensors); nothing was changed."""
+
+
+@dataclass
+class WorkerOutcome:
+    """How one worker took one version."""
+
+    worker_id: str
+    url: str
+    ok: bool
+    pause_window_s: float = 0.0
+    error: str = ""
+
+
+@dataclass
+class PublishResult:
+    """What a publish did: where the version lives, how long each part took, who acknowledged it."""
+
+    version: int
+    location: str
+    bytes: int
+    export_s: float
+    write_s: float
+    drive_s: float
+    total_s: float
+    workers: list[WorkerOutcome] = field(default_factory=list)
+
+    @property
+    def evicted(self) -> list[WorkerOutcome]:
+        return [w for w in self.workers if not w.ok]
+
+    @property
+    def max_pause_s(self) -> float:
+        return max((w.pause_window_s for w in self.workers if w.ok), default=0.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Export
+# ----------------------------------------------------------------------------------------------
+
+
+def hf_tensors(tensors: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF-named tensors with one name per expert: fused transformers expert tensors are split.
+
+    `...experts.gate_up_proj` [E, 2I, H] becomes `...experts.{e}.gate_proj.weight` [I, H] and
+    `...experts.{e}.up_proj.weight` [I, H]; `...experts.down_proj` [E, H, I] becomes
+    `...experts.{e}.down_proj.weight`. Everything else passes through; all come out contiguous on CPU.
+    """
+    for name, t in tensors.items():
+        t = t.detach()
+        if (m := _FUSED_GATE_UP.match(name)) and t.dim() == 3:
+            if t.shape[1] % 2:
+                raise PublishError(f"{name}: fused gate_up_proj of shape {tuple(t.shape)} has an odd middle dim")
+            gate, up = t.chunk(2, dim=1)
+            for e in range(t.shape[0]):
+                yield f"{m[1]}.{e}.gate_proj.weight", gate[e].contiguous().cpu()
+                yield f"{m[1]}.{e}.up_proj.weight", up[e].contiguous().cpu()
+        elif (m := _FUSED_DOWN.match(name)) and t.dim() == 3:
+            for e in range(t.shape[0]):
+                yield f"{m[1]}.{e}.down_proj.weight", t[e].contiguous().cpu()
+        else:
+            yield name, t.contiguous().cpu()
+
+
+def write_version(root: Path, version: int, tensors: Mapping[str, torch.Tensor]) -> tuple[Path, int, float, float]:
+    """Write one version to root/v<N>/model.safetensors atomically; (dir, bytes, export_s, write_s)."""
+    from safetensors.torch import save_file
+
+    t0 = time.perf_counter()
+    named = dict(hf_tensors(tensors))
+    if not named:
+        raise PublishError(f"publish({version}): no tensors given")
+    t1 = time.perf_counter()
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"v{version}"
+    if final.exists():
+        raise PublishError(f"publish({version}): {final} already exists; versions are immutable, publish {version + 1}")
+    tmp = root / f".v{version}.{os.getpid()}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        save_file(named, str(tmp / "model.safetensors"), metadata={"slipstream_version": str(version)})
+        os.rename(tmp, final)  # readers see the whole version or none of it
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    size = sum(t.numel() * t.element_size() for t in named.values())
+    return final, size, t1 - t0, time.perf_counter() - t1
+
+
+def prune_versions(root: Path, keep: int) -> list[Path]:
+    """Remove all but the newest `keep` version directories; the removed paths."""
+    found = sorted((int(m[1]), p) for p in root.glob("v*") if (m := _VERSION_DIR.match(p.name)) and p.is_dir())
+    removed = [p for _, p in found[: max(0, len(found) - keep)]]
+    for p in removed:
+        shutil.rmtree(p, ignore_errors=True)
+    return removed
+
+
+# ----------------------------------------------------------------------------------------------
+# Driving one worker
+# ----------------------------------------------------------------------------------------------
+
+
+async def _call(session: aiohttp.ClientSession, method: str, url: str, json: Any = None) -> Any:
+    try:
+        async with session.request(method, url, json=json, timeout=aiohttp.ClientTimeout(total=UPDATE_TIMEOUT_S)) as r:
+            text = await r.text()
+            if r.status != 200:
+                raise WorkerError(f"{method} {url} -> HTTP {r.status}: {text[:500]}")
+            return text
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        raise WorkerError(f"{method} {url} failed: {type(exc).__name__}: {exc}") from exc
+
+
+async def label_version(session: aiohttp.ClientSession, url: str, version: int) -> None:
+    """Set the version label vLLM attaches to tokens, without changing weights (version 0 at start)."""
+    await _call(session, "POST", f"{url}/update_weight_version", {"new_version": str(version)})
+
+
+async def apply_version(
+    session: aiohttp.ClientSession,
+    url: str,
+    version: int,
+    location: str,
+    pause_mode: str,
+    update_info: Mapping[str, Any] | None = None,
+) -> float:
+    """Drive one worker through a whole update to `version`; the pause window in seconds.
+
+    On any failure the worker is resumed if possible (so it does not hang requests) and WorkerError
+    is raised; the caller must evict it, since its weights may be half-updated.
+    """
+    info = dict(update_info) if update_info is not None else {"path": location}
+    await _call(session, "POST", f"{url}/pause?mode={pause_mode}")
+    paused_at = time.perf_counter()
+    try:
+        await _call(session, "POST", f"{url}/start_weight_update")
+        await _call(session, "POST", f"{url}/update_weights", {"update_info": info})
+        await _call(session, "POST", f"{url}/finish_weight_update", {"weight_version": str(version)})
+        # A prefix cached under the old weights would be reused for new requests (10 nats off).
+        await _call(session, "POST", f"{url}/reset_prefix_cache")
+    except WorkerError:
+        with contextlib.suppress(WorkerError):
+            await _call(session, "POST", f"{url}/resume")
+        raise
+    await _call(session, "POST", f"{url}/resume")
+    return time.perf_counter() - paused_at
+
+
+async def served_version(session: aiohttp.ClientSession, url: str) -> str | None:
+    """The weight version label the worker reports on /weight_info."""
+    import json
+
+    return json.loads(await _call(session, "GET", f"{url}/weight_info"))["weight_version"]
+
+
+async def current_version(client: redis.asyncio.Redis, keys: Keys) -> int | None:
+    raw = await client.get(keys.weights_current)
+    return None if raw is None else int(raw)
+
+
+async def live_workers(client: redis.asyncio.Redis, keys: Keys) -> dict[str, str]:
+    """worker_id -> url of registered workers whose liveness key exists."""
+    import json
+
+    entries = await client.hgetall(keys.workers)
+    if not entries:
+        return {}
+    ids = list(entries)
+    alive = await client.mget([keys.worker_alive(i) for i in ids])
+    return {i: json.loads(entries[i])["url"] for i, a in zip(ids, alive, strict=True) if a is not None}
+
+
+async def evict(client: redis.asyncio.Redis, keys: Keys, worker_id: str, reason: str) -> None:
+    """Remove a worker from the pool (the router stops routing to it; the worker exits and restarts)."""
+    await client.hdel(keys.workers, worker_id)
+    await client.delete(keys.worker_alive(worker_id))
+    await announce(client, keys, "trainer", "worker evicted", worker=worker_id, reason=reason[:1000])
+    log.error("evicted worker %s: %s", worker_id, reason)
+
+
+async def _set_worker_version(client: redis.asyncio.Redis, keys: Keys, worker_id: str, version: int) -> None:
+    import json
+
+    raw = await client.hget(keys.workers, worker_id)
+    if raw is not None:
+        entry = json.loads(raw)
+        entry["weight_version"] = version
+        await client.hset(keys.workers, worker_id, json.dumps(entry))
+
+
+# ----------------------------------------------------------------------------------------------
+# The publisher
+# ----------------------------------------------------------------------------------------------
+
+
+class WeightPublisher:
+    """Publishes versions of the policy to every live worker of one experiment (file transport)."""
+
+    def __init__(
+        self,
+        client: redis.asyncio.Redis,
+        keys: Keys,
+        cfg: RolloutConfig,
+        run_dir: str | os.PathLike[str],
+        session: aiohttp.ClientSession | None = None,
+    ) -> None:
+        if cfg.weight_backend != "file":
+            raise ValueError(
+                f"WeightPublisher writes files but rollout.weight_backend = {cfg.weight_backend!r}; "
+                "use NcclTransport for 'nccl'"
+            )
+        self.client, self.keys, self.cfg = client, keys, cfg
+        self.root = Path(cfg.weight_dir) if cfg.weight_dir else Path(run_dir) / "weights"
+        self._session = session
+        self._own_session = session is None
+
+    async def __aenter__(self) -> WeightPublisher:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._own_session and self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def _sess(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            self._session = aiohttp.ClientSession()
+        return self._session
+
+    async def publish(
+        self, version: int, tensors: Mapping[str, torch.Tensor], pause_mode: str | None = None
+    ) -> PublishResult:
+        """Write `version` and apply it on every live worker; see the module docstring for the contract."""
+        t0 = time.perf_counter()
+        current = await current_version(self.client, self.keys)
+        if version <= (current or 0):
+            raise PublishError(f"publish({version}): weights:current is already {current}; publish a newer version")
+        mode = pause_mode or self.cfg.pause_mode
+        if mode not in ("keep", "abort", "wait"):
+            raise PublishError(f"pause mode {mode!r} is not one of keep, abort, wait")
+        location, size, export_s, write_s = await asyncio.to_thread(write_version, self.root, version, tensors)
+        t1 = time.perf_counter()
+        workers = await live_workers(self.client, self.keys)
+        outcomes = await asyncio.gather(
+            *(self._drive(wid, url, version, str(location), mode) for wid, url in workers.items())
+        )
+        drive_s = time.perf_counter() - t1
+        # Every worker still live has acknowledged (failures were evicted above), so the version is current.
+        await self.client.set(self.keys.weights_current, version)
+        await self.client.xadd(
+            self.keys.weights_log,
+            {"version": version, "backend": "file", "location": str(location), "ts": f"{time.time():.3f}"},
+            maxlen=WEIGHTS_LOG_MAXLEN,
+            approximate=True,
+        )
+        result = PublishResult(version, str(location), size, export_s, write_s, drive_s, time.perf_counter() - t0,
+                               list(outcomes))  # fmt: skip
+        await announce(self.client, self.keys, "trainer", "version published", version=version,
+                       workers=len(outcomes), evicted=[w.worker_id for w in result.evicted])  # fmt: skip
+        for p in prune_versions(self.root, self.cfg.keep_versions):
+            log.debug("removed old weight version %s", p)
+        log.info(
+            "published weight version %d (%.1f MB) to %d worker(s) in %.3fs (write %.3fs, max pause %.3fs)%s",
+            version, size / 1e6, len(outcomes) - len(result.evicted), result.total_s, write_s, result.max_pause_s,
+            f"; EVICTED {[w.worker_id for w in result.evicted]}" if result.evicted else "",
+        )  # fmt: skip
+        return result
+
+    async def _drive(self, worker_id: str, url: str, version: int, location: str, mode: str) -> WorkerOutcome:
+        try:
+            pause = await apply_version(self._sess(), url, version, location, mode)
+        except WorkerError as exc:
+            await evict(self.client, self.keys, worker_id, f"weight version {version}: {exc}")
+            return WorkerOutcome(worker_id, url, False, error=str(exc))
+        await _set_worker_version(self.client, self.keys, worker_id, version)
+        return WorkerOutcome(worker_id, url, True, pause_window_s=pause)
+
+
+# ----------------------------------------------------------------------------------------------
+# NCCL (GPUs only)
+# ----------------------------------------------------------------------------------------------
+
+
+class _DictSource:
+    """A vLLM WeightSource over HF-named tensors (built lazily so CPU machines never import vLLM's NCCL)."""
+
+    @staticmethod
+    def build(tensors: Mapping[str, torch.Tensor]):
+        from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+
+        class DictSource(WeightSource):
+            def __init__(self) -> None:
+                self.tensors: dict[str, torch.Tensor] = {}
+
+            def metadata(self) -> list[ParamMeta]:
+                return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in self.tensors.items()]
+
+            def __iter__(self):
+                return iter(self.tensors.items())
+
+        src = DictSource()
+        src.tensors = dict(tensors)
+        return src
+
+
+class _FanoutClient:
+    """vLLM's VLLMWeightSyncClient protocol over several workers' HTTP routes (synchronous, in a thread)."""
+
+    def __init__(self, urls: list[str], timeout_s: float = UPDATE_TIMEOUT_S) -> None:
+        from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+
+        self.clients = [HTTPVLLMWeightSyncClient(u, timeout=timeout_s) for u in urls]
+        self.version: str | None = None
+
+    def _all(self, fn: str, *args: Any) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=len(self.clients)) as ex:
+            for f in [ex.submit(getattr(c, fn), *args) for c in self.clients]:
+                f.result()
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        # Each worker joins at its own rank offset in the trainer+workers NCCL group.
+        from concurrent.futures import ThreadPoolExecutor
+
+        tp = init_info.pop("_tp")
+        with ThreadPoolExecutor(max_workers=len(self.clients)) as ex:
+            futs = [ex.submit(c.init_weight_transfer_engine, {**init_info, "rank_offset": 1 + i * tp})
+                    for i, c in enumerate(self.clients)]  # fmt: skip
+            for f in futs:
+                f.result()
+
+    def start_weight_update(self) -> None:
+        self._all("start_weight_update")
+
+    def update_weights(self, update_info: Any) -> None:
+        self._all("update_weights", update_info)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._all("finish_weight_update", weight_version or self.version)
+
+
+class NcclTransport:
+    """GPU-only transport through vLLM's NCCL engine: a fixed set of workers joins one NCCL group.
+
+    The trainer (rank 0) broadcasts every tensor; workers (started with weight_backend = "nccl")
+    receive and load them. Workers that join later cannot enter the group, so this transport is for
+    fixed worker pools; use `file` for elastic ones. Not testable here (no CUDA, no GPU vLLM): the
+    constructor checks its preconditions and says what is missing.
+    """
+
+    def __init__(self, urls: list[str], master_address: str, master_port: int, tensor_parallel_size: int = 1) -> None:
+        if not urls:
+            raise ValueError("NcclTransport needs at least one worker URL")
+        if tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                "the nccl weight transport needs CUDA GPUs in the trainer process (torch.cuda.is_available() is "
+                "False); set rollout.weight_backend = 'file' on CPU machines"
+            )
+        self.urls, self.tp = list(urls), tensor_parallel_size
+        self.world_size = 1 + len(urls) * tensor_parallel_size
+        self.master_address, self.master_port = master_address, master_port
+        self.engine = None
+        self.client: _FanoutClient | None = None
+
+    def connect(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Form the NCCL group with every worker (blocking; call once before the first send)."""
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+
+        self.client = _FanoutClient(self.urls)
+        info = NCCLTrainerInitInfo(master_address=self.master_address, master_port=self.master_port,
+                                   world_size=self.world_size, rank=0)  # fmt: skip
+        self.source = _DictSource.build(dict(hf_tensors(tensors)))
+        original = self.client.init_weight_transfer_engine
+        self.client.init_weight_transfer_engine = lambda init: original({**init, "_tp": self.tp})  # type: ignore[method-assign]
+        self.engine = WeightTransferTrainerFactory.trainer_init(info, client=self.client, source=self.source)
+
+    def send(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Broadcast one version (start, update, finish with the version label) to every worker."""
+        if self.engine is None or self.client is None:
+            raise RuntimeError("NcclTransport.send before connect(); call connect(tensors) once first")
+        self.source.tensors = dict(hf_tensors(tensors))
+        self.client.version = str(version)
+        self.engine.send_weights()

@@ -1,0 +1,363 @@
+"""ROLE=vllm: one rollout worker, i.e. a vLLM OpenAI server child process registered in Redis.
+
+The worker starts vLLM with the RL endpoints (`VLLM_SERVER_DEV_MODE=1`), the weight-transfer
+engine of `rollout.weight_backend`, processed log-probs (after temperature, as importance ratios
+need), the token-in/token-out route (`--enable-scale-out`), a bounded KV cache, and every cache and
+temp dir under the run dir, offline. It is ready only after /health passes and one real completion
+succeeds (some bad configs pass /health and crash on the first request). It then catches up to
+`weights:current` if the run has published weights, registers in the `workers` hash and heartbeats
+`worker_alive(id)`. While serving it watches three things: vLLM exiting (the role exits non-zero),
+its registry entry vanishing (a publisher evicted it: exit non-zero so it is restarted, never left
+on old weights), and `weights:current` moving past its own version without it (a publish that
+raced its registration: it catches up itself). On SIGTERM it deregisters and stops vLLM's whole
+process group (SIGTERM, then SIGKILL after a grace period).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+
+from common.config import Config, RolloutConfig
+from common.rendezvous import Heartbeat
+from common.roles import RunContext, announce
+from rollout.tinykit import TINY_MODELS, resolve_model
+from rollout.vllm_plugin import FILE_BACKEND
+from rollout.weights import WorkerError, apply_version, current_version, label_version
+
+log = logging.getLogger(__name__)
+
+STOP_GRACE_S = 15.0
+EXIT_VLLM_DIED = 3
+EXIT_EVICTED = 4
+
+
+class WorkerStartError(RuntimeError):
+    """vLLM did not become ready; the message says what was seen and where the log is."""
+
+
+@dataclass
+class WorkerRecord:
+    """What a worker publishes in the `workers` hash."""
+
+    url: str
+    model: str
+    weight_version: int
+    started_at: float
+
+    def to_json(self) -> str:
+        return json.dumps({"url": self.url, "model": self.model, "weight_version": self.weight_version,
+                           "started_at": self.started_at})  # fmt: skip
+
+    @classmethod
+    def from_json(cls, text: str) -> WorkerRecord:
+        d = json.loads(text)
+        return cls(d["url"], d["model"], int(d["weight_version"]), float(d["started_at"]))
+
+
+def free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def is_deepseek(model_dir: Path) -> bool:
+    arch = json.loads((model_dir / "config.json").read_text()).get("architectures", [""])[0]
+    return arch.startswith("Deepseek")
+
+
+def serving_dtype(dtype: str, model_dir: Path) -> str:
+    """The dtype vLLM will serve in: rollout.dtype, or the checkpoint's own for "auto"."""
+    if dtype != "auto":
+        return {"fp32": "float32", "float": "float32"}.get(dtype, dtype)
+    cfg = json.loads((model_dir / "config.json").read_text())
+    return str(cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16")
+
+
+def vllm_command(ro: RolloutConfig, model_dir: Path, host: str, port: int, cpu: bool) -> list[str]:
+    """The vLLM OpenAI server command line of a worker (engine args pass through from the config)."""
+    backend = FILE_BACKEND if ro.weight_backend == "file" else "nccl"
+    cmd = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model_dir),
+        "--served-model-name", ro.served_model_name,
+        "--host", host,
+        "--port", str(port),
+        "--max-model-len", str(ro.max_model_len),
+        "--dtype", ro.dtype,
+        "--tensor-parallel-size", str(ro.tensor_parallel_size),
+        "--weight-transfer-config", json.dumps({"backend": backend}),
+        "--logprobs-mode", "processed_logprobs",
+        "--enable-scale-out",
+        "--disable-uvicorn-access-log",
+    ]  # fmt: skip
+    if cpu:
+        cmd += ["--kv-cache-memory-bytes", str(ro.kv_cache_bytes)]
+        if is_deepseek(model_dir):
+            # vLLM 0.32's CPU rotary custom op is wrong for DeepSeek's query shape (0.19 nats off).
+            cmd += ["--compilation-config", json.dumps({"custom_ops": ["-rotary_embedding"]})]
+            if serving_dtype(ro.dtype, model_dir) == "float32" and "--attention-backend" not in ro.extra_args:
+                # vLLM prefers its AMX MLA backend where AMX exists, but that one packs bf16/fp16 only
+                # and fails at load on fp32 weights; the reference CPU MLA backend runs fp32.
+                cmd += ["--attention-backend", "CPU_MLA"]
+    else:
+        cmd += ["--gpu-memory-utilization", str(ro.gpu_memory_utilization)]
+    if ro.enforce_eager:
+        cmd.append("--enforce-eager")
+    return cmd + list(ro.extra_args)
+
+
+def vllm_env(run_dir: Path, base: dict[str, str] | None = None) -> dict[str, str]:
+    """vLLM's environment: RL endpoints on, offline, caches and temp files under the run dir."""
+    env = dict(os.environ if base is None else base)
+    cache = Path(run_dir) / "cache"
+    dirs = {
+        "VLLM_CACHE_ROOT": cache / "vllm",
+        "TORCHINDUCTOR_CACHE_DIR": cache / "inductor",
+        "XDG_CACHE_HOME": cache / "xdg",
+        "TMPDIR": cache / "tmp",
+    }
+    for name, path in dirs.items():
+        path.mkdir(parents=True, exist_ok=True)
+        env[name] = str(path)
+    env.update(
+        VLLM_SERVER_DEV_MODE="1",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        VLLM_NO_USAGE_STATS="1",
+        DO_NOT_TRACK="1",
+        PYTHONUNBUFFERED="1",
+    )
+    # Binding OpenMP threads to both cores halved throughput here (notes/vllm-cpu.md).
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "auto")
+    return env
+
+
+def _die_with_parent() -> None:
+    # Runs in the child between fork and exec: a new session (own process group, so it can be
+    # stopped as a whole) and SIGTERM from the kernel if the worker dies, even by SIGKILL.
+    os.setsid()
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+class VllmProcess:
+    """The vLLM server child: started in its own process group, its output forwarded to our log."""
+
+    def __init__(self, cmd: list[str], env: dict[str, str], url: str, log_path: Path, prefix: str) -> None:
+        self.cmd, self.env, self.url, self.log_path, self.prefix = cmd, env, url, log_path, prefix
+        self.proc: asyncio.subprocess.Process | None = None
+        self._pump: asyncio.Task[None] | None = None
+        self._tail: list[str] = []
+
+    async def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.proc = await asyncio.create_subprocess_exec(
+            *self.cmd,
+            env=self.env,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            preexec_fn=_die_with_parent,
+        )
+        self._pump = asyncio.create_task(self._forward(), name="vllm log")
+        log.info("started vLLM pid %d at %s (log %s)", self.proc.pid, self.url, self.log_path)
+
+    async def _forward(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        with self.log_path.open("ab") as fh:
+            async for raw in self.proc.stdout:
+                fh.write(raw)
+                line = raw.decode(errors="replace").rstrip()
+                self._tail = (self._tail + [line])[-30:]
+                print(f"{self.prefix} {line}", file=sys.stderr, flush=True)
+
+    def tail(self) -> str:
+        return "\n".join(self._tail)
+
+    @property
+    def returncode(self) -> int | None:
+        return None if self.proc is None else self.proc.returncode
+
+    async def wait(self) -> int:
+        assert self.proc is not None
+        code = await self.proc.wait()
+        if self._pump is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._pump
+        return code
+
+    async def stop(self, grace_s: float = STOP_GRACE_S) -> None:
+        """SIGTERM the whole process group, SIGKILL it after grace_s, and reap the child."""
+        if self.proc is None or self.proc.returncode is not None:
+            return
+        pgid = self.proc.pid  # setsid made the child its group leader
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGTERM)
+        try:
+            await asyncio.wait_for(self.proc.wait(), grace_s)
+        except TimeoutError:
+            log.warning("vLLM pid %d ignored SIGTERM for %.0fs; killing its process group", pgid, grace_s)
+        # Engine-core processes of the group may outlive the API server: kill whatever is left.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGKILL)
+        await self.wait()
+        log.info("stopped vLLM pid %d (exit code %s)", pgid, self.proc.returncode)
+
+
+async def wait_ready(session: aiohttp.ClientSession, vllm: VllmProcess, served_model: str, timeout_s: float) -> float:
+    """Wait for /health and one real completion; seconds taken. WorkerStartError if vLLM dies or is late."""
+    start = time.monotonic()
+    deadline = start + timeout_s
+    stage = "waiting for /health"
+    while True:
+        if vllm.returncode is not None:
+            raise WorkerStartError(
+                f"vLLM exited with code {vllm.returncode} while {stage}; last lines:\n{vllm.tail()}\n"
+                f"(full log: {vllm.log_path})"
+            )
+        if time.monotonic() > deadline:
+            raise WorkerStartError(
+                f"vLLM at {vllm.url} not ready after {timeout_s:.0f}s ({stage}); raise rollout.startup_timeout_s "
+                f"if the machine is slow, or see {vllm.log_path}"
+            )
+        try:
+            if stage == "waiting for /health":
+                async with session.get(f"{vllm.url}/health", timeout=aiohttp.ClientTimeout(total=5)) as r:
+                    if r.status == 200:
+                        stage = "running the first completion"
+                        continue
+            else:
+                body = {"model": served_model, "prompt": "1+1=", "max_tokens": 2, "temperature": 0.0}
+                async with session.post(
+                    f"{vllm.url}/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=120)
+                ) as r:
+                    if r.status == 200:
+                        await r.json()
+                        return time.monotonic() - start
+                    raise WorkerStartError(
+                        f"vLLM's first completion failed with HTTP {r.status}: {(await r.text())[:500]}; "
+                        f"the model config is probably unsupported here (see {vllm.log_path})"
+                    )
+        except (aiohttp.ClientConnectionError, TimeoutError):
+            if stage != "waiting for /health":
+                # The engine died during the first request: report it with vLLM's own last words.
+                await asyncio.sleep(1.0)
+                if vllm.returncode is not None:
+                    continue
+                raise
+        await asyncio.sleep(0.5)
+
+
+async def catch_up(ctx: RunContext, client, session: aiohttp.ClientSession, url: str, have: int) -> int:
+    """Apply weights:current to the server at url if it is newer than `have`; the version now served."""
+    current = await current_version(client, ctx.keys)
+    if current is None or current <= have:
+        return have
+    location = await _location_of(client, ctx, current)
+    log.info("catching up from weight version %d to %d (%s)", have, current, location)
+    await apply_version(session, url, current, location, ctx.cfg.rollout.pause_mode)
+    return current
+
+
+async def _location_of(client, ctx: RunContext, version: int) -> str:
+    for _id, fields in await client.xrevrange(ctx.keys.weights_log, count=1000):
+        if int(fields["version"]) == version:
+            if fields["backend"] != "file":
+                raise WorkerError(
+                    f"weights:current = {version} was published with backend {fields['backend']!r}; a new worker can "
+                    "only load file-published versions by itself. Use rollout.weight_backend = 'file' for elastic "
+                    "workers."
+                )
+            return fields["location"]
+    raise WorkerError(f"weights:current = {version} has no entry in {ctx.keys.weights_log}; the publisher is broken")
+
+
+async def main(ctx: RunContext) -> int:
+    """Run one worker until SIGTERM (exit via cancellation), vLLM's death or eviction."""
+    cfg: Config = ctx.cfg
+    ro = cfg.rollout
+    worker_id = ctx.instance
+    model_dir = await asyncio.to_thread(resolve_model, cfg, ctx.run_dir)
+    host = "127.0.0.1"
+    port = free_port(host)
+    url = f"http://{host}:{port}"
+    try:
+        import torch
+
+        cpu = not torch.cuda.is_available()
+    except ImportError:
+        cpu = True
+    cmd = vllm_command(ro, model_dir, host, port, cpu)
+    vllm = VllmProcess(cmd, vllm_env(ctx.run_dir), url, ctx.run_dir / "logs" / f"vllm-{worker_id}.log",
+                       f"[vllm {worker_id}]")  # fmt: skip
+    client = ctx.async_redis()
+    rz = cfg.rendezvous
+    beat = Heartbeat(client, ctx.keys.worker_alive(worker_id), url, rz.heartbeat_period_s, rz.heartbeat_ttl_s)
+    registered = False
+    try:
+        async with aiohttp.ClientSession() as session:
+            await vllm.start()
+            took = await wait_ready(session, vllm, ro.served_model_name, ro.startup_timeout_s)
+            log.info("vLLM ready after %.1fs (model %s)", took, model_dir)
+            # Label the initial weights version 0 so every token carries a version.
+            await label_version(session, url, 0)
+            version = await catch_up(ctx, client, session, url, 0)
+            record = WorkerRecord(url, ro.served_model_name, version, time.time())
+            await beat.start()
+            await client.hset(ctx.keys.workers, worker_id, record.to_json())
+            registered = True
+            await announce(client, ctx.keys, "vllm", "worker registered", worker=worker_id, url=url, version=version)
+            log.info("registered worker %s at %s serving weight version %d", worker_id, url, version)
+            return await _serve(ctx, client, session, vllm, worker_id, record)
+    finally:
+        if registered:
+            with contextlib.suppress(Exception):
+                await client.hdel(ctx.keys.workers, worker_id)
+                await announce(client, ctx.keys, "vllm", "worker deregistered", worker=worker_id)
+        await beat.stop()
+        await vllm.stop()
+        await client.aclose()
+
+
+async def _serve(ctx: RunContext, client, session, vllm: VllmProcess, worker_id: str, record: WorkerRecord) -> int:
+    period = ctx.cfg.rendezvous.heartbeat_period_s
+    died = asyncio.create_task(vllm.wait(), name="vllm exit")
+    try:
+        while True:
+            done, _ = await asyncio.wait({died}, timeout=period)
+            if done:
+                log.error("vLLM exited with code %s; last lines:\n%s", vllm.returncode, vllm.tail())
+                await announce(client, ctx.keys, "vllm", "vllm died", worker=worker_id, code=vllm.returncode)
+                return EXIT_VLLM_DIED
+            raw = await client.hget(ctx.keys.workers, worker_id)
+            if raw is None:
+                log.error("worker %s was evicted (a weight update failed on it); exiting to be restarted", worker_id)
+                return EXIT_EVICTED
+            seen = WorkerRecord.from_json(raw)
+            current = await current_version(client, ctx.keys)
+            if current is not None and current > seen.weight_version:
+                # A publish finished without driving us (it started before we registered).
+                version = await catch_up(ctx, client, session, record.url, seen.weight_version)
+                seen.weight_version = version
+                await client.hset(ctx.keys.workers, worker_id, seen.to_json())
+                log.info("worker %s caught up to weight version %d", worker_id, version)
+    finally:
+        if not died.done():
+            died.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await died
+
+
+__all__ = ["TINY_MODELS", "WorkerRecord", "main", "vllm_command", "vllm_env"]
