@@ -364,6 +364,16 @@ class EvaluatorConfig:
     """Root directory of the benchmarks' data files (nothing is downloaded)."""
     max_concurrent: int = 32
     """Evaluation requests in flight at once."""
+    limit: int = 0
+    """Evaluate only the first N cases of each benchmark (0 = all of them)."""
+    max_tokens: int = 0
+    """Cap on generated tokens per sample (0 keeps each benchmark's own); always clamped to the context left."""
+    router_wait_s: float = 600.0
+    """How long the evaluator waits for the router and a served model behind it before failing."""
+    request_timeout_s: float = 600.0
+    """Seconds one evaluation request may take before it is retried."""
+    until_version: int = -1
+    """Exit (code 0) once this weight version is evaluated; -1 evaluates until stopped (eval-only runs: 0)."""
 
 
 ROLES = ("trainer", "vllm", "router", "evaluator")
