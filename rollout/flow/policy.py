@@ -194,8 +194,13 @@ class FlowPolicy:
     # -- events --------------------------------------------------------------------------------
 
     def start(self) -> list[Action]:
-        """First actions of a run. On a restored policy, in-flight requests are re-issued first and an
-        interrupted trainer job is redone, so no prompt is lost or trained twice."""
+        """First actions of a run (also of a resumed one: see `load_state_dict`)."""
+        return self._run()
+
+    def _rewind(self) -> None:
+        """After a restart nothing is in flight and the trainer is idle: in-flight requests are queued
+        again (first) and an interrupted train step gets its batch back, so no prompt is lost or
+        trained twice."""
         if self.in_flight:
             keys = list(self.in_flight)
             self.in_flight.clear()
@@ -210,7 +215,6 @@ class FlowPolicy:
                 self.ready[:0] = list(self.job_groups)
                 self.job_groups = {}
             self.job = None
-        return self._run()
 
     def on_sample_done(self, sample: SampleDone) -> list[Action]:
         key = (sample.prompt_id, sample.index)
@@ -309,8 +313,10 @@ class FlowPolicy:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a state saved by `state_dict`. The strategy and the group/batch sizes must match
-        the checkpoint; runtime knobs (caps, staleness, timeouts) come from the current config."""
+        """Restore a state saved by `state_dict` into a fresh policy, then call `start()`. The strategy
+        and the group/batch sizes must match the checkpoint; runtime knobs (caps, staleness, timeouts)
+        come from the current config. What was in flight is queued again and an interrupted train step
+        gets its batch back."""
         if state["strategy"] != self.strategy:
             raise FlowError(
                 f"checkpoint flow strategy {state['strategy']!r} differs from flow.strategy {self.strategy!r}; "
@@ -343,10 +349,11 @@ class FlowPolicy:
         counters["staleness"] = {int(k): v for k, v in counters["staleness"].items()}
         self.counters = FlowCounters(**counters)
         self._load_extra_state(state)
+        self._rewind()
 
     def forget_buffered(self, keys: Iterable[SampleKey]) -> None:
         """Finished samples whose results were lost (e.g. not stored in a checkpoint) are generated
-        again; call before `start()`."""
+        again; call after `load_state_dict`, before `start()`."""
         for p, s in keys:
             group = self.done.get(p)
             if group is None or s not in group:

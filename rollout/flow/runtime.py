@@ -1,0 +1,269 @@
+"""The flow runtime: drives a flow policy for real. The policy lives on the GenerationController's
+event loop (every policy event is handled there, one at a time, so generation keeps being steered
+while the trainer computes); the trainer's work (train steps, weight publishes, checkpoints) runs in
+the caller's thread, the trainer's main thread, through plain callables. Prompts come from a sequence
+or a `prompt_at(index)` function (prompt ids are data indices); each sample is one controller item,
+a `SampleRequest`, and its result must tell the weight versions of its tokens (`token_versions`).
+The runtime's state (policy state, results of finished samples, attempt numbers) is a snapshot taken
+right after every train step and handed to the checkpoint callback; a runtime restored from it
+re-issues what was in flight, so every prompt is trained exactly once across a resume.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from rollout.controller import GenerationController, Outcome
+from rollout.flow.policy import (
+    Abort,
+    Action,
+    Dispatch,
+    Finish,
+    FlowCounters,
+    FlowPolicy,
+    Publish,
+    SampleDone,
+    SampleKey,
+    Train,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SampleRequest:
+    """What the genable receives: one sample of one prompt. `attempt` counts re-issues of the sample
+    (stale, failed, aborted or resumed); `version` is the weight version the generators had at dispatch."""
+
+    prompt_id: int
+    index: int
+    prompt: Any
+    attempt: int
+    version: int
+
+
+@dataclass
+class Group:
+    """One prompt with its `samples_per_prompt` results, in sample order: the unit a train step gets."""
+
+    prompt_id: int
+    prompt: Any
+    samples: list[Any]
+
+
+@dataclass
+class StepTiming:
+    """When train step `step` ran, in seconds since `run()` started."""
+
+    step: int
+    start: float
+    end: float
+    prompt_ids: tuple[int, ...]
+
+
+@dataclass
+class FlowReport:
+    """How a run went: why it ended, the steps and publishes it ran, and the policy's counters."""
+
+    finish_reason: str
+    steps: list[StepTiming]
+    publishes: list[tuple[int, float, float]]
+    counters: FlowCounters
+
+
+def token_versions(result: Any) -> tuple[int, int]:
+    """(oldest, newest) weight version of a result's tokens, read from its `weight_versions` (one
+    version per token, or any non-empty sequence of versions)."""
+    versions = getattr(result, "weight_versions", None)
+    if not versions:
+        raise ValueError(
+            f"generation result {type(result).__name__} has no weight_versions; every trajectory must record "
+            "the weight versions of its tokens (or pass versions= to FlowRuntime)"
+        )
+    return min(versions), max(versions)
+
+
+@dataclass
+class _TrainJob:
+    step: int
+    groups: list[Group]
+
+
+@dataclass
+class _LoopState:
+    """Everything the loop thread owns besides the policy."""
+
+    tickets: dict[SampleKey, int] = field(default_factory=dict)
+    keys: dict[int, SampleKey] = field(default_factory=dict)  # ticket -> sample
+    results: dict[SampleKey, Any] = field(default_factory=dict)  # finished, not yet trained (incl. the job's)
+    attempts: dict[SampleKey, int] = field(default_factory=dict)
+    prompts: dict[int, Any] = field(default_factory=dict)  # payloads of prompts not yet trained
+    void_from: int | None = None  # prompt ids from here on do not exist
+
+
+_MISSING = object()
+
+
+class FlowRuntime:
+    """Runs a flow policy with a GenerationController and the trainer's callbacks until it finishes."""
+
+    def __init__(
+        self,
+        policy: FlowPolicy,
+        controller: GenerationController,
+        prompts: Sequence[Any] | Callable[[int], Any | None],
+        train_step: Callable[[int, list[Group]], None],
+        publish: Callable[[int], None],
+        *,
+        checkpoint: Callable[[int, dict[str, Any]], None] | None = None,
+        versions: Callable[[Any], tuple[int, int]] = token_versions,
+    ) -> None:
+        self.policy = policy
+        self.controller = controller
+        self.prompts = prompts
+        self.train_step = train_step
+        self.publish = publish
+        self.checkpoint = checkpoint
+        self.versions = versions
+        self._s = _LoopState()
+        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._last_state: dict[str, Any] | None = None
+
+    # -- caller (trainer) thread ---------------------------------------------------------------
+
+    def run(self) -> FlowReport:
+        """Block until the policy finishes, running train steps, publishes and checkpoints in this
+        thread. Errors of the trainer callbacks propagate; errors of generation past the error budget
+        (and bugs in the loop) are raised here too."""
+        self.controller.wake_on_error(self._jobs)
+        t0 = time.monotonic()
+        steps: list[StepTiming] = []
+        publishes: list[tuple[int, float, float]] = []
+        self._in_loop(lambda: self._apply(self.policy.start()))
+        while True:
+            job = self._jobs.get()
+            self.controller.check()
+            if isinstance(job, _TrainJob):
+                start = time.monotonic() - t0
+                self.train_step(job.step, job.groups)
+                end = time.monotonic() - t0
+                steps.append(StepTiming(job.step, start, end, tuple(g.prompt_id for g in job.groups)))
+                state = self._in_loop(lambda step=job.step: self._train_done(step))
+                log.info("flow: step %d trained on %d groups in %.2fs", job.step, len(job.groups), end - start)
+                if self.checkpoint is not None:
+                    self.checkpoint(job.step + 1, state)
+            elif isinstance(job, Publish):
+                start = time.monotonic() - t0
+                self.publish(job.version)
+                publishes.append((job.version, start, time.monotonic() - t0))
+                self._in_loop(lambda v=job.version: self._apply(self.policy.on_published(v)))
+            elif isinstance(job, Finish):
+                log.info("flow: finished (%s) after %d steps", job.reason, self.policy.step)
+                return FlowReport(job.reason, steps, publishes, self.policy.counters)
+            # anything else is the controller's wake-up marker; check() above found nothing
+
+    def state_dict(self) -> dict[str, Any]:
+        """The state after the latest train step (what the checkpoint callback got), or the current
+        state before the run starts. Results are kept as they are: they must be picklable to be saved."""
+        if self._last_state is not None:
+            return self._last_state
+        return self._snapshot()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a saved state before `run()`: buffered results come back, anything in flight is
+        re-issued, and finished samples whose results were not saved are generated again."""
+        self.policy.load_state_dict(state["policy"])
+        self._s.results = {(p, s): r for p, s, r in state.get("results", [])}
+        self._s.attempts = {(p, s): n for p, s, n in state.get("attempts", [])}
+        missing = [k for k in self.policy.held_keys() if k not in self._s.results]
+        if missing:
+            self.policy.forget_buffered(missing)
+
+    # -- loop thread ---------------------------------------------------------------------------
+
+    def _in_loop(self, fn: Callable[[], Any]) -> Any:
+        return self.controller.call_soon(fn).result()
+
+    def _prompt(self, pid: int) -> Any:
+        if pid in self._s.prompts:
+            return self._s.prompts[pid]
+        if callable(self.prompts):
+            prompt = self.prompts(pid)
+            prompt = _MISSING if prompt is None else prompt
+        else:
+            prompt = self.prompts[pid] if pid < len(self.prompts) else _MISSING
+        if prompt is not _MISSING:
+            self._s.prompts[pid] = prompt
+        return prompt
+
+    def _apply(self, actions: list[Action]) -> None:
+        s = self._s
+        todo = deque(actions)
+        while todo:
+            a = todo.popleft()
+            if isinstance(a, Dispatch):
+                if s.void_from is not None and a.prompt_id >= s.void_from:
+                    continue
+                prompt = self._prompt(a.prompt_id)
+                if prompt is _MISSING:
+                    s.void_from = a.prompt_id
+                    todo.extend(self.policy.on_data_exhausted(a.prompt_id))
+                    continue
+                for index in a.samples:
+                    key = (a.prompt_id, index)
+                    attempt = s.attempts.get(key, 0)
+                    s.attempts[key] = attempt + 1
+                    request = SampleRequest(a.prompt_id, index, prompt, attempt, a.version)
+                    ticket = self.controller.submit(request, self._on_outcome)
+                    s.tickets[key] = ticket
+                    s.keys[ticket] = key
+            elif isinstance(a, Abort):
+                for key in a.keys:
+                    ticket = s.tickets.pop(key)
+                    del s.keys[ticket]
+                    self.controller.cancel(ticket)
+            elif isinstance(a, Train):
+                spp = self.policy.samples_per_prompt
+                groups = [Group(p, self._prompt(p), [s.results[(p, i)] for i in range(spp)]) for p in a.prompt_ids]
+                self._jobs.put(_TrainJob(a.step, groups))
+            elif isinstance(a, (Publish, Finish)):
+                self._jobs.put(a)
+
+    def _on_outcome(self, out: Outcome) -> None:
+        key = self._s.keys.pop(out.ticket, None)
+        if key is None:  # aborted: the policy already re-queued it
+            return
+        del self._s.tickets[key]
+        if out.ok:
+            oldest, newest = self.versions(out.result)
+            self._s.results[key] = out.result
+            self._apply(self.policy.on_sample_done(SampleDone(key[0], key[1], oldest, newest)))
+        else:
+            log.warning("flow: sample %s failed for good (%r); it is generated again", key, out.error)
+            self._apply(self.policy.on_sample_failed(*key))
+
+    def _train_done(self, step: int) -> dict[str, Any]:
+        self._apply(self.policy.on_train_done(step))
+        # Forget what no longer matters: trained or dropped prompts and their samples.
+        live = set(self.policy.untrained) | {p for p, _ in self.policy.held_keys()}
+        s = self._s
+        s.prompts = {p: v for p, v in s.prompts.items() if p in live}
+        held = set(self.policy.held_keys())
+        s.results = {k: v for k, v in s.results.items() if k in held}
+        s.attempts = {k: n for k, n in s.attempts.items() if k[0] in live}
+        self._last_state = self._snapshot()
+        return self._last_state
+
+    def _snapshot(self) -> dict[str, Any]:
+        s = self._s
+        return {
+            "policy": self.policy.state_dict(),
+            "results": [[p, i, s.results[(p, i)]] for p, i in self.policy.held_keys() if (p, i) in s.results],
+            "attempts": [[p, i, n] for (p, i), n in s.attempts.items()],
+        }
