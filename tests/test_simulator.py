@@ -1,0 +1,141 @@
+"""The simulator: hand-computed schedules, the processor-sharing model, invariants on a long-tail
+workload, the renderings and `slipstream simulate` (cli_main)."""
+
+from __future__ import annotations
+
+import pytest
+
+from common.config import FlowConfig
+from rollout.flow.policy import FlowPolicy
+from rollout.flow.simulator import (
+    Costs,
+    GeneratorPool,
+    ThroughputModel,
+    Workload,
+    ascii_timeline,
+    cli_main,
+    save_png,
+    simulate,
+)
+
+# One request alone runs at 200 / (1 + 1) = 100 tokens/s; every sample is exactly 100 tokens long.
+MODEL = ThroughputModel(peak_tokens_per_s=200.0, half_concurrency=1.0)
+FIXED = Workload(num_prompts=3, median_tokens=100, sigma=0.0, prompt_tokens=0)
+COSTS = Costs(train_s_per_token=0.0, train_step_overhead_s=0.5, sync_s=0.25)
+
+
+def policy(strategy: str, **kw) -> FlowPolicy:
+    base = dict(prompts_per_step=1, samples_per_prompt=1, max_concurrent=4, max_untrained_prompts=2, max_staleness=1)
+    base.update(kw)
+    num_prompts = base.pop("num_prompts", 3)
+    return FlowPolicy.from_config(FlowConfig(strategy=strategy, **base), num_prompts=num_prompts)
+
+
+def test_on_policy_schedule_is_generate_train_sync_in_sequence():
+    r = simulate(policy("on_policy", num_prompts=2), FIXED, MODEL, COSTS)
+    # gen [0, 1], train [1, 1.5], sync [1.5, 1.75], gen [1.75, 2.75], train [2.75, 3.25], sync [3.25, 3.5]
+    assert [t for s in r.steps for t in (s.start, s.end)] == pytest.approx([1.0, 1.5, 2.75, 3.25])
+    assert r.makespan == pytest.approx(3.5)
+    assert r.trainer_utilisation == pytest.approx(1.5 / 3.5)
+    assert r.generator_busy == pytest.approx(2.0 / 3.5)
+    assert r.samples_per_s == pytest.approx(2 / 3.5)
+    assert r.counters.staleness == {0: 2} and r.finish_reason == "end_of_data"
+
+
+def test_one_step_off_overlaps_generation_with_training():
+    r = simulate(policy("one_step_off"), FIXED, MODEL, COSTS)
+    # gen0 [0,1]; train0 [1,1.5] while gen1 [1,2]; sync1 [2,2.25]; train1 [2.25,2.75] while gen2 [2.25,3.25];
+    # sync2 [3.25,3.5]; train2 [3.5,4]; sync3 [4,4.25]
+    assert [t for s in r.steps for t in (s.start, s.end)] == pytest.approx([1.0, 1.5, 2.25, 2.75, 3.5, 4.0])
+    assert r.makespan == pytest.approx(4.25)
+    assert r.counters.staleness == {0: 1, 1: 2}
+
+
+def test_processor_sharing_slows_every_request_by_the_concurrency():
+    pool = GeneratorPool(ThroughputModel(peak_tokens_per_s=300.0, half_concurrency=1.0))
+    pool.add((0, 0), 100)
+    pool.add((1, 0), 200)
+    # Two in flight: 300 / 3 = 100 tokens/s each, the short one ends at t = 1.
+    assert pool.next_time() == pytest.approx(1.0)
+    pool.advance(1.0)
+    assert pool.pop_finished() == [((0, 0), 0)]
+    # Alone: 300 / 2 = 150 tokens/s for the remaining 100 tokens.
+    assert pool.next_time() == pytest.approx(1.0 + 100 / 150)
+    pool.paused = True
+    assert pool.next_time() == float("inf")
+    assert pool.generated == pytest.approx(200.0)
+
+
+def test_workload_lengths_are_seeded_capped_and_redrawn_per_attempt():
+    w = Workload(median_tokens=1000, sigma=1.0, max_tokens=3000, seed=7)
+    lengths = [w.tokens(p, s, 0) for p in range(200) for s in range(4)]
+    assert lengths == [w.tokens(p, s, 0) for p in range(200) for s in range(4)]
+    assert max(lengths) == 3000 and min(lengths) >= 1
+    assert 700 < sorted(lengths)[len(lengths) // 2] < 1400  # the median
+    assert any(w.tokens(p, 0, 1) != w.tokens(p, 0, 0) for p in range(10))
+
+
+LONG_TAIL = Workload(num_prompts=160, median_tokens=512, sigma=1.0, prompt_tokens=128, max_tokens=8192, seed=1)
+HW = ThroughputModel(peak_tokens_per_s=8000.0, half_concurrency=32.0)
+TRAIN = Costs(train_s_per_token=5e-5, train_step_overhead_s=1.0, sync_s=2.0)
+
+
+def long_tail_policy(strategy: str, **kw) -> FlowPolicy:
+    base = dict(prompts_per_step=8, samples_per_prompt=4, max_concurrent=32, max_untrained_prompts=24, max_staleness=2)
+    base.update(kw)
+    return FlowPolicy.from_config(FlowConfig(strategy=strategy, **base), num_prompts=160, max_steps=16)
+
+
+@pytest.mark.parametrize("max_staleness", [0, 1, 2])
+@pytest.mark.parametrize("stale_policy", ["requeue", "drop"])
+def test_fully_async_never_trains_past_the_staleness_bound_nor_exceeds_the_cap(max_staleness, stale_policy):
+    pol = long_tail_policy("fully_async", max_staleness=max_staleness, stale_policy=stale_policy)
+    r = simulate(pol, LONG_TAIL, HW, TRAIN)
+    assert max(r.counters.staleness) <= max_staleness
+    assert max(p.concurrency for p in r.trace) <= 32
+    c = r.counters
+    if stale_policy == "requeue":
+        assert len(r.steps) == 16 and c.dropped_prompts == 0
+    else:  # dropped prompts are not replaced beyond the data: the run may end with the data
+        assert c.dropped_samples == c.dropped_prompts * 4
+        assert len(r.steps) == 16 or c.trained_prompts + c.dropped_prompts == 160
+
+
+def test_fully_async_outruns_on_policy_on_a_long_tail_and_the_simulation_is_deterministic():
+    on = simulate(long_tail_policy("on_policy"), LONG_TAIL, HW, TRAIN)
+    fa = simulate(long_tail_policy("fully_async"), LONG_TAIL, HW, TRAIN)
+    again = simulate(long_tail_policy("fully_async"), LONG_TAIL, HW, TRAIN)
+    assert fa.samples_per_s > 1.3 * on.samples_per_s
+    assert fa.generator_utilisation > on.generator_utilisation
+    assert [s.prompt_ids for s in fa.steps] == [s.prompt_ids for s in again.steps]
+    assert fa.makespan == again.makespan
+
+
+def test_ascii_timeline_and_png(tmp_path):
+    r = simulate(policy("one_step_off"), FIXED, MODEL, COSTS)
+    text = ascii_timeline(r, width=34)
+    rows = {line.split("|")[0].strip(): line.split("|")[1] for line in text.splitlines() if line.count("|") == 2}
+    assert set(rows) == {"trainer", "generator", "version"} and all(len(v) == 34 for v in rows.values())
+    # 0.125 s per column: train 0 fills [1, 1.5] = columns 8..11; version 1 from t = 2.25 on.
+    assert rows["trainer"][8:12] == "0000" and rows["trainer"][:8] == "........"
+    assert rows["version"][:16] == "0" * 16 and rows["version"][19:26] == "1" * 7
+    path = tmp_path / "timeline.png"
+    save_png([r, simulate(policy("on_policy"), FIXED, MODEL, COSTS)], str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_simulate_takes_the_flow_section_from_a_config_and_flags_override(tmp_path, capsys):
+    cfg = tmp_path / "run.toml"
+    cfg.write_text('[flow]\nstrategy = "one_step_off"\nprompts_per_step = 2\nsamples_per_prompt = 2\n')
+    png = tmp_path / "t.png"
+    assert cli_main(["--config", str(cfg), "--steps", "3", "--median-tokens", "64", "--png", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "strategy one_step_off: 3 steps, 12 samples" in out and "trainer   |" in out and png.exists()
+    assert cli_main(["--config", str(cfg), "--strategy", "on_policy", "--steps", "2", "--compare"]) == 0
+    out = capsys.readouterr().out
+    assert "strategy on_policy: 2 steps" in out and "vs base" in out and "fully_async" in out
+
+
+def test_cli_simulate_rejects_bad_knobs_with_a_named_error(capsys):
+    assert cli_main(["--strategy", "fully_async", "--prompts-per-step", "8", "--max-untrained-prompts", "4"]) == 2
+    assert "max_untrained_prompts" in capsys.readouterr().err
