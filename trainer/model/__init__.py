@@ -5,9 +5,18 @@ from trainer.model.transformer import (
     Transformer,
     attention_flops_per_token,
     build_model,
+    compile_blocks,
     count_params,
     init_weights,
     logprobs_of,
 )
 
-__all__ = ["Transformer", "attention_flops_per_token", "build_model", "count_params", "init_weights", "logprobs_of"]
+__all__ = [
+    "Transformer",
+    "attention_flops_per_token",
+    "build_model",
+    "compile_blocks",
+    "count_params",
+    "init_weights",
+    "logprobs_of",
+]

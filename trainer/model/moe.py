@@ -89,6 +89,11 @@ class Experts(nn.Module):
         self.backend = backend
 
     def forward(self, x_sorted: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        # Autocast does not cover grouped GEMMs: run them in its dtype ourselves, else the fp32 residual
+        # stream would make every expert GEMM fp32.
+        dev = x_sorted.device.type
+        if torch.is_autocast_enabled(dev):
+            x_sorted = x_sorted.to(torch.get_autocast_dtype(dev))
         return BACKENDS[self.backend](x_sorted, offsets, self.gate_up_proj, self.down_proj)
 
 
@@ -149,7 +154,8 @@ class MoE(nn.Module):
         order = torch.argsort(slot_expert, stable=True)  # slots in expert order
         sorted_pos = torch.empty_like(order)
         sorted_pos[order] = torch.arange(order.numel(), device=order.device)
-        counts = torch.bincount(slot_expert, minlength=self.num_experts)
+        # scatter_add rather than bincount: bincount's output size depends on the data (a host sync).
+        counts = slot_expert.new_zeros(self.num_experts).scatter_add_(0, slot_expert, torch.ones_like(slot_expert))
         offsets = torch.cumsum(counts, 0, dtype=torch.int32)
         x_sorted = _Permute.apply(flat, order // k, sorted_pos, k)
         y_sorted = self.experts(x_sorted, offsets)

@@ -99,6 +99,13 @@ class Transformer(nn.Module):
             m.compute_aux_loss = enabled
 
 
+def compile_blocks(model: Transformer, **compile_kwargs) -> Transformer:
+    """torch.compile each decoder block in place (parameter names unchanged); returns the model."""
+    for block in model.model.layers:
+        block.compile(**compile_kwargs)
+    return model
+
+
 def logprobs_of(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Per-position log-probabilities of targets (float32); positions whose target is < 0 give 0."""
     flat = logits.reshape(-1, logits.shape[-1]).float()
@@ -158,6 +165,7 @@ def attention_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 
 __all__ = [
     "Transformer",
+    "compile_blocks",
     "build_model",
     "init_weights",
     "count_params",
