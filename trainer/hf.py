@@ -271,30 +271,36 @@ def load_hf_state(model: Transformer, path: str | os.PathLike[str]) -> None:
                     half = slice(0, inter) if proj == "gate_proj" else slice(inter, 2 * inter)
                     view = target[key][e, half]
                 _copy(view, t, name)
-                loaded.add(f"{key}.{e}.{proj}")
+                loaded.add(name)
             elif name in target:
                 _copy(target[name], t, name)
-                loaded.add(name)
+                if name.endswith(".mlp.experts.gate_up_proj"):  # transformers' own stacked layout
+                    loaded |= set(_expert_names(name, ("gate_proj", "up_proj"), cfg.n_routed_experts))
+                elif name.endswith(".mlp.experts.down_proj"):
+                    loaded |= set(_expert_names(name, ("down_proj",), cfg.n_routed_experts))
+                else:
+                    loaded.add(name)
             else:
                 unexpected.append(name)
     expected = set()
     for name in target:
-        if name.endswith("mlp.experts.gate_up_proj"):
-            expected |= {f"{name}.{e}.{p}" for e in range(cfg.n_routed_experts) for p in ("gate_proj", "up_proj")}
-        elif name.endswith("mlp.experts.down_proj"):
-            expected |= {f"{name}.{e}.down_proj" for e in range(cfg.n_routed_experts)}
+        if name.endswith(".mlp.experts.gate_up_proj"):
+            expected |= set(_expert_names(name, ("gate_proj", "up_proj"), cfg.n_routed_experts))
+        elif name.endswith(".mlp.experts.down_proj"):
+            expected |= set(_expert_names(name, ("down_proj",), cfg.n_routed_experts))
         elif not (cfg.tie_word_embeddings and name == "lm_head.weight"):
             expected.add(name)
-    # A stacked tensor loaded whole counts for all its experts.
-    for name in list(loaded):
-        if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
-            loaded |= {x for x in expected if x.startswith(name + ".")}
     missing = sorted(expected - loaded)
     if missing or unexpected:
         raise HFFormatError(
             f"{path}: {len(missing)} missing tensors {missing[:5]} and {len(unexpected)} unexpected {unexpected[:5]}; "
             "is this checkpoint of the same architecture and shape as config.json says?"
         )
+
+
+def _expert_names(stacked: str, projs: tuple[str, ...], n_experts: int) -> list[str]:
+    prefix = stacked.rsplit(".", 1)[0]
+    return [f"{prefix}.{e}.{p}.weight" for e in range(n_experts) for p in projs]
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
