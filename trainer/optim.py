@@ -110,13 +110,18 @@ class Optimizer:
         decay = self.schedule.decay_progress(tokens) if self.cfg.bias_update_decay else 0.0
         return self.cfg.bias_update_rate * (1.0 - decay)
 
+    def clip_gradients(self, max_norm: float) -> float:
+        """Clip to a global gradient norm and return the norm before clipping. Parallel wrappers whose
+        parameters are sharded over ranks (trainer/ep) override this to reduce the norm across ranks."""
+        return float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+
     def step(self, tokens: int) -> StepStats:
         self.tokens += tokens
         factor = self.schedule.lr_factor(self.tokens)
         for grp in self.adamw.param_groups:
             grp["lr"] = grp["peak_lr"] * factor
         max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+        grad_norm = self.clip_gradients(max_norm)
         self.adamw.step()
         self.adamw.zero_grad(set_to_none=True)
         telemetry = router_stats(self.model)
