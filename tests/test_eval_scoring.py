@@ -66,7 +66,9 @@ def test_eval_options_override_sampling_and_limit_cases():
     bench = load_benchmark("arithmetic", DATA)
     cases = EvalOptions(samples=4, temperature=0.7, max_tokens=8, seed=3, limit=5).apply(bench.cases())
     assert len(cases) == 5
-    assert {(c.samples, c.sampling.temperature, c.sampling.max_tokens, c.sampling.seed) for c in cases} == {(4, 0.7, 8, 3)}
+    assert {(c.samples, c.sampling.temperature, c.sampling.max_tokens, c.sampling.seed) for c in cases} == {
+        (4, 0.7, 8, 3)
+    }
     with pytest.raises(BenchmarkError, match="samples = 0"):
         EvalOptions(samples=0)
 

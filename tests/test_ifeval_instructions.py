@@ -34,8 +34,11 @@ CASES = [
     (ins("length:paragraphs", num_paragraphs=2), "First part.\n***\nSecond part.", "First.\n***\n\n***\nThird."),
     (ins("keywords:include", keywords=["river", "Bridge"]), "The bridge over the River.", "The river bank."),
     (ins("keywords:exclude", forbidden=["tree"]), "Streets and forests.", "A tall Tree."),
-    (ins("keywords:frequency", keyword="light", relation="at_least", frequency=2), "light, more light",
-     "light and lighter"),  # fmt: skip
+    (
+        ins("keywords:frequency", keyword="light", relation="at_least", frequency=2),
+        "light, more light",
+        "light and lighter",
+    ),  # fmt: skip
     (ins("keywords:frequency", keyword="bright", relation="exactly", frequency=1), "bright", "bright bright"),
     (ins("format:json"), '```json\n{"name": "Ada", "age": 36}\n```', "name: Ada"),
     (ins("format:json"), "[1, 2, 3]", "[1, 2, 3] is the list"),
@@ -113,7 +116,9 @@ def test_shipped_ifeval_data_parses_and_scores_prompt_and_instruction_levels():
     assert all(c.chat and c.context["instructions"] for c in cases)
     kinds = {i.id for c in cases for i in c.context["instructions"]}
     assert len(kinds) >= 8
-    two = next(c for c in cases if [i.id for i in c.context["instructions"]] == ["case:lowercase", "punctuation:no_comma"])
+    two = next(
+        c for c in cases if [i.id for i in c.context["instructions"]] == ["case:lowercase", "punctuation:no_comma"]
+    )
     half = bench.score(two, "a cat, sleeping")
     assert half.values == {"prompt_strict": 0.0, "prompt_loose": 0.0, "instruction_strict": 0.5,
                            "instruction_loose": 0.5}  # fmt: skip

@@ -1,0 +1,224 @@
+"""The evaluation runner over real HTTP against a fake OpenAI-compatible backend (an in-process aiohttp
+server standing in for vLLM: /v1/models, /tokenize counting characters, completions and chat with `n`,
+/weight_info, scripted failure statuses and a version bump after a given number of requests). It
+checks: summary and per-case files, max_tokens clamping, retries only on transport errors and
+408/425/429/5xx, permanent 4xx failing at once with the server's text, resuming an interrupted run
+from the cache without regenerating finished cases, discarding a chunk whose version moved, and
+the `slipstream eval` command."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from common.cli import main as slipstream_main
+from evaluator.backend import Backend, RequestError, RetryPolicy
+from evaluator.benchmark import EvalOptions, load_benchmark
+from evaluator.cache import ResultCache
+from evaluator.runner import VersionMoved, WeightInfoProbe, evaluate
+from rollout.tasks.arithmetic import evaluate as arith_value
+
+DATA = Path(__file__).resolve().parent.parent / "evaluator" / "data"
+FAST_RETRY = RetryPolicy(max_retries=4, backoff_s=0.01)
+
+
+@dataclass
+class Fake:
+    max_model_len: int = 512
+    version: int = 0
+    statuses: list[int] = field(default_factory=list)  # answered (in order) before normal answers
+    error_text: str = "max_tokens must be positive"
+    bump_after: int | None = None  # move the version once this many generation requests were answered
+    delay_s: float = 0.0
+    generations: list[dict] = field(default_factory=list)
+    calls: Counter = field(default_factory=Counter)
+    url: str = ""
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/v1/completions", self.generate)
+        app.router.add_post("/v1/chat/completions", self.generate)
+        app.router.add_get("/weight_info", self.weight_info)
+        return app
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"data": [{"id": "policy", "max_model_len": self.max_model_len, "root": None}]})
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        text = body.get("prompt") or "".join(m["content"] for m in body["messages"])
+        return web.json_response({"count": len(text), "max_model_len": self.max_model_len})
+
+    async def weight_info(self, request: web.Request) -> web.Response:
+        return web.json_response({"weight_version": str(self.version)})
+
+    async def generate(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.calls[request.path] += 1
+        if self.statuses:
+            status = self.statuses.pop(0)
+            return web.json_response({"error": {"message": self.error_text}}, status=status)
+        await asyncio.sleep(self.delay_s)
+        self.generations.append(body)
+        if self.bump_after is not None and len(self.generations) >= self.bump_after:
+            self.version += 1
+            self.bump_after = None
+        if "prompt" in body:
+            text = str(arith_value(body["prompt"].removesuffix("=")))
+            choices = [{"index": i, "text": text, "finish_reason": "stop"} for i in range(body["n"])]
+        else:
+            choices = [{"index": i, "message": {"role": "assistant", "content": "all lower text"},
+                        "finish_reason": "stop"} for i in range(body["n"])]  # fmt: skip
+        return web.json_response({"choices": choices, "usage": {"prompt_tokens": 5, "completion_tokens": 2}})
+
+
+@pytest.fixture
+async def fake():
+    state = Fake()
+    runner = web.AppRunner(state.app())
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    state.url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    yield state
+    await runner.cleanup()
+
+
+async def run_eval(fake: Fake, out: Path, name: str = "arithmetic", options=None, chunk_cases: int = 64,
+                   max_concurrent: int = 8):  # fmt: skip
+    async with aiohttp.ClientSession() as session:
+        backend = Backend(session, fake.url, retry=FAST_RETRY)
+        await backend.describe()
+        await backend.choose_counter()
+        with ResultCache(out / "cache.jsonl") as cache:
+            return await evaluate(load_benchmark(name, DATA), backend, cache, out, WeightInfoProbe(backend, fake.url),
+                                  options or EvalOptions(limit=10), max_concurrent, chunk_cases)  # fmt: skip
+
+
+@pytest.mark.timeout(30)
+async def test_eval_scores_every_case_and_writes_summary_and_per_case_jsonl(fake, tmp_path):
+    result = await run_eval(fake, tmp_path)
+    assert (result.version, result.score, result.cases, result.generated, result.cached) == ("0", 1.0, 10, 10, 0)
+    summary = json.loads((tmp_path / "arithmetic.v0.summary.json").read_text())
+    assert summary["metrics"]["accuracy/mean"] == 1.0 and summary["version"] == "0"
+    lines = [json.loads(x) for x in (tmp_path / "arithmetic.v0.cases.jsonl").read_text().splitlines()]
+    assert len(lines) == 10 and all(line["scores"] == [{"accuracy": 1.0}] for line in lines)
+    assert lines[0]["prompt"] == load_benchmark("arithmetic", DATA).cases()[0].prompt
+    assert fake.calls["/v1/completions"] == 10
+
+
+@pytest.mark.timeout(30)
+async def test_chat_cases_go_to_chat_completions_with_n_samples_and_report_pass_at_k(fake, tmp_path):
+    result = await run_eval(fake, tmp_path, "ifeval", EvalOptions(limit=4, samples=2, temperature=1.0))
+    assert fake.calls == Counter({"/v1/chat/completions": 4})
+    assert all(g["n"] == 2 and g["messages"][0]["role"] == "user" and g["temperature"] == 1.0 for g in fake.generations)
+    assert "prompt_strict/pass@2" in result.metrics and result.metrics["samples"] == 8
+
+
+@pytest.mark.timeout(30)
+async def test_max_tokens_is_clamped_to_the_context_left_after_the_prompt(fake, tmp_path):
+    fake.max_model_len = 6  # arithmetic prompts are 4 to 6 characters, counted as tokens by the fake
+    result = await run_eval(fake, tmp_path, options=EvalOptions(limit=20))
+    prompts = [c.prompt for c in load_benchmark("arithmetic", DATA).cases()[:20]]
+    assert all(g["max_tokens"] == 6 - len(g["prompt"]) for g in fake.generations)
+    assert {g["max_tokens"] for g in fake.generations} == {1, 2}
+    lines = [json.loads(x) for x in Path(result.cases_path).read_text().splitlines()]
+    too_long = [line["prompt"] for line in lines if line["finish_reasons"] == ["prompt_too_long"]]
+    assert too_long == [p for p in prompts if len(p) >= 6] and too_long  # never sent, scored as empty
+    assert result.prompt_too_long == len(too_long) and len(fake.generations) + len(too_long) == 20
+    assert result.metrics["accuracy/mean"] == (20 - len(too_long)) / 20
+
+
+@pytest.mark.timeout(30)
+async def test_transient_statuses_are_retried_and_the_eval_completes(fake, tmp_path):
+    fake.statuses = [503, 429, 408, 500]
+    result = await run_eval(fake, tmp_path, max_concurrent=1)
+    assert result.score == 1.0
+    assert fake.calls["/v1/completions"] == 10 + 4
+
+
+@pytest.mark.timeout(30)
+async def test_a_permanent_4xx_fails_at_once_with_the_server_text(fake, tmp_path):
+    fake.statuses = [400] * 10
+    with pytest.raises(RequestError, match="HTTP 400 \\(not retried\\).*max_tokens must be positive") as err:
+        await run_eval(fake, tmp_path, max_concurrent=1)
+    assert not err.value.transient
+    assert fake.calls["/v1/completions"] == 1
+
+
+@pytest.mark.timeout(30)
+async def test_transport_errors_are_retried_then_reported_as_transient():
+    async with aiohttp.ClientSession() as session:
+        backend = Backend(session, "http://127.0.0.1:9", retry=RetryPolicy(max_retries=2, backoff_s=0.01))
+        with pytest.raises(RequestError, match="failed after 3 attempts.*ClientConnector") as err:
+            await backend.describe()
+    assert err.value.transient
+
+
+@pytest.mark.timeout(30)
+async def test_an_interrupted_eval_resumes_from_its_cache_without_regenerating_finished_cases(fake, tmp_path):
+    fake.delay_s = 0.05
+    task = asyncio.create_task(run_eval(fake, tmp_path, options=EvalOptions(limit=20), chunk_cases=4,
+                                        max_concurrent=4))  # fmt: skip
+    while len(fake.generations) < 9:  # two chunks done, the third in flight
+        await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    cached = len(ResultCache(tmp_path / "cache.jsonl").records)
+    assert cached in (8, 12)  # whole chunks only
+    first = fake.calls["/v1/completions"]  # counted on arrival: includes the abandoned in-flight chunk
+    result = await run_eval(fake, tmp_path, options=EvalOptions(limit=20), chunk_cases=4)
+    assert (result.cached, result.generated) == (cached, 20 - cached)
+    assert fake.calls["/v1/completions"] - first == 20 - cached
+    assert result.score == 1.0
+    again = await run_eval(fake, tmp_path, options=EvalOptions(limit=20))
+    assert again.generated == 0 and fake.calls["/v1/completions"] - first == 20 - cached
+
+
+@pytest.mark.timeout(30)
+async def test_a_chunk_during_which_the_version_moved_is_discarded(fake, tmp_path):
+    fake.bump_after = 6  # a publish lands in the second chunk of 4
+    with pytest.raises(VersionMoved, match="from 0 to 1"):
+        await run_eval(fake, tmp_path, options=EvalOptions(limit=12), chunk_cases=4, max_concurrent=4)
+    records = ResultCache(tmp_path / "cache.jsonl").records.values()
+    assert len(records) == 4 and {r["version"] for r in records} == {"0"}
+    result = await run_eval(fake, tmp_path, options=EvalOptions(limit=12), chunk_cases=4)
+    assert (result.version, result.generated, result.cached) == ("1", 12, 0)  # a new version reuses nothing
+
+
+def test_cache_drops_a_torn_last_line_and_keeps_appending(tmp_path):
+    path = tmp_path / "cache.jsonl"
+    with ResultCache(path) as cache:
+        cache.put("a", {"texts": ["1"]})
+    with path.open("a") as fh:
+        fh.write('{"key": "b", "te')
+    with ResultCache(path) as cache:
+        assert set(cache.records) == {"a"}
+        cache.put("c", {"texts": ["3"]})
+    assert set(ResultCache(path).records) == {"a", "c"}
+
+
+@pytest.mark.timeout(60)
+async def test_slipstream_eval_command_writes_results_and_a_second_run_is_all_cached(fake, tmp_path, capsys):
+    argv = ["eval", "--url", fake.url, "--benchmark", "arithmetic", "--benchmark", "ifeval", "--limit", "3",
+            "--out", str(tmp_path), "--max-retries", "1"]  # fmt: skip
+    assert await asyncio.to_thread(slipstream_main, argv) == 0
+    out = capsys.readouterr().out
+    assert "arithmetic version=0 accuracy/mean=1.0000 cases=3 generated=3" in out
+    assert "ifeval version=0" in out
+    assert await asyncio.to_thread(slipstream_main, argv) == 0
+    assert "cases=3 generated=0 cached=3" in capsys.readouterr().out
+    assert (tmp_path / "ifeval.v0.summary.json").is_file()
+    fake.statuses = [404]
+    rc = await asyncio.to_thread(slipstream_main, [*argv[:-4], "--limit", "4", "--out", str(tmp_path)])
+    assert rc == 1 and "HTTP 404" in capsys.readouterr().err
