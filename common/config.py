@@ -368,6 +368,8 @@ class EvaluatorConfig:
     """Evaluate only the first N cases of each benchmark (0 = all of them)."""
     max_tokens: int = 0
     """Cap on generated tokens per sample (0 keeps each benchmark's own); always clamped to the context left."""
+    chunk_cases: int = 64
+    """Cases generated between two checks of the served version; a moved or interrupted chunk is all that is redone."""
     router_wait_s: float = 600.0
     """How long the evaluator waits for the router and a served model behind it before failing."""
     request_timeout_s: float = 600.0
@@ -746,6 +748,7 @@ def validate(cfg: Config) -> None:
     _require(rl.tis_cap >= 1.0, f"trainer.rl.tis_cap ({rl.tis_cap}) must be >= 1 (1 = weights capped at one)")
     _require(rl.micro_batch_samples >= 1, "trainer.rl.micro_batch_samples must be >= 1")
     _require(cfg.evaluator.every_n_versions >= 1, "evaluator.every_n_versions must be >= 1")
+    _require(cfg.evaluator.chunk_cases >= 1, "evaluator.chunk_cases must be >= 1")
     for name, spec in cfg.launch.roles.items():
         role = spec.role or name
         _require(
