@@ -1,0 +1,142 @@
+"""Shared fixtures. vLLM servers are expensive (30-60 s and 2 GiB each on CPU), so each tiny
+architecture gets ONE session-scoped run (Redis, a worker role process serving vLLM, and for
+DeepSeek a router role process) that every slow rollout test reuses. Tests that change the served
+weights publish the original weights back before they end, so the order of tests does not matter.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from common.config import RendezvousConfig, load_config
+from common.keys import Keys
+from common.rendezvous import Rendezvous
+
+ROOT = Path(__file__).resolve().parent.parent
+VLLM_READY_TIMEOUT_S = 300.0
+
+
+@dataclass
+class VllmRun:
+    """One experiment with real vLLM workers: its config file, Redis, keys and role processes."""
+
+    exp: str
+    config: Path
+    run_dir: Path
+    rz: Rendezvous
+    keys: Keys
+    procs: list[subprocess.Popen] = field(default_factory=list)
+
+    @property
+    def redis(self):
+        return self.rz.info.client()  # type: ignore[union-attr]
+
+    def start_role(self, role: str, log_name: str) -> subprocess.Popen:
+        env = os.environ | {
+            "ROLE": role,
+            "SLIPSTREAM_MEET_DIR": str(self.rz.meet),
+            "SLIPSTREAM_EXP": self.exp,
+            "SLIPSTREAM_REPLICA": str(len(self.procs)),
+            "PYTHONPATH": str(ROOT),
+        }
+        log = (self.run_dir / f"{log_name}.log").open("ab")
+        cmd = [sys.executable, "-m", "common.cli", "run", str(self.config)]
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        self.procs.append(proc)
+        return proc
+
+    def workers(self) -> dict[str, dict]:
+        return {k: json.loads(v) for k, v in self.redis.hgetall(self.keys.workers).items()}
+
+    def wait_for(self, what: str, predicate, proc: subprocess.Popen | None, timeout_s: float):
+        """Poll predicate() until truthy; fail naming `what` if the role process dies or time runs out."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            value = predicate()
+            if value:
+                return value
+            if proc is not None and proc.poll() is not None:
+                raise AssertionError(f"{what}: role process exited with {proc.returncode}; see logs in {self.run_dir}")
+            time.sleep(0.1)
+        raise AssertionError(f"{what}: not within {timeout_s:.0f}s; see logs in {self.run_dir}")
+
+    def start_worker(self, name: str) -> tuple[subprocess.Popen, str]:
+        """Start a worker role process and wait until it registers; (process, worker id)."""
+        before = set(self.workers())
+        proc = self.start_role("vllm", name)
+        new = self.wait_for(
+            f"worker {name} registration", lambda: set(self.workers()) - before, proc, VLLM_READY_TIMEOUT_S
+        )
+        return proc, new.pop()
+
+    def router_url(self) -> str | None:
+        return self.redis.get(self.keys.router())
+
+    def router_workers(self) -> list[dict]:
+        url = self.router_url()
+        with urllib.request.urlopen(f"{url}/workers", timeout=5) as r:
+            return json.loads(r.read())["workers"]
+
+    def stop(self) -> None:
+        for proc in reversed(self.procs):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in reversed(self.procs):
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.rz.close()
+
+
+def _vllm_run(base: Path, exp: str, arch: str, router: bool) -> Iterator[VllmRun]:
+    base.mkdir(parents=True, exist_ok=True)
+    model = {"deepseek_v3": "tiny-deepseek", "qwen3_moe": "tiny-qwen3"}[arch]
+    extra = "n_shared_experts = 0\n" if arch == "qwen3_moe" else ""
+    config = base / "run.toml"
+    config.write_text(
+        f'[run]\nname = "{exp}"\ndir = "{base / "run"}"\n'
+        "[rendezvous]\nheartbeat_period_s = 0.5\nheartbeat_ttl_s = 2.0\n"
+        "[router]\nhealth_interval_s = 0.5\n"
+        f'[rollout]\nmodel = "{model}"\ndtype = "float32"\nmax_model_len = 512\nstartup_timeout_s = 280\n'
+        f'[trainer.model]\narch = "{arch}"\n{extra}'
+    )
+    cfg = load_config(config)
+    run_dir = base / "run"
+    run_dir.mkdir(exist_ok=True)
+    rz = Rendezvous(base / "meet", RendezvousConfig())
+    rz.connect(timeout_s=10)
+    run = VllmRun(exp, config, run_dir, rz, Keys(exp))
+    try:
+        if router:
+            proc = run.start_role("router", "router")
+            run.wait_for("router URL", run.router_url, proc, 60)
+        run.start_worker("worker-a")
+        assert cfg.rollout.model == model
+        yield run
+    finally:
+        run.stop()
+
+
+@pytest.fixture(scope="session")
+def deepseek_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmRun]:
+    """The shared DeepSeek run: Redis, a router and one worker serving tiny-deepseek in fp32."""
+    yield from _vllm_run(tmp_path_factory.mktemp("deepseek"), "ds", "deepseek_v3", router=True)
+
+
+@pytest.fixture(scope="session")
+def qwen3_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmRun]:
+    """The shared Qwen3-MoE run: Redis and one worker serving tiny-qwen3 in fp32 (no router)."""
+    yield from _vllm_run(tmp_path_factory.mktemp("qwen3"), "qw", "qwen3_moe", router=False)

@@ -1,0 +1,258 @@
+"""Rollout workers and weight sync against real vLLM (CPU build), end to end: a worker role process
+registers and serves through the router; published weights change what it serves and restoring
+them reproduces the first outputs exactly; served log-probs equal a transformers forward of the
+same weights (fp32, both tiny architectures, before and after a publish); keep-mode pauses carry
+in-flight requests across versions, abort-mode pauses return them partial and marked; a worker
+started late serves the current version before it registers; kill -9 removes a worker within the
+heartbeat TTL. One vLLM server per architecture is shared by all tests (conftest.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+import aiohttp
+import psutil
+import pytest
+import torch
+
+from common.config import load_config
+from rollout.client import RolloutClient
+from rollout.weights import WeightPublisher, served_version
+
+pytestmark = [pytest.mark.slow]
+
+# "<|user|>what is 12+7? solve\n<|assistant|>" in the tiny tokenizer
+PROMPT = [5, 90, 80, 91, 80, 8, 9, 17, 14, 84, 80, 97, 81, 6]
+LOGPROB_TOL = 1e-4
+
+
+def model_dir(run) -> Path:
+    (path,) = (run.run_dir / "models").glob("*-*")
+    return path
+
+
+def hf_model(path: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def hf_logprobs(model, prompt: list[int], tokens: list[int]) -> list[float]:
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0]
+    lp = torch.log_softmax(logits.double(), dim=-1)
+    return [lp[len(prompt) - 1 + i, t].item() for i, t in enumerate(tokens)]
+
+
+def perturb(model, seed: int, scale: float = 0.05) -> dict[str, torch.Tensor]:
+    """Add seeded noise to every checkpoint tensor (router bias included) of the HF model; its state dict.
+
+    Only state-dict tensors: non-persistent buffers (rotary inv_freq) are not weights and not published.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    state = model.state_dict()
+    with torch.no_grad():
+        for t in state.values():
+            if t.is_floating_point():
+                t.add_(scale * torch.randn(t.shape, generator=gen))
+    return state
+
+
+def worker_url(run, worker_id: str | None = None) -> str:
+    workers = run.workers()
+    return workers[worker_id or next(iter(workers))]["url"]
+
+
+def publisher(run, r, pause_mode: str = "keep") -> WeightPublisher:
+    cfg = load_config(run.config)
+    cfg.rollout.pause_mode = pause_mode
+    return WeightPublisher(r, run.keys, cfg.rollout, run.run_dir)
+
+
+async def next_version(run, r) -> int:
+    return int(await r.get(run.keys.weights_current) or 0) + 1
+
+
+async def restore(run, r, pub: WeightPublisher) -> None:
+    """Publish the original checkpoint again so later tests see version-0 weights."""
+    await pub.publish(await next_version(run, r), hf_model(model_dir(run)).state_dict())
+
+
+async def check_logprobs_match_hf(client: RolloutClient, model, seed: int) -> float:
+    (s,) = await client.generate(PROMPT, max_tokens=48, temperature=1.0, seed=seed, ignore_eos=True)
+    ref = hf_logprobs(model, PROMPT, s.token_ids)
+    diff = max(abs(a - b) for a, b in zip(ref, s.logprobs, strict=True))
+    assert diff < LOGPROB_TOL, f"served log-probs differ from transformers by {diff} nats"
+    return diff
+
+
+async def greedy(client: RolloutClient) -> list[int]:
+    (s,) = await client.generate(PROMPT, max_tokens=16, temperature=0.0, ignore_eos=True)
+    return s.token_ids
+
+
+@pytest.mark.timeout(400)
+async def test_worker_registers_and_serves_through_the_router_with_logprobs_and_versions(deepseek_run):
+    run = deepseek_run
+    (entry,) = run.workers().values()
+    assert entry["model"] == "policy" and entry["url"].startswith("http://127.0.0.1:")
+    listed = await asyncio.to_thread(run.wait_for, "router pool", run.router_workers, None, 10)
+    assert [w["url"] for w in listed] == [entry["url"]]
+    r = run.rz.async_client()
+    async with RolloutClient("policy", redis_client=r, keys=run.keys) as client:
+        samples = await client.generate(PROMPT, n=4, max_tokens=12, seed=1, group="g1", ignore_eos=True)
+        current = int(await r.get(run.keys.weights_current) or 0)
+    await r.aclose()
+    assert len(samples) == 4
+    for s in samples:
+        assert len(s.token_ids) == len(s.logprobs) == len(s.versions) == 12
+        assert all(lp <= 0.0 for lp in s.logprobs)
+        assert set(s.versions) == {current} and s.finish_reason == "length" and not s.aborted
+
+
+@pytest.mark.timeout(400)
+async def test_publish_changes_greedy_output_and_restoring_reproduces_it_exactly_deepseek(deepseek_run):
+    run = deepseek_run
+    url = worker_url(run)
+    r = run.rz.async_client()
+    model = hf_model(model_dir(run))
+    async with RolloutClient("policy", url=url) as client, publisher(run, r) as pub, aiohttp.ClientSession() as http:
+        first = await greedy(client)
+        (first_sample,) = await client.generate(PROMPT, max_tokens=24, seed=7, ignore_eos=True)
+        d0 = await check_logprobs_match_hf(client, model, seed=11)
+
+        version = await next_version(run, r)
+        result = await pub.publish(version, perturb(model, seed=version))
+        assert not result.evicted and result.version == version
+        assert await served_version(http, url) == str(version)
+        assert run.workers()[result.workers[0].worker_id]["weight_version"] == version
+        assert int(await r.get(run.keys.weights_current)) == version
+        changed = await greedy(client)
+        assert changed != first
+        d1 = await check_logprobs_match_hf(client, model, seed=12)
+
+        await restore(run, r, pub)
+        assert await greedy(client) == first
+        (again,) = await client.generate(PROMPT, max_tokens=24, seed=7, ignore_eos=True)
+        assert again.token_ids == first_sample.token_ids and again.logprobs == first_sample.logprobs
+    await r.aclose()
+    print(f"deepseek log-prob max |vLLM - HF|: before publish {d0:.2e}, after {d1:.2e}")
+
+
+@pytest.mark.timeout(400)
+async def test_served_logprobs_equal_transformers_before_and_after_a_publish_qwen3(qwen3_run):
+    run = qwen3_run
+    url = worker_url(run)
+    r = run.rz.async_client()
+    model = hf_model(model_dir(run))
+    async with RolloutClient("policy", url=url) as client, publisher(run, r) as pub:
+        d0 = await check_logprobs_match_hf(client, model, seed=21)
+        first = await greedy(client)
+        await pub.publish(await next_version(run, r), perturb(model, seed=3))
+        d1 = await check_logprobs_match_hf(client, model, seed=22)
+        assert await greedy(client) != first
+        await restore(run, r, pub)
+    await r.aclose()
+    print(f"qwen3 log-prob max |vLLM - HF|: before publish {d0:.2e}, after {d1:.2e}")
+
+
+async def _in_flight_publish(run, mode: str, max_tokens: int):
+    """8 long requests in flight, a publish in `mode` while they run; (samples, old version, new version)."""
+    r = run.rz.async_client()
+    model = hf_model(model_dir(run))
+    async with RolloutClient("policy", redis_client=r, keys=run.keys) as client, publisher(run, r, mode) as pub:
+        old = int(await r.get(run.keys.weights_current) or 0)
+        tasks = [
+            asyncio.create_task(client.generate(PROMPT, max_tokens=max_tokens, seed=i, ignore_eos=True))
+            for i in range(8)
+        ]
+        await asyncio.sleep(0.8)  # let every request start decoding
+        assert not any(t.done() for t in tasks), "requests finished before the publish; raise max_tokens"
+        result = await pub.publish(old + 1, perturb(model, seed=old + 1))
+        samples = await asyncio.gather(*tasks)
+        try:
+            assert not result.evicted
+        finally:
+            await restore(run, r, pub)
+    await r.aclose()
+    return samples, old, old + 1, result
+
+
+@pytest.mark.timeout(400)
+async def test_keep_mode_pause_completes_all_in_flight_requests_across_the_version_switch(deepseek_run):
+    samples, old, new, result = await _in_flight_publish(deepseek_run, "keep", max_tokens=400)
+    assert len(samples) == 8
+    for s in samples:
+        assert s.finish_reason == "length" and len(s.token_ids) == 400
+        switch = s.versions.index(new)
+        assert switch > 0 and s.versions == [old] * switch + [new] * (400 - switch)
+    print(f"keep-mode publish with 8 in flight: pause window {result.max_pause_s * 1e3:.1f} ms")
+
+
+@pytest.mark.timeout(400)
+async def test_abort_mode_pause_returns_partial_results_marked_aborted(deepseek_run):
+    samples, old, _, _ = await _in_flight_publish(deepseek_run, "abort", max_tokens=400)
+    assert len(samples) == 8
+    for s in samples:
+        assert s.aborted and s.finish_reason == "abort"
+        assert 0 < len(s.token_ids) < 400 and len(s.logprobs) == len(s.token_ids)
+        assert set(s.versions) == {old}
+
+
+@pytest.mark.timeout(500)
+async def test_late_worker_serves_the_current_version_before_registering_and_kill9_removes_it(deepseek_run):
+    run = deepseek_run
+    r = run.rz.async_client()
+    model = hf_model(model_dir(run))
+    async with publisher(run, r) as pub, aiohttp.ClientSession() as http:
+        while (version := await next_version(run, r)) <= 3:
+            await pub.publish(version, perturb(model, seed=version))
+        version = await next_version(run, r)
+        await pub.publish(version, perturb(model, seed=version))
+        try:
+            before = set(run.workers())
+            proc = run.start_role("vllm", "worker-late")
+
+            def registered():
+                return set(run.workers()) - before
+
+            (late_id,) = await asyncio.to_thread(run.wait_for, "late worker registration", registered, proc, 300)
+            # At the moment it is visible in the pool it already serves the current version.
+            entry = run.workers()[late_id]
+            assert entry["weight_version"] == version
+            assert await served_version(http, entry["url"]) == str(version)
+            async with RolloutClient("policy", url=entry["url"]) as late, RolloutClient(
+                "policy", url=worker_url(run, next(w for w in run.workers() if w != late_id))
+            ) as first:
+                assert await greedy(late) == await greedy(first)
+
+            deadline = time.monotonic() + 10
+            while late_id not in {w["id"] for w in run.router_workers()}:
+                assert time.monotonic() < deadline, "router never picked up the late worker"
+                await asyncio.sleep(0.1)
+            log = (run.run_dir / "worker-late.log").read_text()
+            vllm_pid = int(re.search(r"started vLLM pid (\d+)", log)[1])
+
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+            killed = time.monotonic()
+            ttl = load_config(run.config).rendezvous.heartbeat_ttl_s
+            while late_id in {w["id"] for w in run.router_workers()}:
+                assert time.monotonic() - killed < ttl + 1.0, "killed worker still routed after the heartbeat TTL"
+                await asyncio.sleep(0.05)
+            gone_after = time.monotonic() - killed
+            # The orphaned vLLM server dies with its worker (PR_SET_PDEATHSIG), leaving nothing running.
+            try:
+                _, alive = await asyncio.to_thread(psutil.wait_procs, [psutil.Process(vllm_pid)], 60)
+                assert not alive, f"vLLM pid {vllm_pid} outlived its killed worker"
+            except psutil.NoSuchProcess:
+                pass  # already gone, as it should be
+        finally:
+            await restore(run, r, pub)
+    await r.aclose()
+    print(f"kill -9: worker left the router after {gone_after:.2f}s (TTL {ttl}s)")
