@@ -268,9 +268,9 @@ def main() -> None:
         save()
     if not args.no_compile:
         for H, i, E, k in shapes:
-            measure(
-                (H, i, E, k), "MoE compiled", moe_layer, device, H, i, E, k, tokens, "grouped_mm", True, False, reps
-            )
+            sh = (H, i, E, k)
+            measure(sh, "MoE compiled", moe_layer, device, H, i, E, k, tokens, "grouped_mm", True, False, reps)
+            measure(sh, "MoE compiled bf16 w", moe_layer, device, H, i, E, k, tokens, "grouped_mm", True, True, reps)
     print(f"total {time.perf_counter() - t_start:.0f} s")
     print(markdown(results))
 
