@@ -15,14 +15,14 @@ import logging
 import time
 from dataclasses import dataclass
 
-import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
 from common.config import RouterConfig
 from router.metrics import Metrics
 from router.policy import Policy
-from router.pool import PoolSync, Worker, WorkerPool, describe
+from router.pool import PoolSync, Worker, WorkerPool
+from router.upstream import UpstreamError, UpstreamPool
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,6 @@ HOP_BY_HOP = frozenset(
 )
 # The router's own server writes Server and Date; the worker's would be duplicates.
 _RESPONSE_DROP = HOP_BY_HOP | {"server", "date"}
-_TRANSPORT_ERRORS = (aiohttp.ClientError, OSError, TimeoutError)
 
 
 def retryable_status(status: int) -> bool:
@@ -107,17 +106,18 @@ class Proxy:
         self,
         cfg: RouterConfig,
         pool: WorkerPool,
-        session: aiohttp.ClientSession,
+        upstream: UpstreamPool,
         metrics: Metrics,
         sync: PoolSync | None = None,
     ) -> None:
-        self.pool, self.session, self.metrics, self.sync = pool, session, metrics, sync
+        self.pool, self.upstream, self.metrics, self.sync = pool, upstream, metrics, sync
         self.policy = Policy(cfg.policy, cfg.affinity_overload_factor)
         self.max_retries = cfg.max_retries
         self.max_body_bytes = cfg.max_body_bytes
         self.affinity_header = cfg.affinity_header if cfg.policy == "affinity" else ""
-        # The router's bearer token is for the router; workers never see it.
-        self.drop_request_headers = HOP_BY_HOP | {"authorization"} if cfg.auth_token else HOP_BY_HOP
+        # The router answered any Expect: 100-continue itself; its bearer token is for it alone.
+        drop = HOP_BY_HOP | {"expect"}
+        self.drop_request_headers = drop | {"authorization"} if cfg.auth_token else drop
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         started = time.perf_counter()
@@ -189,8 +189,7 @@ class Proxy:
         what = f"request body of {size} bytes" if size is not None else "request body"
         return json_error(
             413,
-            f"{what} exceeds router.max_body_bytes = {self.max_body_bytes}; "
-            "send less or raise the limit",
+            f"{what} exceeds router.max_body_bytes = {self.max_body_bytes}; send less or raise the limit",
             "request_too_large",
         )
 
@@ -199,31 +198,29 @@ class Proxy:
     ) -> web.StreamResponse | Failure:
         """One try at one worker: a response already sent or ready to send, or a Failure to retry."""
         try:
-            upstream = await self.session.request(
-                request.method, worker.url + url_path, data=body or None, headers=headers, allow_redirects=False
-            )
-        except _TRANSPORT_ERRORS as exc:
+            upstream = await self.upstream.request(worker.url, request.method, url_path, headers, body)
+        except UpstreamError as exc:
             self.metrics.error("transport")
-            if isinstance(exc, aiohttp.ClientConnectorError) and self.sync is not None:
-                # Nothing listens there: stop routing to it now rather than at the next health round.
-                await self.sync.verdict(worker, False, f"connect failed: {describe(exc)}")
+            if exc.connect_failed and self.sync is not None:
+                # Nothing answers there: stop routing to it now rather than at the next health round.
+                await self.sync.verdict(worker, False, str(exc))
             else:
-                worker.last_error = describe(exc)
-            return Failure(worker, describe(exc))
+                worker.last_error = str(exc)
+            return Failure(worker, str(exc))
         done = False
         try:
             status = upstream.status
-            response_headers = [(k, v) for k, v in upstream.headers.items() if k.lower() not in _RESPONSE_DROP]
+            response_headers = [(k, v) for k, v in upstream.headers if k.lower() not in _RESPONSE_DROP]
             try:
                 if retryable_status(status) or upstream.content_length is not None:
                     data = await upstream.read()
                 else:
                     # Wait for the first chunk before answering: until then a failure can still be retried.
-                    data = await upstream.content.readany()
-            except _TRANSPORT_ERRORS as exc:
+                    data = await upstream.read_chunk()
+            except UpstreamError as exc:
                 self.metrics.error("transport")
-                worker.last_error = describe(exc)
-                return Failure(worker, f"reading the answer: {describe(exc)}")
+                worker.last_error = f"reading the answer: {exc}"
+                return Failure(worker, worker.last_error)
             if retryable_status(status):
                 self.metrics.error("upstream_status")
                 worker.last_error = f"answered {status}"
@@ -231,21 +228,19 @@ class Proxy:
                 return Failure(worker, f"answered {status}", status, response_headers, data)
             if upstream.content_length is not None:
                 done = True
-                return web.Response(status=status, body=data, headers=CIMultiDict(response_headers))
+                return web.Response(status=status, body=data, headers=response_headers)  # type: ignore[arg-type]
             # Streaming from here on: bytes reach the client, so nothing below is retried.
-            response = web.StreamResponse(status=status, headers=CIMultiDict(response_headers))
+            response = web.StreamResponse(status=status, headers=response_headers)  # type: ignore[arg-type]
             await response.prepare(request)
             chunk = data
             while chunk:
                 await response.write(chunk)
                 try:
-                    chunk = await upstream.content.readany()
-                except _TRANSPORT_ERRORS as exc:
+                    chunk = await upstream.read_chunk()
+                except UpstreamError as exc:
                     self.metrics.error("stream_broken")
-                    worker.last_error = f"failed mid-stream: {describe(exc)}"
-                    log.warning(
-                        "worker %s at %s %s; cutting the client connection", worker.id, worker.url, worker.last_error
-                    )
+                    worker.last_error = f"failed mid-stream: {exc}"
+                    log.warning("worker %s at %s %s; cutting the client connection", worker.id, worker.url, exc)
                     # A cut connection shows the client an error; a clean end would pass for a short answer.
                     if request.transport is not None:
                         request.transport.close()

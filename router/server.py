@@ -25,6 +25,7 @@ from common.roles import RunContext
 from router.metrics import Metrics
 from router.pool import PoolSync, WorkerPool
 from router.proxy import Proxy, json_error
+from router.upstream import UpstreamPool
 
 log = logging.getLogger(__name__)
 
@@ -60,30 +61,18 @@ def published_url(host: str, port: int) -> str:
     return f"http://{host}:{port}"
 
 
-def new_session() -> aiohttp.ClientSession:
-    """The one upstream ClientSession of a router process (connections to workers are reused)."""
-    return aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=UPSTREAM_KEEPALIVE_S),
-        timeout=aiohttp.ClientTimeout(total=None, connect=None, sock_read=None, sock_connect=CONNECT_TIMEOUT_S),
-        # Bytes pass through untouched: no decompression, and no Accept-Encoding the client did not send.
-        auto_decompress=False,
-        skip_auto_headers=("Accept-Encoding",),
-        cookie_jar=aiohttp.DummyCookieJar(),
-    )
-
-
 def make_app(
     cfg: RouterConfig,
     pool: WorkerPool,
-    session: aiohttp.ClientSession,
+    upstream: UpstreamPool,
     metrics: Metrics | None = None,
     sync: PoolSync | None = None,
 ) -> web.Application:
-    """The router's aiohttp application over `pool`, forwarding through `session`."""
+    """The router's aiohttp application over `pool`, forwarding through `upstream`."""
     if not is_loopback(cfg.host) and not cfg.auth_token:
         raise RouterError(f"router.host = {cfg.host!r} is not loopback: set router.auth_token (or bind 127.0.0.1)")
     metrics = metrics or Metrics()
-    proxy = Proxy(cfg, pool, session, metrics, sync)
+    proxy = Proxy(cfg, pool, upstream, metrics, sync)
     expected = f"Bearer {cfg.auth_token}".encode()
 
     def guarded(handler: Handler) -> Handler:
@@ -139,7 +128,8 @@ class Router:
         self.pool = WorkerPool()
         self.metrics = Metrics()
         self.url = ""
-        self._session: aiohttp.ClientSession | None = None
+        self._session: aiohttp.ClientSession | None = None  # health checks only; requests go through _upstream
+        self._upstream: UpstreamPool | None = None
         self._sync: PoolSync | None = None
         self._runner: web.AppRunner | None = None
         self._heartbeat: Heartbeat | None = None
@@ -148,11 +138,12 @@ class Router:
         """Bind, load the pool, claim the name in Redis and return the published URL."""
         cfg = self.cfg
         try:
-            self._session = new_session()
+            self._session = aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar())
+            self._upstream = UpstreamPool(CONNECT_TIMEOUT_S, UPSTREAM_KEEPALIVE_S)
             self._sync = PoolSync(
                 self.pool, self.client, self.keys, self._session, cfg.health_interval_s, cfg.health_timeout_s
             )
-            app = make_app(cfg, self.pool, self._session, self.metrics, self._sync)
+            app = make_app(cfg, self.pool, self._upstream, self.metrics, self._sync)
             # handler_cancellation: a client that disconnects cancels its handler, and so the upstream request.
             self._runner = web.AppRunner(
                 app, access_log=None, handler_cancellation=True, shutdown_timeout=SHUTDOWN_GRACE_S
@@ -198,6 +189,7 @@ class Router:
         runner, self._runner = self._runner, None
         sync, self._sync = self._sync, None
         session, self._session = self._session, None
+        upstream, self._upstream = self._upstream, None
         try:
             if heartbeat is not None:
                 await heartbeat.stop()
@@ -208,6 +200,8 @@ class Router:
                 await sync.stop()
             if session is not None:
                 await session.close()
+            if upstream is not None:
+                upstream.close()
 
     async def __aenter__(self) -> Router:
         await self.start()
