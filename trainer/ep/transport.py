@@ -113,12 +113,14 @@ class ProcessGroupTransport(Transport):
     def exchange_counts(self, counts: torch.Tensor) -> torch.Tensor:
         counts = counts.to(torch.int64).contiguous()
         out = counts.new_empty(self.world, counts.numel())
-        dist.all_gather_into_tensor(out, counts, group=self.group)
+        out[self.rank].copy_(counts)
+        others = [r for r in range(self.world) if r != self.rank]
+        self._exchange([(r, counts) for r in others], [(r, out[r]) for r in others])
         return out.cpu()
 
     def _exchange(self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]]) -> None:
-        ops = [dist.P2POp(dist.isend, t, self._peers[r], self.group) for r, t in sends if t.shape[0] > 0]
-        ops += [dist.P2POp(dist.irecv, t, self._peers[r], self.group) for r, t in recvs if t.shape[0] > 0]
+        ops = [dist.P2POp(dist.isend, t, self._peers[r], self.group) for r, t in sends if t.numel() > 0]
+        ops += [dist.P2POp(dist.irecv, t, self._peers[r], self.group) for r, t in recvs if t.numel() > 0]
         if ops:
             for work in dist.batch_isend_irecv(ops):
                 work.wait()

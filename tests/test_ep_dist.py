@@ -1,0 +1,273 @@
+"""Expert parallelism over real processes (gloo, spawn, world sizes 2 and 4) against the single-rank run.
+
+Every rank builds the same model from one seed, runs the single-rank reference on the whole batch
+in-process, and runs its shard of the batch through the expert-parallel copy. What is bitwise and why:
+the owners' grouped GEMMs see exactly the single-rank matrices (same rows, same order), so expert
+outputs, the combine and the expert weight gradients are bitwise. Dense (replicated) gradients are sums
+over tokens that EP splits into per-rank partial sums plus an all-reduce, a different floating-point
+summation order: they agree within 1e-6, not bitwise."""
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+import trainer.ep.parallel as ep_parallel
+from common.config import Config, ModelConfig
+from trainer.checkpoint import TrainState, load_checkpoint, save_checkpoint
+from trainer.ep import ExpertParallelOptimizer, ProcessGroupTransport, ShardedExperts, apply_expert_parallel
+from trainer.experts import BACKENDS
+from trainer.model import build_model
+from trainer.optim import Optimizer
+
+BATCH, SEQ = 4, 12
+
+
+def _config() -> Config:
+    cfg = Config()
+    cfg.trainer.model = ModelConfig(
+        vocab_size=64,
+        hidden_size=32,
+        num_layers=3,
+        first_k_dense=1,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        num_heads=2,
+        kv_lora_rank=16,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=8,
+        v_head_dim=8,
+        max_seq_len=32,
+    )
+    cfg.trainer.optim.bias_update_rate = 0.01
+    return cfg
+
+
+def _batch(step: int) -> torch.Tensor:
+    return torch.randint(0, 64, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(100 + step))
+
+
+def _entry(rank: int, world: int, store: str, fn, args: tuple) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        fn(rank, world, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(tmp_path: Path, world: int, fn, *args) -> None:
+    mp.spawn(_entry, args=(world, str(tmp_path / f"store{world}"), fn, args), nprocs=world, join=True)
+
+
+def _loss(model: torch.nn.Module, batch: torch.Tensor, n_global: int) -> torch.Tensor:
+    """Summed next-token loss over `batch`, normalised by the global target count (sum over ranks = mean)."""
+    logits = model(batch[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1), reduction="sum") / n_global
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _capture_expert_outputs(model: torch.nn.Module, store: list[torch.Tensor]) -> None:
+    """Record each expert backend's output (the owner's expert-major rows) by wrapping the backend."""
+    for m in model.modules():
+        if isinstance(m, ShardedExperts) or type(m).__name__ == "Experts":
+            inner = BACKENDS[m.backend]
+            name = f"capture_{id(store)}_{m.backend}"
+
+            def capturing(x, offsets, gate_up, down, inner=inner):
+                y = inner(x, offsets, gate_up, down)
+                store.append(y.detach().clone())
+                return y
+
+            BACKENDS[name] = capturing
+            ep_parallel.BACKENDS[name] = capturing
+            m.backend = name
+
+
+def _train_step_worker(rank: int, world: int, out_dir: str) -> None:
+    cfg = _config()
+    mc = cfg.trainer.model
+    ref = build_model(mc, seed=0)
+    model = build_model(mc, seed=0)
+    ep = apply_expert_parallel(model, ProcessGroupTransport())
+    ref_experts: list[torch.Tensor] = []
+    ep_experts: list[torch.Tensor] = []
+    _capture_expert_outputs(ref, ref_experts)
+    _capture_expert_outputs(model, ep_experts)
+    ref_moe_out: list[torch.Tensor] = []
+    ep_moe_out: list[torch.Tensor] = []
+    for m, store in ((ref, ref_moe_out), (model, ep_moe_out)):
+        for layer in m.moe_layers():
+            layer.register_forward_hook(lambda mod, inp, out, store=store: store.append(out.detach().clone()))
+    ref_opt, opt = Optimizer(ref, cfg.trainer.optim), ExpertParallelOptimizer(ep, cfg.trainer.optim)
+
+    batch = _batch(0)
+    mine = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+    n_global = batch[:, 1:].numel()
+    ref_loss = _loss(ref, batch, n_global)
+    loss = _loss(model, batch[mine], n_global)
+    # Forward: the MoE outputs (expert results combined per token) of this rank's tokens are bitwise.
+    for a, b in zip(ref_moe_out, ep_moe_out, strict=True):
+        assert torch.equal(a[mine], b)
+    # Expert outputs: the owner's rows are exactly the single-rank rows of its experts, in the same order.
+    El = mc.n_routed_experts // world
+    for layer, (ref_y, y) in enumerate(zip(ref_experts, ep_experts, strict=True)):
+        plan = model.moe_layers()[layer].experts.last_plan
+        counts = plan.counts.sum(0)
+        start = int(counts[: rank * El].sum())
+        assert y.shape[0] == plan.rows_in
+        assert torch.equal(ref_y[start : start + plan.rows_in], y)
+    ref_loss.backward()
+    loss.backward()
+    # Backward: expert weight gradients stay on their owner and are bitwise; dense ones are partial
+    # sums here, whose all-reduce (done by the optimizer step below) gives the single-rank gradient.
+    dense_diff = 0.0
+    named = dict(model.named_parameters())
+    for name, p in ref.named_parameters():
+        q = named[name]
+        if isinstance(q, DTensor):
+            assert torch.equal(p.grad[rank * El : (rank + 1) * El], q.grad.to_local()), name
+        else:
+            summed = q.grad.clone()
+            dist.all_reduce(summed)
+            dense_diff = max(dense_diff, float((p.grad - summed).abs().max()))
+    assert dense_diff <= 1e-6, dense_diff
+    ref_stats, stats = ref_opt.step(n_global), opt.step(n_global)
+    assert abs(ref_stats.grad_norm - stats.grad_norm) <= 1e-6 * ref_stats.grad_norm
+    step_diff = 0.0
+    for name, p in ref.named_parameters():
+        step_diff = max(step_diff, float((p.detach() - _full(named[name].detach())).abs().max()))
+    assert step_diff <= 1e-6, step_diff
+    for a, b in zip(ref.moe_layers(), model.moe_layers(), strict=True):
+        assert torch.equal(a.gate.e_score_correction_bias, b.gate.e_score_correction_bias)
+        assert a.gate.e_score_correction_bias.abs().sum() > 0
+    if rank == 0:
+        Path(out_dir, f"world{world}.txt").write_text(
+            f"world {world}: loss {float(ref_loss):.9g}, dense grad max diff {dense_diff:.3g}, grad norm "
+            f"{ref_stats.grad_norm:.9g} vs {stats.grad_norm:.9g}, param max diff after one step {step_diff:.3g}\n"
+        )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("world", [2, 4])
+def test_forward_backward_and_step_match_the_single_rank_run(tmp_path, world):
+    _spawn(tmp_path, world, _train_step_worker, str(tmp_path))
+    print((tmp_path / f"world{world}.txt").read_text())
+
+
+def _skewed_routing_worker(rank: int, world: int) -> None:
+    mc = replace(_config().trainer.model, num_experts_per_tok=1)
+    H = mc.hidden_size
+    ref, model = build_model(mc, seed=0), build_model(mc, seed=0)
+    for m in ref.moe_layers() + model.moe_layers():
+        m.gate.e_score_correction_bias[0] = 100.0  # every token picks expert 0, owned by rank 0
+    transport = ProcessGroupTransport()
+    apply_expert_parallel(model, transport)
+    assert transport.allocated_bytes == 0
+    batch = _batch(0)
+    mine = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+    tokens_total, tokens_here = BATCH * SEQ, BATCH * SEQ // world
+    ref_out = ref.hidden_states(batch[:, :-1])
+    out = model.hidden_states(batch[mine, :-1])
+    assert torch.equal(ref_out[mine], out)  # nothing dropped: every token got its expert's output
+    for layer in model.moe_layers():
+        plan = layer.experts.last_plan
+        assert plan.rows_in == (tokens_total if rank == 0 else 0)
+        assert plan.rows_out == tokens_here
+    # Staging follows the counts: the owner of expert 0 holds exactly all rows, the others nothing.
+    assert transport.allocated_bytes == (tokens_total * H * 4 if rank == 0 else 0)
+    ref_out.square().sum().backward()
+    out.square().sum().backward()
+    expert0 = ref.moe_layers()[0].experts.gate_up_proj.grad
+    if rank == 0:
+        assert torch.equal(model.moe_layers()[0].experts.gate_up_proj.grad.to_local()[0], expert0[0])
+    # Balanced routing afterwards: rank 0 reuses its high-water buffer, the others grow to their need.
+    for m in model.moe_layers():
+        m.gate.e_score_correction_bias.zero_()
+    with torch.no_grad():
+        model.hidden_states(batch[mine, :-1])
+    need = max(layer.experts.last_plan.rows_in for layer in model.moe_layers())
+    assert need < tokens_total
+    assert transport.allocated_bytes == (tokens_total if rank == 0 else need) * H * 4
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_skewed_routing_drops_nothing_and_buffers_follow_the_counts(tmp_path):
+    _spawn(tmp_path, 4, _skewed_routing_worker)
+
+
+def _params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: _full(p.detach()).clone() for name, p in model.named_parameters()}
+
+
+def _ep_train(world: int, rank: int, cfg: Config, seed: int):
+    model = build_model(cfg.trainer.model, seed=seed)
+    ep = apply_expert_parallel(model, ProcessGroupTransport())
+    return model, ExpertParallelOptimizer(ep, cfg.trainer.optim)
+
+
+def _step(model, opt, batch: torch.Tensor, rows: slice) -> None:
+    _loss(model, batch[rows], batch[:, 1:].numel()).backward()
+    opt.step(batch[:, 1:].numel())
+
+
+def _save_at_ep2_worker(rank: int, world: int, root: str) -> None:
+    cfg = _config()
+    model, opt = _ep_train(world, rank, cfg, seed=0)
+    mine = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+    _step(model, opt, _batch(0), mine)
+    save_checkpoint(root, model, opt, TrainState(step=1, tokens=BATCH * SEQ), cfg)
+    at_save = _params(model)
+    _step(model, opt, _batch(1), mine)
+    after = _params(model)  # full_tensor() is a collective: every rank gathers
+    if rank == 0:
+        torch.save({"at_save": at_save, "after": after}, Path(root) / "ep2.pt")
+
+
+def _resume_worker(rank: int, world: int, root: str) -> None:
+    cfg = _config()
+    model, opt = _ep_train(world, rank, cfg, seed=1)  # other weights: the load must replace them all
+    state = load_checkpoint(Path(root) / "step_00000001", model, opt, cfg)
+    assert state.step == 1
+    saved = torch.load(Path(root) / "ep2.pt")
+    for name, p in _params(model).items():
+        assert torch.equal(p, saved["at_save"][name]), name
+    _step(model, opt, _batch(1), slice(rank * BATCH // world, (rank + 1) * BATCH // world))
+    diff = max(float((p - saved["after"][name]).abs().max()) for name, p in _params(model).items())
+    assert diff <= 1e-6, diff
+    if rank == 0:
+        Path(root, f"resume{world}.txt").write_text(f"resumed at EP={world}: max param diff after one step {diff:.3g}\n")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_checkpoint_saved_at_ep2_resumes_at_ep1_and_ep4(tmp_path):
+    root = tmp_path / "ckpt"
+    _spawn(tmp_path, 2, _save_at_ep2_worker, str(root))
+    saved = torch.load(root / "ep2.pt")
+    # EP=1: the plain single-rank model and optimizer, no process group.
+    cfg = _config()
+    model = build_model(cfg.trainer.model, seed=1)
+    opt = Optimizer(model, cfg.trainer.optim)
+    load_checkpoint(root / "step_00000001", model, opt, cfg)
+    for name, p in model.named_parameters():
+        assert torch.equal(p.detach(), saved["at_save"][name]), name
+    _step(model, opt, _batch(1), slice(None))
+    diff1 = max(float((p.detach() - saved["after"][name]).abs().max()) for name, p in model.named_parameters())
+    assert diff1 <= 1e-6, diff1
+    print(f"resumed at EP=1: max param diff after one step {diff1:.3g}")
+    # EP=4: every rank reads its quarter of the experts and of their AdamW moments.
+    _spawn(tmp_path, 4, _resume_worker, str(root))
+    print((root / "resume4.txt").read_text())
