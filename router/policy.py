@@ -8,6 +8,7 @@ move. Affinity gives way to least outstanding when the chosen worker is overload
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Sequence
 from typing import Literal, Protocol, TypeVar
@@ -57,11 +58,16 @@ def round_robin(workers: Sequence[W], counter: int) -> W:
     return workers[counter % len(workers)]
 
 
+@functools.lru_cache(maxsize=4096)
+def _worker_hash(worker_id: str) -> int:
+    return hash64(worker_id)  # the same few ids on every request: hash each once
+
+
 def affinity_worker(workers: Sequence[W], key: str) -> W:
     """The worker that owns `key` under rendezvous hashing: the same key maps to the same worker as
     long as that worker is in the list, and removing a worker moves only the keys it owned."""
     k = hash64(key)
-    return max(workers, key=lambda w: _mix(k ^ hash64(w.id)))
+    return max(workers, key=lambda w: _mix(k ^ _worker_hash(w.id)))
 
 
 def overloaded(candidate: Candidate, workers: Sequence[Candidate], factor: float) -> bool:

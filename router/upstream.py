@@ -44,6 +44,7 @@ class _Target:
     port: int
     tls: bool
     host_header: str
+    prefix: str  # a path the worker is mounted under, usually empty
 
 
 def _target(url: str) -> _Target:
@@ -52,7 +53,7 @@ def _target(url: str) -> _Target:
         raise ValueError(f"worker URL {url!r} must be http://host:port or https://host:port")
     tls = parts.scheme == "https"
     port = parts.port or (443 if tls else 80)
-    return _Target(parts.hostname, port, tls, parts.netloc)
+    return _Target(parts.hostname, port, tls, parts.netloc, parts.path.rstrip("/"))
 
 
 def _parse_head(head: bytes) -> tuple[int, list[tuple[str, str]], int | None, bool, bool]:
@@ -338,7 +339,7 @@ class UpstreamPool:
         target = self._targets.get(base_url)
         if target is None:
             target = self._targets[base_url] = _target(base_url)
-        lines = [f"{method} {path} HTTP/1.1\r\nHost: {target.host_header}\r\n"]
+        lines = [f"{method} {target.prefix}{path} HTTP/1.1\r\nHost: {target.host_header}\r\n"]
         lines += [f"{name}: {value}\r\n" for name, value in headers]
         if body or method in ("POST", "PUT", "PATCH"):
             lines.append(f"Content-Length: {len(body)}\r\n")

@@ -198,3 +198,12 @@ async def test_a_large_answer_read_slowly_arrives_whole():
         assert await resp.read() == body
         resp.release()
         pool.close()
+
+
+async def test_a_worker_mounted_under_a_path_gets_it_prefixed():
+    async with raw_server([[OK_HEAD + b"Content-Length: 0\r\n\r\n"]]) as server:
+        pool = UpstreamPool()
+        resp = await pool.request(server.url + "/base", "POST", "/v1/completions?x=1", [], b"1")
+        resp.release()
+        pool.close()
+    assert server.requests[0].startswith(b"POST /base/v1/completions?x=1 HTTP/1.1\r\n")
