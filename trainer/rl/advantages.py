@@ -13,7 +13,9 @@ def group_advantages(rewards: torch.Tensor, normalize_std: bool = True, eps: flo
     group gets zero advantages either way.
     """
     if rewards.dim() != 2 or rewards.shape[1] < 2:
-        raise ValueError(f"rewards must be [groups, samples] with at least 2 samples per group, got {tuple(rewards.shape)}")
+        raise ValueError(
+            f"rewards must be [groups, samples] with at least 2 samples per group, got {tuple(rewards.shape)}"
+        )
     centred = rewards - rewards.mean(dim=1, keepdim=True)
     if not normalize_std:
         return centred
