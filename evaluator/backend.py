@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -84,13 +85,16 @@ class LocalTokenizer:
     def __init__(self, path: str) -> None:
         self.path = path
         self._tok: Any = None
+        # Counting runs in worker threads; transformers' lazy imports are not safe to race.
+        self._lock = threading.Lock()
 
     def _load(self) -> Any:
-        if self._tok is None:
-            from transformers import AutoTokenizer
+        with self._lock:
+            if self._tok is None:
+                from transformers import AutoTokenizer
 
-            self._tok = AutoTokenizer.from_pretrained(self.path)
-        return self._tok
+                self._tok = AutoTokenizer.from_pretrained(self.path)
+            return self._tok
 
     def _count(self, case: Case) -> int:
         tok = self._load()

@@ -1,0 +1,157 @@
+"""The evaluator against real vLLM (CPU build) behind the real router, sharing the session's
+DeepSeek run (conftest.py: Redis, a router role process and one worker role process). One test runs
+all three benchmarks end to end through the router and counts the requests the router proxied. The
+other runs ROLE=evaluator as a process during a sequence of publishes (WeightPublisher of
+rollout/weights.py, publishing the original weights again so later tests see version-0 weights):
+every evaluated version gets exactly one result row with its number, a version that moves during
+its evaluation gets none, and an evaluator killed (SIGKILL) mid-version and restarted regenerates
+only the cases its cache lacked (counted by the router's /metrics)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import time
+import urllib.request
+from pathlib import Path
+
+import aiohttp
+import pytest
+import torch
+
+from common.config import load_config
+from common.metrics import read_metrics
+from evaluator.backend import Backend
+from evaluator.benchmark import EvalOptions, load_benchmark
+from evaluator.cache import ResultCache
+from evaluator.runner import evaluate
+from evaluator.watcher import FleetProbe
+from rollout.weights import WeightPublisher
+
+pytestmark = [pytest.mark.slow]
+
+DATA = Path(__file__).resolve().parent.parent / "evaluator" / "data"
+ROUTE = "/v1/completions"
+
+
+def proxied(run, route: str) -> int:
+    """Requests the router proxied on `route` (any final status), from its Prometheus /metrics."""
+    with urllib.request.urlopen(f"{run.router_url()}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    pattern = rf'^slipstream_router_requests_total{{route="{re.escape(route)}",code="\d+"}} (\d+)$'
+    return sum(int(n) for n in re.findall(pattern, text, re.MULTILINE))
+
+
+def original_weights(run) -> dict[str, torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+
+    (path,) = (run.run_dir / "models").glob("*-*")
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
+
+
+@pytest.mark.timeout(300)
+async def test_all_benchmarks_run_end_to_end_through_the_router_against_vllm(deepseek_run, tmp_path):
+    run = deepseek_run
+    r = run.rz.info.async_client()
+    before = {route: proxied(run, route) for route in (ROUTE, "/v1/chat/completions")}
+    try:
+        async with aiohttp.ClientSession() as session:
+            backend = Backend(session, run.router_url(), "policy")
+            served = await backend.describe()
+            counter = await backend.choose_counter()
+            assert served.max_model_len == 512 and "tokenizer at" in repr(counter)
+            probe = FleetProbe(r, run.keys, session)
+            snap = await probe.read()
+            assert snap.settled
+            results = {}
+            with ResultCache(tmp_path / "cache.jsonl") as cache:
+                for name, limit in (("arithmetic", 10), ("gsm8k", 2), ("ifeval", 3)):
+                    opts = EvalOptions(limit=limit, max_tokens=48)
+                    results[name] = await evaluate(load_benchmark(name, DATA), backend, cache, tmp_path, probe, opts)
+    finally:
+        await r.aclose()
+    for name, res in results.items():
+        assert res.version == snap.version and res.generated == res.cases and res.prompt_too_long == 0
+        lines = [json.loads(x) for x in Path(res.cases_path).read_text().splitlines()]
+        assert len(lines) == res.cases and all(len(line["completions"]) == 1 for line in lines)
+        assert all(line["finish_reasons"][0] in ("stop", "length") for line in lines)
+        assert 0.0 <= res.score <= 1.0
+        print(f"{name} at version {res.version}: {res.primary} = {res.score:.3f} ({res.seconds:.1f}s)")
+    # max_tokens was clamped per prompt, never above the 48 asked for
+    assert all(json.loads(x)["max_tokens"] == 48 for x in Path(results["gsm8k"].cases_path).read_text().splitlines())
+    assert proxied(run, ROUTE) - before[ROUTE] == 10
+    assert proxied(run, "/v1/chat/completions") - before["/v1/chat/completions"] == 5
+
+
+def evals(run) -> list[tuple[int, str]]:
+    return [(int(f["version"]), f["benchmark"]) for _, f in run.redis.xrange(run.keys.evals)]
+
+
+def cached_for(cache: Path, version: int) -> int:
+    """Cache records of one version (a line being written right now is not counted)."""
+    count = 0
+    for line in cache.read_text().splitlines() if cache.exists() else []:
+        try:
+            count += json.loads(line)["version"] == str(version)
+        except ValueError:
+            pass
+    return count
+
+
+@pytest.mark.timeout(420)
+async def test_live_evaluator_records_each_version_exactly_and_resumes_from_its_cache(deepseek_run, tmp_path,
+                                                                                     monkeypatch):  # fmt: skip
+    run = deepseek_run
+    run.redis.delete(run.keys.evals)
+    r = run.rz.info.async_client()
+    v0 = int(await r.get(run.keys.weights_current) or 0)
+    eval_dir = tmp_path / "evalrun"
+    for key, value in {"run__dir": eval_dir, "evaluator__chunk_cases": 4, "evaluator__max_concurrent": 4,
+                       "evaluator__until_version": v0 + 3, "evaluator__router_wait_s": 60}.items():  # fmt: skip
+        monkeypatch.setenv(f"SLIPSTREAM__{key}", str(value))
+    cache = eval_dir / "evals" / "cache.jsonl"
+    n_cases = len(load_benchmark("arithmetic", DATA).cases())
+    cfg = load_config(run.config)
+    weights = original_weights(run)
+    evaluator = run.start_role("evaluator", "evaluator")
+    try:
+        async with WeightPublisher(r, run.keys, cfg.rollout, run.run_dir) as pub:
+            run.wait_for("row of the starting version", lambda: (v0, "arithmetic") in evals(run), evaluator, 120)
+            # A version that moves during its evaluation: discarded, never recorded.
+            await pub.publish(v0 + 1, weights)
+            run.wait_for("evaluation of v0+1 under way", lambda: cached_for(cache, v0 + 1) >= 4, evaluator, 60)
+            await pub.publish(v0 + 2, weights)
+            # Kill the evaluator in the middle of v0+2, then restart it.
+            run.wait_for("evaluation of v0+2 under way", lambda: cached_for(cache, v0 + 2) >= 8, evaluator, 60)
+            evaluator.send_signal(signal.SIGKILL)
+            evaluator.wait(timeout=10)
+            time.sleep(1.0)  # the router sees the dropped connections and counts them
+            have = cached_for(cache, v0 + 2)
+            assert 8 <= have < n_cases, "the kill came too late to test resumption"
+            sent_before = proxied(run, ROUTE)
+            evaluator = run.start_role("evaluator", "evaluator-restarted")
+            run.wait_for("row of v0+2", lambda: (v0 + 2, "arithmetic") in evals(run), evaluator, 120)
+            regenerated = proxied(run, ROUTE) - sent_before
+            await pub.publish(v0 + 3, weights)
+            assert evaluator.wait(timeout=120) == 0  # until_version = v0+3 reached
+    finally:
+        if evaluator.poll() is None:
+            evaluator.send_signal(signal.SIGTERM)
+            evaluator.wait(timeout=30)
+        await r.aclose()
+    print(f"restart: {have} of {n_cases} cases of version {v0 + 2} were cached; {regenerated} regenerated")
+    assert regenerated == n_cases - have
+    rows = evals(run)
+    assert rows == [(v0, "arithmetic"), (v0 + 2, "arithmetic"), (v0 + 3, "arithmetic")]
+    discarded = [
+        json.loads(f["detail"]) for _, f in run.redis.xrange(run.keys.events) if f["event"] == "eval discarded"
+    ]
+    assert any(d["version"] == str(v0 + 1) for d in discarded)
+    points = read_metrics(eval_dir, tags=["eval/arithmetic/accuracy/mean"])
+    assert sorted(p.step for p in points) == [v0, v0 + 2, v0 + 3]
+    for version in (v0, v0 + 2, v0 + 3):
+        summary = json.loads((eval_dir / "evals" / f"arithmetic.v{version}.summary.json").read_text())
+        assert summary["version"] == str(version) and summary["cases"] == n_cases
+    assert os.path.exists(eval_dir / "evals" / f"arithmetic.v{v0 + 1}.summary.json") is False
