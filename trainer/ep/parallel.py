@@ -82,6 +82,8 @@ class ShardedExperts(nn.Module):
             setattr(self, name, nn.Parameter(local, requires_grad=getattr(experts, name).requires_grad))
         self.last_plan: DispatchPlan | None = None
 
+    # Host-side sizes and communication: compiled blocks run this part eagerly.
+    @torch.compiler.disable
     def forward(self, x_sorted: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         counts = torch.diff(offsets.long(), prepend=offsets.new_zeros(1).long())
         plan = make_plan(self.transport.exchange_counts(counts), self.transport.rank, x_sorted.device)

@@ -11,6 +11,7 @@ the exchanged counts and are reused; `allocated_bytes` says how much is held."""
 from __future__ import annotations
 
 import os
+import warnings
 from abc import ABC, abstractmethod
 
 import torch
@@ -184,10 +185,12 @@ class SymmetricMemoryTransport(Transport):
         self.rank = dist.get_rank(self.group)
         self.world = dist.get_world_size(self.group)
         self.device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
-        # torch <= 2.8 wants symmetric memory switched on per group; later versions do it on rendezvous.
-        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
-        if enable is not None and not symm_mem.is_symm_mem_enabled_for_group(self.group.group_name):
-            enable(self.group.group_name)
+        # Older torch wants symmetric memory switched on per group before a rendezvous; newer torch
+        # does it on rendezvous and only warns that the call is no longer needed.
+        if not symm_mem.is_symm_mem_enabled_for_group(self.group.group_name):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                symm_mem.enable_symm_mem_for_group(self.group.group_name)
         self._counts: tuple[torch.Tensor, object] | None = None
         self._data: list[tuple[torch.Tensor, object]] = []
         self._data_bytes = 0
