@@ -287,12 +287,16 @@ class WeightPublisher:
         return self._session
 
     async def publish(
-        self, version: int, tensors: Mapping[str, torch.Tensor], pause_mode: str | None = None
+        self, version: int, tensors: Mapping[str, torch.Tensor], pause_mode: str | None = None, force: bool = False
     ) -> PublishResult:
-        """Write `version` and apply it on every live worker; see the module docstring for the contract."""
+        """Write `version` and apply it on every live worker; see the module docstring for the contract.
+
+        Versions only move forward, except with `force`: a trainer that resumes from a checkpoint older
+        than `weights:current` (or publishes its initial weights as version 0) makes its version current.
+        """
         t0 = time.perf_counter()
         current = await current_version(self.client, self.keys)
-        if version <= (current or 0):
+        if not force and current is not None and version <= current:
             raise PublishError(f"publish({version}): weights:current is already {current}; publish a newer version")
         mode = pause_mode or self.cfg.pause_mode
         if mode not in ("keep", "abort", "wait"):
