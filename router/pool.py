@@ -1,11 +1,11 @@
 """The worker pool: which vLLM workers exist and which of them may be routed to. `WorkerPool` is the
 state (no I/O): it applies snapshots of the Redis workers hash plus their liveness keys, and health
 verdicts, and keeps the tuple of routable workers that the hot path reads. `PoolSync` is the I/O
-around it: it re-reads Redis every REFRESH_S (a worker whose heartbeat key expired disappears), and
-health-checks every worker with GET /health on an interval, evicting a failing worker and
-re-admitting it once it passes. A worker is routable only while its heartbeat lives and its last
-health check passed; a newly seen worker is checked at once so it joins within a second.
-"""
+around it: it re-reads Redis every REFRESH_S and again right when a liveness key would expire, so a
+worker whose heartbeat stopped disappears within its TTL; and it health-checks every worker with
+GET /health on an interval, evicting a failing worker and re-admitting it once it passes. A worker
+is routable only while its heartbeat lives and its last health check passed; a newly seen worker
+is checked at once so it joins within a second."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ log = logging.getLogger(__name__)
 # Redis keyspace notifications are off by default and a TTL expiry cannot be awaited otherwise, so
 # the pool polls; twice a second keeps any change visible within one second.
 REFRESH_S = 0.5
+_EXPIRY_MARGIN_S = 0.01
 
 
 @dataclass(frozen=True)
@@ -170,6 +172,7 @@ class PoolSync:
         self._bad_records: set[tuple[str, str]] = set()
         self._redis_error = ""
         self._running = False
+        self._expiry = math.inf  # loop time at which the soonest liveness key expires if not refreshed
 
     async def start(self) -> None:
         """Read Redis once and health-check what it lists (so a fresh router can route at once), then
@@ -206,10 +209,20 @@ class PoolSync:
                     self._bad_records.add((worker_id, value))
                     log.warning("ignoring worker: %s", exc)
         alive: set[str] = set()
+        self._expiry = math.inf
         if records:
             ids = list(records)
-            flags = await self.client.mget([self.keys.worker_alive(i) for i in ids])
-            alive = {i for i, flag in zip(ids, flags, strict=True) if flag is not None}
+            async with self.client.pipeline(transaction=False) as pipe:
+                for i in ids:
+                    pipe.pttl(self.keys.worker_alive(i))
+                ttls_ms = await pipe.execute()
+            now = asyncio.get_running_loop().time()
+            for i, ttl_ms in zip(ids, ttls_ms, strict=True):
+                if ttl_ms == -2:  # no such key: never beat, or expired
+                    continue
+                alive.add(i)
+                if ttl_ms >= 0:
+                    self._expiry = min(self._expiry, now + ttl_ms / 1000)
         changes = self.pool.apply(records, alive)
         for worker in changes.added:
             log.info("worker %s at %s registered; admitted once GET /health passes", worker.id, worker.url)
@@ -243,8 +256,12 @@ class PoolSync:
                 await announce(self.client, self.keys, "router", "worker_evicted", worker=worker.id, reason=error)
 
     async def _refresh_loop(self) -> None:
+        loop = asyncio.get_running_loop()
         while True:
-            await asyncio.sleep(self.refresh_s)
+            # Also wake just after the soonest liveness key would expire unrefreshed, so a dead
+            # worker leaves the pool within its heartbeat TTL rather than up to refresh_s later.
+            until_expiry = self._expiry - loop.time() + _EXPIRY_MARGIN_S
+            await asyncio.sleep(max(0.0, min(self.refresh_s, until_expiry)))
             try:
                 await self.refresh()
             except (redis.ConnectionError, redis.TimeoutError) as exc:

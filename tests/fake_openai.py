@@ -8,7 +8,8 @@ the router with bytes from the backend directly; request fields steer it: `strea
 `fail_on` + `fail_status` (answer fail_status when this worker's id is listed). GET /_stats reports
 what it served and how many requests were cancelled by a disconnect; POST /_control sets health.
 
-`Backend` (below) starts and stops such a process for tests and benchmarks.
+`Backend` (below) starts and stops such a process, and `start_router_process` the router role
+process in front of them, for tests and benchmarks.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from aiohttp import web
 
@@ -235,6 +237,27 @@ def start_backends(ids: list[str], meet: Path | None = None, exp: str = "", **kw
         for b in backends:
             b.stop()
         raise
+
+
+def start_router_process(config: Path, meet: Path, exp: str, **popen: object) -> subprocess.Popen[str]:
+    """The router role process (`ROLE=router python -m common.cli run CONFIG`) of experiment `exp`;
+    it publishes its URL under `Keys(exp).router(name)` once it serves."""
+    env = os.environ | {"ROLE": "router", "SLIPSTREAM_MEET_DIR": str(meet), "SLIPSTREAM_EXP": exp}
+    env["PYTHONPATH"] = str(ROOT)
+    cmd = [sys.executable, "-m", "common.cli", "run", str(config)]
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, text=True, **popen)  # type: ignore[call-overload]
+
+
+def wait_published(proc: subprocess.Popen[str], client: Any, key: str, timeout_s: float = 30.0) -> str:
+    """The URL a router process publishes at `key` (a sync Redis client), failing if it exits first."""
+    deadline = time.monotonic() + timeout_s
+    while (url := client.get(key)) is None:
+        if proc.poll() is not None:
+            raise RuntimeError(f"router exited with {proc.returncode} before publishing {key}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"router did not publish {key} within {timeout_s} s")
+        time.sleep(0.05)
+    return url
 
 
 def main() -> None:

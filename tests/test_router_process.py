@@ -5,23 +5,19 @@ running one, and withdraws its URL when stopped by SIGTERM."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-import sys
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from fake_openai import start_backends
+from fake_openai import start_backends, start_router_process, wait_published
 
 from common.config import RendezvousConfig
 from common.keys import Keys
 from common.rendezvous import Rendezvous
 
-ROOT = Path(__file__).resolve().parent.parent
 EXP = "routerproc"
 
 
@@ -34,14 +30,7 @@ def rz(tmp_path: Path) -> Iterator[Rendezvous]:
 
 
 def start_router(config: Path, meet: Path) -> subprocess.Popen[str]:
-    env = os.environ | {
-        "ROLE": "router",
-        "SLIPSTREAM_MEET_DIR": str(meet),
-        "SLIPSTREAM_EXP": EXP,
-        "PYTHONPATH": str(ROOT),
-    }
-    cmd = [sys.executable, "-m", "common.cli", "run", str(config)]
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return start_router_process(config, meet, EXP, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
 @pytest.mark.slow
@@ -58,11 +47,7 @@ def test_router_role_publishes_serves_refuses_a_duplicate_and_withdraws(rz: Rend
     key = Keys(EXP).router("main")
     first = start_router(config, rz.meet)
     try:
-        deadline = time.monotonic() + 30
-        while (url := redis.get(key)) is None:
-            assert first.poll() is None, f"router exited with {first.returncode}: {first.communicate()[1]}"
-            assert time.monotonic() < deadline, "router never published its URL"
-            time.sleep(0.05)
+        url = wait_published(first, redis, key)
         request = urllib.request.Request(
             url + "/v1/completions", data=json.dumps({"prompt": "p"}).encode(), method="POST"
         )
