@@ -5,7 +5,16 @@ import pytest
 import torch
 
 from common.config import ModelConfig
-from trainer.ep import LocalTransport, ShardedExperts, apply_expert_parallel, make_plan
+from trainer.ep import (
+    LocalTransport,
+    ProcessGroupTransport,
+    ShardedExperts,
+    SymmetricMemoryTransport,
+    TransportUnavailable,
+    apply_expert_parallel,
+    make_plan,
+    make_transport,
+)
 from trainer.model import build_model
 
 
@@ -77,3 +86,23 @@ def test_local_transport_is_bitwise_the_plain_model():
     for (name, p), q in zip(plain.named_parameters(), sharded.parameters(), strict=True):
         assert torch.equal(p.grad, q.grad), name
     assert ep.transport.allocated_bytes == 0
+
+
+@pytest.mark.timeout(30)
+def test_distributed_transports_refuse_to_start_without_what_they_need():
+    assert not torch.distributed.is_initialized()
+    with pytest.raises(TransportUnavailable, match="init_process_group"):
+        ProcessGroupTransport()
+    with pytest.raises(TransportUnavailable, match="torch.distributed"):
+        SymmetricMemoryTransport()
+    with pytest.raises(ValueError, match="use local, p2p or symm_mem"):
+        make_transport("all_to_all")
+
+
+@pytest.mark.timeout(30)
+def test_sharding_refuses_an_expert_count_that_does_not_split():
+    model = build_model(ModelConfig(num_layers=2, kv_lora_rank=16, n_routed_experts=6, num_experts_per_tok=2))
+    transport = LocalTransport()
+    transport.world = 4  # as if a group of 4: only the expert split is checked before any exchange
+    with pytest.raises(ValueError, match="n_routed_experts = 6 does not split over an expert-parallel group of 4"):
+        apply_expert_parallel(model, transport)
