@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import shutil
 import socket
 import statistics
@@ -35,7 +34,7 @@ import uvloop
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from fake_openai import Backend, start_backends  # noqa: E402
+from fake_openai import Backend, start_backends, start_router_process, wait_published  # noqa: E402
 
 from common.keys import Keys  # noqa: E402
 from common.rendezvous import Rendezvous  # noqa: E402
@@ -185,16 +184,13 @@ def _wait_http(url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> str
     return f"not answering {url} after {timeout_s:.0f} s ({last})"
 
 
-def start_slipstream(tmp: Path, meet: Path) -> tuple[subprocess.Popen[bytes], str]:
+def start_slipstream(tmp: Path, meet: Path) -> subprocess.Popen[str]:
     config = tmp / "router.toml"
     config.write_text(
         f'[run]\nname = "bench"\nroot = "{tmp / "runs"}"\nlog_level = "warning"\n'
         '[router]\npolicy = "round_robin"\nhealth_interval_s = 1.0\n'
     )
-    env = os.environ | {"ROLE": "router", "SLIPSTREAM_MEET_DIR": str(meet), "SLIPSTREAM_EXP": EXP}
-    env["PYTHONPATH"] = str(ROOT)
-    proc = subprocess.Popen([sys.executable, "-m", "common.cli", "run", str(config)], cwd=ROOT, env=env)
-    return proc, Keys(EXP).router()
+    return start_router_process(config, meet, EXP)
 
 
 def start_vllm_router(backends: list[Backend], log: Path) -> tuple[subprocess.Popen[bytes] | None, str, str]:
@@ -248,14 +244,15 @@ def main() -> int:
         rz = Rendezvous(tmp / "meet")
         redis = rz.connect(timeout_s=10)
         backends = start_backends(["b0", "b1"], rz.meet, EXP, period_s=1.0, ttl_s=5.0)
-        procs: list[subprocess.Popen[bytes]] = []
+        procs: list[subprocess.Popen] = []
         try:
-            ours, key = start_slipstream(tmp, rz.meet)
+            ours = start_slipstream(tmp, rz.meet)
             procs.append(ours)
-            deadline = time.monotonic() + 60
-            while (url := redis.get(key)) is None or "2 healthy" not in _health(url):
-                if ours.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit(f"the Slipstream router did not come up (exit {ours.poll()})")
+            url = wait_published(ours, redis, Keys(EXP).router())
+            deadline = time.monotonic() + 30
+            while "2 healthy" not in _health(url):
+                if time.monotonic() > deadline:
+                    raise SystemExit(f"the Slipstream router at {url} did not admit both backends")
                 time.sleep(0.1)
             targets = [
                 Target("direct", [b.url for b in backends]),
