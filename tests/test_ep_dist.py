@@ -153,7 +153,7 @@ def _train_step_worker(rank: int, world: int, out_dir: str) -> None:
         assert a.gate.e_score_correction_bias.abs().sum() > 0
     if rank == 0:
         Path(out_dir, f"world{world}.txt").write_text(
-            f"world {world}: loss {float(ref_loss):.9g}, dense grad max diff {dense_diff:.3g}, grad norm "
+            f"world {world}: loss {float(ref_loss.detach()):.9g}, dense grad max diff {dense_diff:.3g}, grad norm "
             f"{ref_stats.grad_norm:.9g} vs {stats.grad_norm:.9g}, param max diff after one step {step_diff:.3g}\n"
         )
 
