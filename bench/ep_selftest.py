@@ -17,6 +17,7 @@ import copy
 import json
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -24,9 +25,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
-from common.config import ModelConfig  # noqa: E402
+from common.config import Config, ModelConfig  # noqa: E402
+from trainer.checkpoint import TrainState, load_checkpoint, save_checkpoint  # noqa: E402
 from trainer.ep import (  # noqa: E402
+    ExpertParallelOptimizer,
     ProcessGroupTransport,
     SymmetricMemoryTransport,
     Transport,
@@ -35,6 +39,7 @@ from trainer.ep import (  # noqa: E402
 )
 from trainer.experts import select_backend  # noqa: E402
 from trainer.model import build_model  # noqa: E402
+from trainer.optim import Optimizer, autocast  # noqa: E402
 
 RESULTS: list[dict] = []
 
@@ -96,6 +101,54 @@ def skew_check(transport: SymmetricMemoryTransport, device: torch.device) -> Non
     record("skewed routing grows symmetric buffers to the counts", ok, f"{before} -> {transport.allocated_bytes} B")
 
 
+def train_step_check(transport: Transport, device: torch.device, dtype_name: str, backend: str, root: Path) -> None:
+    """A whole model: forward logits, one ExpertParallelOptimizer step (fused AdamW on DTensor experts on
+    the GPU) against the plain Optimizer, then a DCP checkpoint of the EP model loaded into a plain model."""
+    cfg = Config()
+    cfg.trainer.dtype = dtype_name
+    cfg.trainer.model = ModelConfig(
+        hidden_size=256, num_layers=3, intermediate_size=512, moe_intermediate_size=128, n_routed_experts=16,
+        num_experts_per_tok=4, kv_lora_rank=64, max_seq_len=256,
+    )
+    mc, oc = cfg.trainer.model, cfg.trainer.optim
+    ref, model = build_model(mc, backend, seed=0, device=device), build_model(mc, backend, seed=0, device=device)
+    ep = apply_expert_parallel(model, transport)
+    ref_opt, opt = Optimizer(ref, oc), ExpertParallelOptimizer(ep, oc)
+    tokens = torch.randint(0, mc.vocab_size, (4, 257), device=device, generator=torch.Generator(device).manual_seed(0))
+    logits, norms = [], []
+    for m, o in ((ref, ref_opt), (model, opt)):
+        with autocast(device, dtype_name):
+            out = m(tokens[:, :-1])
+        F.cross_entropy(out.float().reshape(-1, mc.vocab_size), tokens[:, 1:].reshape(-1)).backward()
+        logits.append(out.detach())
+        norms.append(o.step(tokens[:, 1:].numel()).grad_norm)
+    full = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach() for n, p in model.named_parameters()}
+    diff = max(float((p.detach() - full[n]).abs().max()) for n, p in ref.named_parameters())
+    same_logits = torch.equal(logits[0], logits[1])
+    ok = same_logits and abs(norms[0] - norms[1]) <= 1e-5 * norms[0] and diff <= 1e-4
+    record(
+        f"{type(transport).__name__} model step {backend} {dtype_name}",
+        ok,
+        f"logits bitwise {same_logits}, grad norm {norms[0]:.7g} vs {norms[1]:.7g}, param max diff {diff:.3g}",
+    )
+    path = save_checkpoint(root, model, opt, TrainState(step=1), cfg)
+    fresh = build_model(mc, backend, seed=1, device=device)
+    fresh_opt = Optimizer(fresh, oc)
+    load_checkpoint(path, fresh, fresh_opt, cfg)
+    same_weights = all(torch.equal(p.detach(), full[n]) for n, p in fresh.named_parameters())
+    moments = {n: fresh_opt.adamw.state[p]["exp_avg_sq"] for n, p in fresh.named_parameters()}
+    ep_moments = {}
+    for n, p in model.named_parameters():
+        v = opt.adamw.state[p]["exp_avg_sq"]
+        ep_moments[n] = v.full_tensor() if hasattr(v, "full_tensor") else v
+    same_moments = all(torch.equal(moments[n], ep_moments[n]) for n in moments)
+    record(
+        f"{type(transport).__name__} DCP checkpoint of the EP model loads into the plain model",
+        same_weights and same_moments,
+        f"weights bitwise {same_weights}, AdamW moments bitwise {same_moments}",
+    )
+
+
 def time_roundtrip(transport: Transport, device: torch.device, rows: int, width: int, experts: int) -> dict:
     counts = torch.full((experts,), rows // experts, dtype=torch.int64)
     plan = make_plan(transport.exchange_counts(counts.to(device)), transport.rank, device)
@@ -142,6 +195,9 @@ def main() -> int:
         moe_layer_check(symm, device, torch.bfloat16, select_backend("grouped_mm", device, torch.bfloat16))
         moe_layer_check(p2p, device, torch.bfloat16, select_backend("grouped_mm", device, torch.bfloat16))
         skew_check(symm, device)
+        grouped = select_backend("grouped_mm", device, torch.bfloat16)
+        train_step_check(symm, device, "bfloat16", grouped, Path(tempfile.mkdtemp()) / "ckpt")
+        train_step_check(p2p, device, "bfloat16", grouped, Path(tempfile.mkdtemp()) / "ckpt")
         timings.append(time_roundtrip(symm, device, 65536, 2048, 64))
         timings.append(time_roundtrip(p2p, device, 65536, 2048, 64))
     except Exception as exc:  # report, then fail the run
