@@ -123,7 +123,9 @@ def _vllm_run(base: Path, exp: str, arch: str, router: bool) -> Iterator[VllmRun
         if router:
             proc = run.start_role("router", "router")
             run.wait_for("router URL", run.router_url, proc, 60)
-        run.start_worker("worker-a")
+        proc, worker_id = run.start_worker("worker-a")
+        if router:
+            run.wait_for("router picking up the worker", lambda: run.router_workers(), proc, 30)
         assert cfg.rollout.model == model
         yield run
     finally:

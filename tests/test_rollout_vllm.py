@@ -161,6 +161,21 @@ async def test_served_logprobs_equal_transformers_before_and_after_a_publish_qwe
     print(f"qwen3 log-prob max |vLLM - HF|: before publish {d0:.2e}, after {d1:.2e}")
 
 
+async def until_running(url: str, n: int, timeout_s: float = 60.0) -> None:
+    """Wait until vLLM's scheduler runs n requests (an HTTP request may still sit in the router or queue)."""
+    deadline = time.monotonic() + timeout_s
+    async with aiohttp.ClientSession() as http:
+        while True:
+            async with http.get(f"{url}/metrics") as resp:
+                text = await resp.text()
+            m = re.search(r"^vllm:num_requests_running\{[^}]*\} ([0-9.]+)$", text, re.M)
+            assert m, "vLLM /metrics has no vllm:num_requests_running"
+            if float(m[1]) >= n:
+                return
+            assert time.monotonic() < deadline, f"only {m[1]} of {n} requests running after {timeout_s}s"
+            await asyncio.sleep(0.05)
+
+
 async def _in_flight_publish(run, mode: str, max_tokens: int):
     """8 long requests in flight, a publish in `mode` while they run; (samples, old version, new version)."""
     r = run.rz.async_client()
@@ -171,10 +186,11 @@ async def _in_flight_publish(run, mode: str, max_tokens: int):
             asyncio.create_task(client.generate(PROMPT, max_tokens=max_tokens, seed=i, ignore_eos=True))
             for i in range(8)
         ]
-        await asyncio.sleep(0.8)  # let every request start decoding
+        await until_running(worker_url(run), 8)
+        await asyncio.sleep(0.3)  # a few decode steps on the old weights
         assert not any(t.done() for t in tasks), "requests finished before the publish; raise max_tokens"
         result = await pub.publish(old + 1, perturb(model, seed=old + 1))
-        samples = await asyncio.gather(*tasks)
+        samples = [s for (s,) in await asyncio.gather(*tasks)]
         try:
             assert not result.evicted
         finally:
