@@ -1,12 +1,15 @@
-"""Expert backends: grouped_mm agrees with the reference (outputs and gradients); backend selection."""
+"""Expert backends: grouped_mm agrees with the reference (outputs and gradients); the bf16 weight copy of the
+grouped_mm path is made once and follows every optimizer step and in-place load; backend selection."""
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import trainer.experts as experts
-from common.config import ModelConfig
+from common.config import ModelConfig, OptimConfig
 from trainer.experts import BackendUnavailable, grouped_mm_experts, reference_experts, select_backend
-from trainer.model.moe import MoE
+from trainer.model.moe import Experts, MoE
+from trainer.optim import Optimizer
 
 GROUPED_MM_RUNS = experts.grouped_mm_unavailable(torch.device("cpu"), torch.float32) is None
 
@@ -57,6 +60,96 @@ def test_moe_layer_agrees_across_backends():
         outs.append((y, xi.grad, *(p.grad for p in layer.parameters())))
     for a, b in zip(*outs, strict=True):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+
+
+GROUPED_MM_BF16_RUNS = experts.grouped_mm_unavailable(torch.device("cpu"), torch.bfloat16) is None
+needs_bf16_grouped_mm = pytest.mark.skipif(not GROUPED_MM_BF16_RUNS, reason="no bf16 torch._grouped_mm on this CPU")
+
+
+@needs_bf16_grouped_mm
+def test_grouped_mm_on_cast_weights_sends_fp32_gradients_to_the_masters():
+    """bf16 GEMMs on a bf16 copy, gradients on the fp32 masters: the same as autograd through a per-call cast."""
+    x, offsets, gate_up, down = _inputs(2, [9, 0, 16, 7], H=32, inter=16)
+    x = x.bfloat16()
+    grad = torch.randn(x.shape, generator=torch.Generator().manual_seed(3)).bfloat16()
+    masters = [t.clone().requires_grad_() for t in (gate_up, down)]
+    y = grouped_mm_experts(x, offsets, *masters, cast_weights=(gate_up.bfloat16(), down.bfloat16()))
+    y.backward(grad)
+    # Plain autograd over the cast: what the layer computed before it kept a copy.
+    plain = [t.clone().requires_grad_() for t in (gate_up, down)]
+    gate, up = torch._grouped_mm(x, plain[0].bfloat16().transpose(-2, -1), offs=offsets).chunk(2, dim=-1)
+    y_ref = torch._grouped_mm(F.silu(gate) * up, plain[1].bfloat16().transpose(-2, -1), offs=offsets)
+    y_ref.backward(grad)
+    torch.testing.assert_close(y, y_ref, rtol=0, atol=0)
+    for m, p in zip(masters, plain, strict=True):
+        assert m.grad.dtype == torch.float32 and m.grad.is_contiguous()  # AccumulateGrad takes it without a copy
+        torch.testing.assert_close(m.grad, p.grad, rtol=2e-2, atol=2e-3)
+
+
+def _bf16_layer(seed: int) -> Experts:
+    layer = Experts(ModelConfig(hidden_size=32, moe_intermediate_size=16, n_routed_experts=4), "grouped_mm")
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return layer
+
+
+def _autocast_forward(layer: Experts, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return layer(x, offsets)
+
+
+def _per_call_cast(layer: Experts, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return grouped_mm_experts(x.bfloat16(), offsets, layer.gate_up_proj, layer.down_proj)
+
+
+@needs_bf16_grouped_mm
+def test_bf16_copy_is_made_once_and_kept_out_of_the_state_dict():
+    layer = _bf16_layer(0)
+    x, offsets = torch.randn(24, 32), torch.tensor([5, 5, 20, 24], dtype=torch.int32)
+    _autocast_forward(layer, x, offsets)
+    first = layer.cast_weights(torch.bfloat16)
+    _autocast_forward(layer, x, offsets).sum().backward()
+    assert all(a is b for a, b in zip(first, layer.cast_weights(torch.bfloat16), strict=True))
+    assert set(layer.state_dict()) == {"gate_up_proj", "down_proj"}
+    assert all(p.dtype == torch.float32 for p in layer.state_dict().values())
+
+
+@needs_bf16_grouped_mm
+@pytest.mark.parametrize("fused", [True, False])
+def test_bf16_copy_follows_every_optimizer_step(fused):
+    """Fused AdamW writes the masters without moving their version counters; the copy must follow anyway."""
+    layer = _bf16_layer(1)
+    x, offsets = torch.randn(24, 32), torch.tensor([3, 10, 10, 24], dtype=torch.int32)
+    opt = torch.optim.AdamW(layer.parameters(), lr=0.1, fused=fused, foreach=None if fused else False)
+    for _ in range(3):
+        before = [p.detach().clone() for p in layer.parameters()]
+        _autocast_forward(layer, x, offsets).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+        assert not any(torch.equal(a, p) for a, p in zip(before, layer.parameters(), strict=True))
+        expected = _per_call_cast(layer, x, offsets)
+        torch.testing.assert_close(_autocast_forward(layer, x, offsets), expected, rtol=0, atol=0)
+
+
+@needs_bf16_grouped_mm
+def test_bf16_copy_follows_the_trainer_optimizer_and_in_place_loads():
+    cfg = ModelConfig(hidden_size=32, moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2)
+    moe = MoE(cfg, "grouped_mm")
+    torch.manual_seed(4)
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    opt = Optimizer(moe, OptimConfig(lr=0.05, expert_lr=0.05, grad_clip=0.0))
+    layer, rows, offsets = moe.experts, torch.randn(24, 32), torch.tensor([6, 12, 18, 24], dtype=torch.int32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        moe(torch.randn(2, 12, 32)).float().square().sum().backward()
+    opt.step(24)
+    torch.testing.assert_close(_autocast_forward(layer, rows, offsets), _per_call_cast(layer, rows, offsets), rtol=0, atol=0)
+    other = _bf16_layer(5)
+    layer.load_state_dict(other.state_dict())  # copy_ into the parameters under no_grad
+    torch.testing.assert_close(_autocast_forward(layer, rows, offsets), _per_call_cast(other, rows, offsets), rtol=0, atol=0)
 
 
 def test_moe_matches_per_token_loop_forward_and_backward():

@@ -17,9 +17,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from common.config import ModelConfig
-from trainer.experts import BACKENDS
+from trainer.experts import BACKENDS, grouped_mm_experts
 
 
 class MLP(nn.Module):
@@ -78,8 +79,27 @@ class Router(nn.Module):
         return weights * self.scaling, ids, scores
 
 
+# Torch optimizer steps taken in this process (a global post-step hook counts them). Expert weight
+# copies are keyed on it: fused optimizer kernels (AdamW fused=True, our default on GPUs) write the
+# parameters without bumping their autograd version counters, so the versions alone would miss a step.
+_optimizer_steps = 0
+
+
+def _count_optimizer_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    global _optimizer_steps
+    _optimizer_steps += 1
+
+
+register_optimizer_step_post_hook(_count_optimizer_step)
+
+
 class Experts(nn.Module):
-    """Routed experts, stacked: gate_up_proj [E, 2I, H] (gate rows then up rows), down_proj [E, H, I]."""
+    """Routed experts, stacked: gate_up_proj [E, 2I, H] (gate rows then up rows), down_proj [E, H, I].
+
+    Under bf16 autocast over fp32 masters the grouped GEMMs run on a bf16 copy of the weights that is
+    made once per optimizer step (`cast_weights`), not on every call: casting 600M fp32 weights costs
+    about as much as a third of the expert GEMMs of a 16k-token batch. The copy is a plain attribute,
+    never a buffer, so state dicts and checkpoints hold the fp32 masters only."""
 
     def __init__(self, cfg: ModelConfig, backend: str) -> None:
         super().__init__()
@@ -87,6 +107,30 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * inter, H))
         self.down_proj = nn.Parameter(torch.empty(E, H, inter))
         self.backend = backend
+        self._cast: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._cast_key: tuple | None = None
+
+    # Eager under torch.compile: the freshness check reads version counters and Python state that a
+    # compiled graph would otherwise guard on (recompiling every step).
+    @torch.compiler.disable
+    def cast_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up_proj, down_proj) in `dtype`, without autograd history. The copy is refreshed when an
+        optimizer has stepped since it was made, or when either parameter was written in place through
+        autograd's view of it (load_state_dict, no_grad init: their version counters move) or replaced."""
+        params = (self.gate_up_proj, self.down_proj)
+        key = (dtype, _optimizer_steps, *(p._version for p in params), *(p.data_ptr() for p in params))
+        if key != self._cast_key:
+            with torch.no_grad():
+                if self._cast is not None and all(
+                    c.shape == p.shape and c.dtype == dtype and c.device == p.device
+                    for c, p in zip(self._cast, params, strict=True)
+                ):
+                    for c, p in zip(self._cast, params, strict=True):
+                        c.copy_(p)  # in place: a graph still holding the old copy fails its version check
+                else:
+                    self._cast = tuple(p.detach().to(dtype, copy=True) for p in params)
+            self._cast_key = key
+        return self._cast
 
     def forward(self, x_sorted: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         # Autocast does not cover grouped GEMMs: run them in its dtype ourselves, else the fp32 residual
@@ -94,6 +138,9 @@ class Experts(nn.Module):
         dev = x_sorted.device.type
         if torch.is_autocast_enabled(dev):
             x_sorted = x_sorted.to(torch.get_autocast_dtype(dev))
+        if self.backend == "grouped_mm" and self.gate_up_proj.dtype != x_sorted.dtype:
+            cast = self.cast_weights(x_sorted.dtype)
+            return grouped_mm_experts(x_sorted, offsets, self.gate_up_proj, self.down_proj, cast)
         return BACKENDS[self.backend](x_sorted, offsets, self.gate_up_proj, self.down_proj)
 
 
@@ -157,7 +204,9 @@ class MoE(nn.Module):
         # scatter_add rather than bincount: bincount's output size depends on the data (a host sync).
         counts = slot_expert.new_zeros(self.num_experts).scatter_add_(0, slot_expert, torch.ones_like(slot_expert))
         offsets = torch.cumsum(counts, 0, dtype=torch.int32)
-        x_sorted = _Permute.apply(flat, order // k, sorted_pos, k)
+        # Permute in the compute dtype: the k copies of every token are the largest tensor of the layer.
+        rows = flat.to(torch.get_autocast_dtype(x.device.type)) if torch.is_autocast_enabled(x.device.type) else flat
+        x_sorted = _Permute.apply(rows, order // k, sorted_pos, k)
         y_sorted = self.experts(x_sorted, offsets)
         y = _Unpermute.apply(y_sorted, sorted_pos, order).view(T, k, H)
         out = (y.float() * weights.unsqueeze(-1)).sum(1).to(y.dtype)
