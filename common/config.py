@@ -166,6 +166,8 @@ class RolloutConfig:
     """Published version directories kept on disk; older ones are removed."""
     pause_mode: Literal["keep", "abort", "wait"] = "keep"
     """How in-flight requests are treated during a weight update (keep = partial rollout)."""
+    pool: Literal["train", "eval"] = "train"
+    """Pool of a ROLE=vllm worker: train (routed, gets every publish) or eval (the evaluator pins its version)."""
     temperature: float = 1.0
     """Sampling temperature of rollouts."""
     top_p: float = 1.0
@@ -376,6 +378,8 @@ class EvaluatorConfig:
     """Seconds one evaluation request may take before it is retried."""
     until_version: int = -1
     """Exit (code 0) once this weight version is evaluated; -1 evaluates until stopped (eval-only runs: 0)."""
+    pin: Literal["auto", "always", "never"] = "auto"
+    """always: pin an eval-pool worker to each version; never: verify through the router; auto: pin if one exists."""
 
 
 ROLES = ("trainer", "vllm", "router", "evaluator")

@@ -32,8 +32,14 @@ class Keys:
         """Hash worker_id -> JSON {url, model, weight_version, started_at}."""
         return f"{self.prefix}workers"
 
+    @property
+    def eval_workers(self) -> str:
+        """Hash worker_id -> JSON like `workers`, for the evaluator's own workers (rollout.pool = "eval");
+        the router and the weight publisher never read it, so these workers serve only the evaluator."""
+        return f"{self.prefix}eval_workers"
+
     def worker_alive(self, worker_id: str) -> str:
-        """TTL key of one worker; the worker counts as alive only while it exists."""
+        """TTL key of one worker of either pool; the worker counts as alive only while it exists."""
         return f"{self.prefix}worker:{worker_id}:alive"
 
     @property
