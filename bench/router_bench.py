@@ -305,6 +305,8 @@ def report(targets: list[Target], args: argparse.Namespace, vr_why: str) -> None
         )
     ours = targets[1]
     print()
+    for t in targets:
+        print(f"{t.name} req/s per round: {', '.join(f'{r:.0f}' for r in t.rps)}")
     print(f"slipstream added p50: {(pct(ours.lat, 0.5) * 1e3 - d50):.3f} ms (target <= 0.5 ms)")
     if len(targets) > 2:
         vr = targets[2]
