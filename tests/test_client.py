@@ -1,0 +1,49 @@
+"""Parsing of vLLM's token-route responses into Samples: per-token versions from version spans,
+the abort flag, and errors (never zeros) when log-probs or version labels are missing."""
+
+from __future__ import annotations
+
+import pytest
+
+from rollout.client import RolloutClient, RolloutError, parse_choice
+
+
+def choice(tokens, logprobs, spans, finish="length"):
+    content = [{"token_id": t, "logprob": lp} for t, lp in zip(tokens, logprobs, strict=True)]
+    return {"index": 0, "token_ids": tokens, "logprobs": {"content": content}, "weight_versions": spans,
+            "finish_reason": finish}  # fmt: skip
+
+
+def test_version_spans_become_one_version_per_token():
+    c = choice(
+        [7, 8, 9], [-0.1, -0.2, -0.3], [{"version": "2", "start": 0, "end": 2}, {"version": "3", "start": 2, "end": 3}]
+    )
+    s = parse_choice([1, 2], c)
+    assert s.token_ids == [7, 8, 9] and s.logprobs == [-0.1, -0.2, -0.3]
+    assert s.versions == [2, 2, 3] and s.oldest_version == 2 and not s.aborted
+
+
+def test_abort_finish_reason_marks_the_sample_partial():
+    s = parse_choice([1], choice([7], [-1.0], [{"version": "0", "start": 0, "end": 1}], finish="abort"))
+    assert s.aborted and s.finish_reason == "abort"
+
+
+def test_a_response_without_logprobs_is_an_error():
+    c = choice([7, 8], [-0.1, -0.2], [{"version": "0", "start": 0, "end": 2}])
+    c["logprobs"] = None
+    with pytest.raises(RolloutError, match="0 log-probs for 2 tokens"):
+        parse_choice([1], c)
+
+
+def test_a_logprob_for_another_token_or_an_unlabelled_token_is_an_error():
+    c = choice([7, 8], [-0.1, -0.2], [{"version": "0", "start": 0, "end": 2}])
+    c["logprobs"]["content"][1]["token_id"] = 9
+    with pytest.raises(RolloutError, match="not the sampled 8"):
+        parse_choice([1], c)
+    with pytest.raises(RolloutError, match="1 of 2 tokens"):
+        parse_choice([1], choice([7, 8], [-0.1, -0.2], [{"version": "0", "start": 0, "end": 1}]))
+
+
+def test_client_needs_a_url_or_redis_to_find_the_router():
+    with pytest.raises(ValueError, match="needs a url"):
+        RolloutClient("policy")

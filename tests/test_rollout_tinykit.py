@@ -1,0 +1,72 @@
+"""The tiny-model kit: an offline tokenizer with a chat template, content-addressed checkpoint
+caching, and clear errors for shapes vLLM's CPU build cannot serve or mismatched architectures."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from common.config import Config, ConfigError, ModelConfig
+from rollout.tinykit import build_tokenizer, resolve_model, tiny_checkpoint, vocabulary
+from rollout.worker import WorkerRecord, vllm_command
+
+
+def test_tokenizer_loads_offline_round_trips_and_applies_its_chat_template(tmp_path: Path):
+    from transformers import AutoTokenizer
+
+    build_tokenizer(tmp_path)
+    tok = AutoTokenizer.from_pretrained(tmp_path)
+    text = "what is 12+7? Solve it."
+    ids = tok(text)["input_ids"]
+    assert tok.decode(ids) == text
+    assert tok.convert_ids_to_tokens(ids[:4]) == ["what", " ", "is", " "]
+    assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id) == (0, 1, 2) and tok.unk_token == "<unk>"
+    assert len(tok) == len(vocabulary())
+    chat = tok.apply_chat_template([{"role": "user", "content": "1+1"}], add_generation_prompt=True, tokenize=False)
+    assert chat == "<|user|>1+1\n<|assistant|>"
+
+
+@pytest.mark.timeout(120)
+def test_checkpoints_are_cached_by_content_and_regenerated_only_when_inputs_differ(tmp_path: Path):
+    m = ModelConfig()
+    first = tiny_checkpoint(m, 0, tmp_path)
+    stamp = (first / "model.safetensors").stat().st_mtime_ns
+    assert tiny_checkpoint(m, 0, tmp_path) == first
+    assert (first / "model.safetensors").stat().st_mtime_ns == stamp  # reused, not rewritten
+    other = tiny_checkpoint(m, 1, tmp_path)
+    assert other != first and (other / "model.safetensors").read_bytes() != (first / "model.safetensors").read_bytes()
+    assert {p.name for p in first.iterdir()} >= {"config.json", "model.safetensors", "tokenizer.json"}
+
+
+def test_unservable_shapes_and_mismatched_architectures_are_rejected(tmp_path: Path):
+    with pytest.raises(ConfigError, match="multiple of 32"):
+        tiny_checkpoint(dataclasses.replace(ModelConfig(), hidden_size=48), 0, tmp_path)
+    cfg = Config()
+    cfg.rollout.model = "tiny-qwen3"
+    with pytest.raises(ConfigError, match="trainer.model.arch=qwen3_moe"):
+        resolve_model(cfg, tmp_path)
+    cfg.rollout.model = str(tmp_path / "nowhere")
+    with pytest.raises(ConfigError, match="neither a tiny model"):
+        resolve_model(cfg, tmp_path)
+
+
+def test_vllm_command_enables_rl_serving_and_passes_engine_args_through(tmp_path: Path):
+    cfg = Config()
+    cfg.rollout.extra_args = ["--max-num-seqs", "64"]
+    model = tiny_checkpoint(cfg.trainer.model, 0, tmp_path)
+    cmd = vllm_command(cfg.rollout, model, "127.0.0.1", 8000, cpu=True)
+    joined = " ".join(cmd)
+    for flag in ('--weight-transfer-config {"backend": "file"}', "--logprobs-mode processed_logprobs",
+                 "--enable-scale-out", "--kv-cache-memory-bytes 134217728", '"-rotary_embedding"',
+                 "--attention-backend CPU_MLA", "--tensor-parallel-size 1", "--max-num-seqs 64"):  # fmt: skip
+        assert flag in joined
+    cfg.rollout.weight_backend = "nccl"
+    gpu = " ".join(vllm_command(cfg.rollout, model, "127.0.0.1", 8000, cpu=False))
+    assert '{"backend": "nccl"}' in gpu and "--gpu-memory-utilization 0.9" in gpu and "kv-cache-memory" not in gpu
+
+
+def test_worker_record_round_trips_through_json():
+    rec = WorkerRecord("http://h:1", "policy", 3, 12.5)
+    assert WorkerRecord.from_json(rec.to_json()) == rec

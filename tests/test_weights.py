@@ -1,0 +1,129 @@
+"""The trainer side of weight sync without vLLM: HF export with one name per expert, atomic and
+immutable version directories, pruning to the newest K, a publisher that evicts a worker whose
+update fails (and still advances `weights:current` over the workers that acknowledged), and the
+nccl transport's refusal to run without CUDA."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from aiohttp import web
+from safetensors.torch import load_file
+
+from common.config import RendezvousConfig, RolloutConfig
+from common.keys import Keys
+from common.rendezvous import Rendezvous
+from rollout.weights import (
+    NcclTransport,
+    PublishError,
+    WeightPublisher,
+    hf_tensors,
+    prune_versions,
+    write_version,
+)
+
+
+def test_fused_expert_tensors_are_split_into_one_name_per_expert():
+    gate_up = torch.arange(2 * 6 * 3, dtype=torch.float32).reshape(2, 6, 3)  # [E, 2I, H] with I = 3
+    down = torch.arange(2 * 3 * 3, dtype=torch.float32).reshape(2, 3, 3)  # [E, H, I]
+    other = torch.ones(4)
+    out = dict(hf_tensors({"model.layers.1.mlp.experts.gate_up_proj": gate_up,
+                           "model.layers.1.mlp.experts.down_proj": down, "model.norm.weight": other}))  # fmt: skip
+    assert sorted(out) == sorted(
+        [f"model.layers.1.mlp.experts.{e}.{p}_proj.weight" for e in range(2) for p in ("gate", "up", "down")]
+        + ["model.norm.weight"]
+    )
+    assert torch.equal(out["model.layers.1.mlp.experts.1.gate_proj.weight"], gate_up[1, :3])
+    assert torch.equal(out["model.layers.1.mlp.experts.1.up_proj.weight"], gate_up[1, 3:])
+    assert torch.equal(out["model.layers.1.mlp.experts.0.down_proj.weight"], down[0])
+    assert all(t.is_contiguous() for t in out.values())
+
+
+def test_version_directories_are_written_whole_immutable_and_pruned_to_the_newest_k(tmp_path: Path):
+    t = {"w": torch.randn(4, 4)}
+    path, size, _, _ = write_version(tmp_path, 1, t)
+    assert path == tmp_path / "v1" and size == 64
+    assert torch.equal(load_file(str(path / "model.safetensors"))["w"], t["w"])
+    assert [p.name for p in tmp_path.iterdir()] == ["v1"]  # no temporary directory left behind
+    with pytest.raises(PublishError, match="already exists"):
+        write_version(tmp_path, 1, t)
+    for v in (2, 3, 10):
+        write_version(tmp_path, v, t)
+    removed = prune_versions(tmp_path, keep=2)
+    assert sorted(p.name for p in removed) == ["v1", "v2"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v10", "v3"]
+
+
+def test_nccl_transport_without_cuda_says_to_use_the_file_backend():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(RuntimeError, match="weight_backend = 'file'"):
+        NcclTransport(["http://127.0.0.1:1"], "127.0.0.1", 29500)
+    with pytest.raises(ValueError, match="at least one worker"):
+        NcclTransport([], "127.0.0.1", 29500)
+
+
+async def _fake_worker(fail_on: str | None, calls: list[str]) -> web.AppRunner:
+    async def handle(request: web.Request) -> web.Response:
+        calls.append(request.path + (f"?{request.query_string}" if request.query_string else ""))
+        if request.path == fail_on:
+            return web.json_response({"error": "boom"}, status=500)
+        return web.json_response({"ok": True})
+
+    app = web.Application()
+    app.router.add_route("POST", "/{tail:.*}", handle)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return runner
+
+
+def _url(runner: web.AppRunner) -> str:
+    host, port = runner.addresses[0][:2]
+    return f"http://{host}:{port}"
+
+
+@pytest.mark.timeout(60)
+async def test_a_failing_worker_is_evicted_and_the_version_advances_over_the_ones_that_acknowledged(tmp_path: Path):
+    rz = Rendezvous(tmp_path / "meet", RendezvousConfig())
+    rz.connect(timeout_s=10)
+    keys = Keys("wt")
+    r = rz.async_client()
+    good_calls: list[str] = []
+    bad_calls: list[str] = []
+    good = await _fake_worker(None, good_calls)
+    bad = await _fake_worker("/update_weights", bad_calls)
+    try:
+        for wid, runner in (("good", good), ("bad", bad)):
+            await r.hset(keys.workers, wid, json.dumps({"url": _url(runner), "model": "policy", "weight_version": 0,
+                                                        "started_at": 0.0}))  # fmt: skip
+            await r.set(keys.worker_alive(wid), "1", ex=30)
+        # A registered worker without a liveness key is dead and must not be driven.
+        await r.hset(keys.workers, "dead", json.dumps({"url": "http://127.0.0.1:9", "model": "policy",
+                                                       "weight_version": 0, "started_at": 0.0}))  # fmt: skip
+        async with WeightPublisher(r, keys, RolloutConfig(pause_mode="abort"), tmp_path) as pub:
+            result = await pub.publish(1, {"w": torch.zeros(2, 2)})
+            with pytest.raises(PublishError, match="already 1"):
+                await pub.publish(1, {"w": torch.zeros(2, 2)})
+        assert good_calls == ["/pause?mode=abort", "/start_weight_update", "/update_weights",
+                              "/finish_weight_update", "/reset_prefix_cache", "/resume"]  # fmt: skip
+        assert bad_calls == ["/pause?mode=abort", "/start_weight_update", "/update_weights", "/resume"]
+        assert [w.worker_id for w in result.evicted] == ["bad"] and "HTTP 500" in result.evicted[0].error
+        assert sorted(await r.hkeys(keys.workers)) == ["dead", "good"]
+        assert await r.get(keys.worker_alive("bad")) is None
+        assert json.loads(await r.hget(keys.workers, "good"))["weight_version"] == 1
+        assert await r.get(keys.weights_current) == "1"
+        ((_, entry),) = await r.xrange(keys.weights_log)
+        assert (
+            entry["version"] == "1" and entry["backend"] == "file" and entry["location"] == str(tmp_path / "weights/v1")
+        )
+        events = [json.loads(f["detail"]) for _, f in await r.xrange(keys.events) if f["event"] == "worker evicted"]
+        assert [e["worker"] for e in events] == ["bad"]
+    finally:
+        await good.cleanup()
+        await bad.cleanup()
+        await r.aclose()
+        rz.close()
