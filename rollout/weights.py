@@ -214,11 +214,12 @@ async def current_version(client: redis.asyncio.Redis, keys: Keys) -> int | None
     return None if raw is None else int(raw)
 
 
-async def live_workers(client: redis.asyncio.Redis, keys: Keys) -> dict[str, str]:
-    """worker_id -> url of registered workers whose liveness key exists."""
+async def live_workers(client: redis.asyncio.Redis, keys: Keys, registry: str = "") -> dict[str, str]:
+    """worker_id -> url of the workers in the pool hash `registry` (default `keys.workers`) whose liveness key
+    exists."""
     import json
 
-    entries = await client.hgetall(keys.workers)
+    entries = await client.hgetall(registry or keys.workers)
     if not entries:
         return {}
     ids = list(entries)
@@ -226,22 +227,29 @@ async def live_workers(client: redis.asyncio.Redis, keys: Keys) -> dict[str, str
     return {i: json.loads(entries[i])["url"] for i, a in zip(ids, alive, strict=True) if a is not None}
 
 
-async def evict(client: redis.asyncio.Redis, keys: Keys, worker_id: str, reason: str) -> None:
-    """Remove a worker from the pool (the router stops routing to it; the worker exits and restarts)."""
-    await client.hdel(keys.workers, worker_id)
+async def evict(
+    client: redis.asyncio.Redis, keys: Keys, worker_id: str, reason: str, registry: str = "", by: str = "trainer"
+) -> None:
+    """Remove a worker from its pool (the router stops routing to it; the worker exits and restarts).
+
+    `registry` is the pool's hash (default `keys.workers`; the evaluator passes `keys.eval_workers`), `by` the
+    role that evicts, as the event names it.
+    """
+    await client.hdel(registry or keys.workers, worker_id)
     await client.delete(keys.worker_alive(worker_id))
-    await announce(client, keys, "trainer", "worker evicted", worker=worker_id, reason=reason[:1000])
+    await announce(client, keys, by, "worker evicted", worker=worker_id, reason=reason[:1000])
     log.error("evicted worker %s: %s", worker_id, reason)
 
 
-async def _set_worker_version(client: redis.asyncio.Redis, keys: Keys, worker_id: str, version: int) -> None:
+async def set_worker_version(client: redis.asyncio.Redis, registry: str, worker_id: str, version: int) -> None:
+    """Record in the pool's hash `registry` that the worker now serves `version` (a missing entry stays missing)."""
     import json
 
-    raw = await client.hget(keys.workers, worker_id)
+    raw = await client.hget(registry, worker_id)
     if raw is not None:
         entry = json.loads(raw)
         entry["weight_version"] = version
-        await client.hset(keys.workers, worker_id, json.dumps(entry))
+        await client.hset(registry, worker_id, json.dumps(entry))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -335,7 +343,7 @@ class WeightPublisher:
         except WorkerError as exc:
             await evict(self.client, self.keys, worker_id, f"weight version {version}: {exc}")
             return WorkerOutcome(worker_id, url, False, error=str(exc))
-        await _set_worker_version(self.client, self.keys, worker_id, version)
+        await set_worker_version(self.client, self.keys.workers, worker_id, version)
         return WorkerOutcome(worker_id, url, True, pause_window_s=pause)
 
 

@@ -4,13 +4,16 @@ The worker starts vLLM with the RL endpoints (`VLLM_SERVER_DEV_MODE=1`), the wei
 engine of `rollout.weight_backend`, processed log-probs (after temperature, as importance ratios
 need), the token-in/token-out route (`--enable-scale-out`), a bounded KV cache, and every cache and
 temp dir under the run dir, offline. It is ready only after /health passes and one real completion
-succeeds (some bad configs pass /health and crash on the first request). It then catches up to
-`weights:current` if the run has published weights, registers in the `workers` hash and heartbeats
-`worker_alive(id)`. While serving it watches three things: vLLM exiting (the role exits non-zero),
-its registry entry vanishing (a publisher evicted it: exit non-zero so it is restarted, never left
-on old weights), and `weights:current` moving past its own version without it (a publish that
-raced its registration: it catches up itself). On SIGTERM it deregisters and stops vLLM's whole
-process group (SIGTERM, then SIGKILL after a grace period).
+succeeds (some bad configs pass /health and crash on the first request). A worker of the train pool
+(`rollout.pool`, the default) then catches up to `weights:current` if the run has published weights,
+registers in the `workers` hash and heartbeats `worker_alive(id)`. While serving it watches three
+things: vLLM exiting (the role exits non-zero), its registry entry vanishing (a publisher evicted it:
+exit non-zero so it is restarted, never left on old weights), and `weights:current` moving past its
+own version without it (a publish that raced its registration: it catches up itself). A worker of
+the eval pool registers in `eval_workers` instead, which neither the router nor the publisher
+reads, and never follows `weights:current`: the evaluator loads the version it measures into it
+(evaluator/watcher.py). On SIGTERM it deregisters and stops vLLM's whole process group (SIGTERM,
+then SIGKILL after a grace period).
 """
 
 from __future__ import annotations
@@ -289,6 +292,7 @@ async def main(ctx: RunContext) -> int:
     cfg: Config = ctx.cfg
     ro = cfg.rollout
     worker_id = ctx.instance
+    registry = ctx.keys.workers if ro.pool == "train" else ctx.keys.eval_workers
     model_dir = await asyncio.to_thread(resolve_model, cfg, ctx.run_dir)
     host = "127.0.0.1"
     port = free_port(host)
@@ -313,25 +317,29 @@ async def main(ctx: RunContext) -> int:
             log.info("vLLM ready after %.1fs (model %s)", took, model_dir)
             # Label the initial weights version 0 so every token carries a version.
             await label_version(session, url, 0)
-            version = await catch_up(ctx, client, session, url, 0)
+            # An eval worker serves whatever version the evaluator loads into it, never weights:current.
+            version = await catch_up(ctx, client, session, url, 0) if ro.pool == "train" else 0
             record = WorkerRecord(url, ro.served_model_name, version, time.time())
             await beat.start()
-            await client.hset(ctx.keys.workers, worker_id, record.to_json())
+            await client.hset(registry, worker_id, record.to_json())
             registered = True
-            await announce(client, ctx.keys, "vllm", "worker registered", worker=worker_id, url=url, version=version)
-            log.info("registered worker %s at %s serving weight version %d", worker_id, url, version)
-            return await _serve(ctx, client, session, vllm, worker_id, record)
+            await announce(client, ctx.keys, "vllm", "worker registered", worker=worker_id, url=url, version=version,
+                           pool=ro.pool)  # fmt: skip
+            log.info("registered %s-pool worker %s at %s serving weight version %d", ro.pool, worker_id, url, version)
+            return await _serve(ctx, client, session, vllm, worker_id, record, registry)
     finally:
         if registered:
             with contextlib.suppress(Exception):
-                await client.hdel(ctx.keys.workers, worker_id)
+                await client.hdel(registry, worker_id)
                 await announce(client, ctx.keys, "vllm", "worker deregistered", worker=worker_id)
         await beat.stop()
         await vllm.stop()
         await client.aclose()
 
 
-async def _serve(ctx: RunContext, client, session, vllm: VllmProcess, worker_id: str, record: WorkerRecord) -> int:
+async def _serve(
+    ctx: RunContext, client, session, vllm: VllmProcess, worker_id: str, record: WorkerRecord, registry: str
+) -> int:
     period = ctx.cfg.rendezvous.heartbeat_period_s
     died = asyncio.create_task(vllm.wait(), name="vllm exit")
     try:
@@ -341,17 +349,19 @@ async def _serve(ctx: RunContext, client, session, vllm: VllmProcess, worker_id:
                 log.error("vLLM exited with code %s; last lines:\n%s", vllm.returncode, vllm.tail())
                 await announce(client, ctx.keys, "vllm", "vllm died", worker=worker_id, code=vllm.returncode)
                 return EXIT_VLLM_DIED
-            raw = await client.hget(ctx.keys.workers, worker_id)
+            raw = await client.hget(registry, worker_id)
             if raw is None:
                 log.error("worker %s was evicted (a weight update failed on it); exiting to be restarted", worker_id)
                 return EXIT_EVICTED
+            if registry != ctx.keys.workers:
+                continue  # an eval worker's version is the evaluator's to set
             seen = WorkerRecord.from_json(raw)
             current = await current_version(client, ctx.keys)
             if current is not None and current > seen.weight_version:
                 # A publish finished without driving us (it started before we registered).
                 version = await catch_up(ctx, client, session, record.url, seen.weight_version)
                 seen.weight_version = version
-                await client.hset(ctx.keys.workers, worker_id, seen.to_json())
+                await client.hset(registry, worker_id, seen.to_json())
                 log.info("worker %s caught up to weight version %d", worker_id, version)
     finally:
         if not died.done():
