@@ -195,7 +195,15 @@ class PoolSync:
     def _spawn(self, coro: object, name: str) -> None:
         task = asyncio.create_task(coro, name=name)  # type: ignore[arg-type]
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._finished)
+
+    def _finished(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            # A dead background task would silently freeze the pool: say so loudly.
+            log.error(
+                "router task %r died; the worker pool is no longer updated", task.get_name(), exc_info=task.exception()
+            )
 
     async def refresh(self) -> PoolChanges:
         """Apply one snapshot of the workers hash and their liveness keys."""
@@ -264,8 +272,9 @@ class PoolSync:
             await asyncio.sleep(max(0.0, min(self.refresh_s, until_expiry)))
             try:
                 await self.refresh()
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
+            except redis.RedisError as exc:
                 # Keep routing to the last known pool; the health checks still evict dead workers.
+                self._expiry = math.inf  # retry at the normal period, not in a tight loop
                 if not self._redis_error:
                     log.warning("cannot read the worker pool from Redis (%s); keeping the last known pool", exc)
                 self._redis_error = str(exc)

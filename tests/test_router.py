@@ -310,3 +310,23 @@ async def test_a_second_router_of_the_same_name_refuses_naming_the_first(rz, bac
         assert await client.get(Keys(EXP).router("solo")) == first.url
     assert await client.get(Keys(EXP).router("solo")) is None  # withdrawn on stop
     await client.aclose()
+
+
+@pytest.mark.slow  # stopping the router waits out redis-py's reconnect attempts (~4 s)
+async def test_routing_goes_on_with_the_last_known_pool_when_redis_is_gone(backends, http, tmp_path):
+    private = Rendezvous(tmp_path / "meet", RendezvousConfig())
+    private.connect(timeout_s=10)
+    keys = Keys("redisgone")
+    client = private.async_client()
+    try:
+        record = {"url": backends[2].url, "model": "policy", "weight_version": 0, "started_at": time.time()}
+        await client.hset(keys.workers, "w2", json.dumps(record))
+        await client.set(keys.worker_alive("w2"), "1", px=60_000)
+        async with router(private, exp="redisgone") as r:
+            private.close()  # stops this experiment's redis-server
+            await asyncio.sleep(1.2)  # a few failed refreshes
+            status, headers, _ = await post(http, r.url + "/v1/completions", {"prompt": "p"})
+            assert (status, headers["X-Worker"]) == (200, "w2")
+    finally:
+        private.close()
+        await client.aclose()
