@@ -312,7 +312,7 @@ async def test_a_second_router_of_the_same_name_refuses_naming_the_first(rz, bac
     await client.aclose()
 
 
-@pytest.mark.slow  # stopping the router waits out redis-py's reconnect attempts (~4 s)
+@pytest.mark.slow  # stopping the router waits out redis-py's reconnect attempts (~3 s)
 async def test_routing_goes_on_with_the_last_known_pool_when_redis_is_gone(backends, http, tmp_path):
     private = Rendezvous(tmp_path / "meet", RendezvousConfig())
     private.connect(timeout_s=10)
