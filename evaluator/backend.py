@@ -5,7 +5,9 @@ here, else vLLM's /tokenize route), and generates the samples of one case throug
 /v1/chat/completions with max_tokens clamped to the context left after the prompt. Retries happen
 only where trying again can help: transport errors and 408/425/429/5xx answers, with exponential
 backoff and jitter (and Retry-After when the server sends one); any other 4xx is permanent and
-raises `RequestError` with the server's text at once.
+raises `RequestError` with the server's text at once. `wait_until_served` waits for a model to be
+served (the router answers /v1/models only with a healthy worker behind it), logging the wait when it
+starts, every 30 s and when it ends, not every attempt.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import asyncio
 import logging
 import random
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -26,6 +29,8 @@ log = logging.getLogger(__name__)
 
 _TRANSPORT_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError)
 BACKOFF_CAP_S = 10.0
+SERVED_POLL_S = 1.0
+SERVED_LOG_S = 30.0
 
 
 class RequestError(RuntimeError):
@@ -150,7 +155,8 @@ class Backend:
         self.served: ServedModel | None = None
         self.counter: PromptCounter | None = None
 
-    async def _request(self, method: str, url: str, body: Any = None) -> Any:
+    async def _request(self, method: str, url: str, body: Any = None, max_retries: int | None = None) -> Any:
+        retries = self.retry.max_retries if max_retries is None else max_retries
         attempt = 0
         while True:
             retry_after = None
@@ -170,7 +176,7 @@ class Backend:
                     retry_after = r.headers.get("Retry-After")
             except _TRANSPORT_ERRORS as exc:
                 reason = f"{type(exc).__name__}: {exc}"
-            if attempt >= self.retry.max_retries:
+            if attempt >= retries:
                 raise RequestError(
                     f"{method} {url} failed after {attempt + 1} attempts; last: {reason}", transient=True
                 )
@@ -179,15 +185,15 @@ class Backend:
             await asyncio.sleep(delay)
             attempt += 1
 
-    async def get_json(self, url: str) -> Any:
-        return await self._request("GET", url)
+    async def get_json(self, url: str, max_retries: int | None = None) -> Any:
+        return await self._request("GET", url, max_retries=max_retries)
 
     async def post_json(self, url: str, body: Any) -> Any:
         return await self._request("POST", url, body)
 
-    async def describe(self) -> ServedModel:
+    async def describe(self, max_retries: int | None = None) -> ServedModel:
         """The served model (the one named, or the only one) and its max_model_len, from /v1/models."""
-        listing = await self.get_json(self.url + "/v1/models")
+        listing = await self.get_json(self.url + "/v1/models", max_retries)
         cards = listing.get("data") or []
         ids = [c.get("id") for c in cards]
         if self.model:
@@ -207,6 +213,29 @@ class Backend:
         self.model = card["id"]
         self.served = ServedModel(card["id"], int(card["max_model_len"]), card.get("root"))
         return self.served
+
+    async def wait_until_served(self, timeout_s: float) -> ServedModel:
+        """describe() once a model is served, trying every second for up to timeout_s; a permanent error or the
+        timeout raises RequestError. The wait is logged once, every 30 s while it lasts, and when it ends."""
+        start = time.monotonic()
+        next_log = start
+        while True:
+            try:
+                served = await self.describe(max_retries=0)
+            except RequestError as exc:
+                waited = time.monotonic() - start
+                if not exc.transient or waited > timeout_s:
+                    raise RequestError(f"no model served at {self.url} after {waited:.0f}s: {exc}",
+                                       exc.transient) from None  # fmt: skip
+                if time.monotonic() >= next_log:
+                    log.info("waiting for a model served at %s (%.0fs so far, up to %.0fs; last: %s)", self.url,
+                             waited, timeout_s, exc)  # fmt: skip
+                    next_log += SERVED_LOG_S
+                await asyncio.sleep(SERVED_POLL_S)
+                continue
+            if next_log > start:
+                log.info("model %r served at %s after %.0fs", served.id, self.url, time.monotonic() - start)
+            return served
 
     async def choose_counter(self, tokenizer: str | None = None, tokenize_urls: tuple[str, ...] = ()) -> PromptCounter:
         """How prompt tokens are counted: an explicit tokenizer path, else the served model's directory if it
