@@ -1,29 +1,13 @@
-"""ROLE=evaluator: evaluate every published policy version (or every Nth) while training runs.
-
-The watcher waits for the router's URL in Redis and for a model served behind it (up to
-`evaluator.router_wait_s`, then it fails saying what it waited for), then loops: read the version
-every live worker serves (`weights:current`, 0 before the first publish), evaluate each configured
-benchmark at it if `version % every_n_versions == 0` and it was not evaluated before (the `evals`
-stream is the record, so a restarted watcher does not repeat a version, and the result cache under
-`<run dir>/evals/` lets it finish a half-done one without regenerating), then block on `weights:log`
-for the next publish. It never blocks the trainer: it only reads Redis and sends requests through
-the router.
-
-Version-exactness (verify, discard, redo): `FleetProbe` snapshots `weights:current` and the
-/weight_info of every live worker in the `workers` hash. An evaluation starts only from a settled
-snapshot (every live worker reports `weights:current`). The runner re-reads the snapshot before and
-after every chunk of requests and keeps the chunk only if both equal the starting one. A publish
-labels a worker with the new version in /finish_weight_update, after its weights changed and before
-its requests resume, and versions only grow; so any weight change on a worker that could have served
-a request of the chunk shows up in the after-snapshot (a changed label, or a worker gone or added),
-and the chunk is discarded. On a discard the watcher skips straight to the newest version (older
-ones are no longer served anywhere) and logs what it skipped. If one version's evaluation takes
-longer than the trainer's publish interval, no version can be measured exactly; every discard is
-logged, so this is visible (add workers, or evaluate fewer cases with `evaluator.limit`).
-
-Results: one `evals` stream entry {version, benchmark, score, ts} per benchmark and version, DuckDB
-metrics `eval/<benchmark>/<metric>` at step = version, and the runner's JSON summary and per-case
-JSONL under `<run dir>/evals/`.
+"""ROLE=evaluator: evaluate every published policy version (or every Nth) while training runs, each result
+carrying the exact version it measured, without ever blocking the trainer. `evaluator.pin` chooses how
+exactness is obtained: pin (`PinWatcher`: the evaluator loads each version into its own eval-pool worker,
+which neither the router nor the weight publisher sees, and evaluates against it) or verify
+(`VerifyWatcher`: evaluate through the router and discard a chunk when the fleet's served version moved);
+"auto" decides once at start and logs its choice (`choose_mode`). In both modes the `evals` stream is the
+record (a restarted watcher does not repeat a (version, benchmark)), the result cache under `<run
+dir>/evals/` lets it finish a half-done version without regenerating, and every result goes to the `evals`
+stream {version, benchmark, score, ts}, to DuckDB as `eval/<benchmark>/<metric>` at step = version, and to
+the runner's JSON summary and per-case JSONL under `<run dir>/evals/`.
 """
 
 from __future__ import annotations
@@ -33,6 +17,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import aiohttp
 import redis.asyncio
@@ -54,10 +39,12 @@ WAIT_POLL_S = 0.5
 BLOCK_MS = 2000
 TRANSIENT_PAUSE_S = 2.0
 UNSETTLED_LOG_S = 30.0
+# Nothing but the evaluator sends requests to an eval worker, so a load aborts only leftovers of a killed evaluator.
+PIN_PAUSE_MODE = "abort"
 
 
 class EvaluatorError(RuntimeError):
-    """The evaluator cannot run: no router or no served model within the wait; the message says which."""
+    """The evaluator cannot run: no router, served model or eval worker within the wait; the message says which."""
 
 
 @dataclass(frozen=True)
@@ -121,20 +108,55 @@ async def wait_for_router(client: redis.asyncio.Redis, keys: Keys, name: str, ti
         await asyncio.sleep(WAIT_POLL_S)
 
 
+async def starting_workers(client: redis.asyncio.Redis, keys: Keys) -> list[str]:
+    """Instances of ROLE=vllm processes that are alive (role liveness key) but registered in neither pool yet."""
+    prefix, suffix = keys.role_pattern("vllm").split("*")
+    instances = [key[len(prefix) : -len(suffix)] async for key in client.scan_iter(match=keys.role_pattern("vllm"))]
+    registered = set(await client.hkeys(keys.workers)) | set(await client.hkeys(keys.eval_workers))
+    return sorted(i for i in instances if i not in registered)
+
+
+async def choose_mode(client: redis.asyncio.Redis, keys: Keys, timeout_s: float) -> str:
+    """evaluator.pin = "auto": "pin" if an eval-pool worker is live, "verify" once every started vLLM worker has
+    registered in the train pool (or timeout_s has passed with some still starting); the choice is logged."""
+    from rollout.weights import live_workers  # rollout.weights imports torch: only when it is needed
+
+    deadline = time.monotonic() + timeout_s
+    logged = False
+    while True:
+        pinned = await live_workers(client, keys, keys.eval_workers)
+        if pinned:
+            log.info("evaluator.pin = auto: eval-pool worker(s) %s registered; pinning each version on one of them",
+                     sorted(pinned))  # fmt: skip
+            return "pin"
+        starting = await starting_workers(client, keys)
+        if not starting:
+            log.info("evaluator.pin = auto: no eval-pool worker (every vLLM worker is in the train pool); verifying "
+                     "each version through the router")  # fmt: skip
+            return "verify"
+        if time.monotonic() > deadline:
+            log.warning("evaluator.pin = auto: vLLM worker(s) %s still not registered after %.0fs and no eval-pool "
+                        "worker; verifying each version through the router", starting, timeout_s)  # fmt: skip
+            return "verify"
+        if not logged:
+            log.info("evaluator.pin = auto: waiting for starting vLLM worker(s) %s to register (one may be an "
+                     "eval-pool worker)", starting)  # fmt: skip
+            logged = True
+        await asyncio.sleep(WAIT_POLL_S)
+
+
 class Watcher:
-    """The evaluation loop of one experiment (see the module docstring)."""
+    """What both modes share: the benchmarks, the record of what was evaluated, and writing results."""
 
     def __init__(
         self,
         ctx: RunContext,
         client: redis.asyncio.Redis,
-        backend: Backend,
-        probe: FleetProbe,
         benchmarks: list[Benchmark],
         cache: ResultCache,
         metrics: MetricsWriter,
     ) -> None:
-        self.ctx, self.client, self.backend, self.probe = ctx, client, backend, probe
+        self.ctx, self.client = ctx, client
         self.benchmarks, self.cache, self.metrics = benchmarks, cache, metrics
         ev = ctx.cfg.evaluator
         self.every_n, self.until = ev.every_n_versions, ev.until_version
@@ -173,6 +195,26 @@ class Watcher:
         self.done.add((version, result.benchmark))
         log.info("version %d %s: %s = %.4f (%d generated, %d from cache)", version, result.benchmark,
                  result.primary, result.score, result.generated, result.cached)  # fmt: skip
+
+
+class VerifyWatcher(Watcher):
+    """Evaluates through the router, keeping only chunks during which the fleet's served version did not move.
+
+    `FleetProbe` snapshots `weights:current` and the /weight_info of every live train worker. An evaluation
+    starts only from a settled snapshot (every live worker reports `weights:current`); the runner re-reads the
+    snapshot before and after every chunk of requests and keeps the chunk only if both equal the starting one.
+    A publish labels a worker with the new version in /finish_weight_update, after its weights changed and
+    before its requests resume, and versions only grow; so any weight change on a worker that could have served
+    a request of the chunk shows up in the after-snapshot (a changed label, or a worker gone or added), and the
+    chunk is discarded. On a discard the watcher skips straight to the newest version and logs what it skipped.
+    If one evaluation takes longer than the trainer's publish interval, no version can be measured this way
+    (every discard is logged): run an eval-pool worker (pin mode), or evaluate fewer cases.
+    """
+
+    def __init__(self, ctx: RunContext, client: redis.asyncio.Redis, benchmarks: list[Benchmark], cache: ResultCache,
+                 metrics: MetricsWriter, backend: Backend, probe: FleetProbe) -> None:  # fmt: skip
+        super().__init__(ctx, client, benchmarks, cache, metrics)
+        self.backend, self.probe = backend, probe
 
     async def settled(self) -> FleetSnapshot:
         """The fleet's snapshot once every live worker serves weights:current (a publish may be midway)."""
@@ -230,17 +272,211 @@ class Watcher:
             await self.client.xread({log_key: last_id}, block=BLOCK_MS)
 
 
-async def _served_model(backend: Backend, timeout_s: float) -> None:
-    """Wait until the router answers /v1/models (it needs a healthy worker behind it)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
+@dataclass
+class EvalWorker:
+    """The eval-pool worker the evaluator drives, and the version the evaluator last loaded into it."""
+
+    id: str
+    url: str
+    backend: Backend
+    loaded: int | None = None
+
+    async def read(self) -> Snapshot:
+        """The runner's version probe: the worker's /weight_info label (WorkerError if it does not answer)."""
+        from rollout.weights import served_version
+
+        return Snapshot(str(await served_version(self.backend.session, self.url)), (self.id,))
+
+
+class PinWatcher(Watcher):
+    """Evaluates each version on an eval-pool worker that the evaluator loads with exactly that version.
+
+    The versions are those of `weights:log` (file backend; the newest entry of a version number wins). Each
+    step takes the newest version with benchmarks due whose directory still exists (newest first: when the
+    evaluator falls behind the trainer, the newest version matters most; older due versions are evaluated
+    afterwards while their files are kept), loads it with `apply_version` unless the worker already holds it,
+    and evaluates every due benchmark against the worker, with the runner checking its /weight_info before and
+    after each chunk. Versions whose directory was pruned first are skipped and logged once. A load that fails
+    evicts the eval worker (it exits and is restarted), as the publisher does with train workers; a worker that
+    leaves is replaced by the next live one. Nothing is evaluated before the first publish.
+    """
+
+    def __init__(self, ctx: RunContext, client: redis.asyncio.Redis, benchmarks: list[Benchmark], cache: ResultCache,
+                 metrics: MetricsWriter, session: aiohttp.ClientSession) -> None:  # fmt: skip
+        super().__init__(ctx, client, benchmarks, cache, metrics)
+        self.session = session
+        self.worker: EvalWorker | None = None
+        self.published: dict[int, str] = {}  # version -> location
+        self.log_id = "0-0"
+        self.pruned: set[int] = set()
+
+    async def read_log(self) -> None:
+        """Add the `weights:log` entries published since the last read."""
+        keys = self.ctx.keys
+        for entry_id, fields in await self.client.xrange(keys.weights_log, min=f"({self.log_id}"):
+            self.log_id = entry_id
+            if fields["backend"] != "file":
+                raise EvaluatorError(
+                    f"weight version {fields['version']} was published with backend {fields['backend']!r}; pin mode "
+                    "loads file-published versions only. Use rollout.weight_backend = 'file' or evaluator.pin = "
+                    "'never'"
+                )
+            self.published[int(fields["version"])] = fields["location"]
+
+    async def find_worker(self, timeout_s: float | None = None) -> EvalWorker:
+        """The eval worker in use if it is still live, else the first live one, waiting for one to register (up
+        to timeout_s if given: EvaluatorError after it)."""
+        from rollout.weights import live_workers
+
+        keys = self.ctx.keys
+        started = next_log = time.monotonic()
+        while True:
+            live = await live_workers(self.client, keys, keys.eval_workers)
+            if self.worker is not None and self.worker.id in live:
+                return self.worker
+            if self.worker is not None:
+                log.warning("eval worker %s at %s left the eval pool; waiting for a live one", self.worker.id,
+                            self.worker.url)  # fmt: skip
+                self.worker = None
+            if live:
+                worker_id = min(live)
+                backend = Backend(self.session, live[worker_id], self.ctx.cfg.rollout.served_model_name,
+                                  self.ctx.cfg.evaluator.request_timeout_s, RetryPolicy())  # fmt: skip
+                await backend.wait_until_served(self.ctx.cfg.evaluator.router_wait_s)
+                await backend.choose_counter()
+                self.worker = EvalWorker(worker_id, live[worker_id], backend)
+                log.info("evaluating on eval worker %s at %s%s", worker_id, self.worker.url,
+                         f" ({len(live) - 1} other eval worker(s) idle)" if len(live) > 1 else "")  # fmt: skip
+                return self.worker
+            if timeout_s is not None and time.monotonic() - started > timeout_s:
+                raise EvaluatorError(
+                    f"no live eval-pool worker in Redis hash {keys.eval_workers} after {timeout_s:.0f}s; start a "
+                    "ROLE=vllm worker with rollout.pool = 'eval' (or raise evaluator.router_wait_s, or set "
+                    "evaluator.pin = 'never' to evaluate through the router)"
+                )
+            if time.monotonic() >= next_log:
+                log.info("waiting for a live eval-pool worker (Redis hash %s); start a ROLE=vllm worker with "
+                         "rollout.pool = 'eval'", keys.eval_workers)  # fmt: skip
+                next_log = time.monotonic() + UNSETTLED_LOG_S
+            await asyncio.sleep(WAIT_POLL_S)
+
+    def candidates(self) -> list[int]:
+        """Published versions with benchmarks due (up to until_version), newest first."""
+        return sorted((v for v in self.published if v not in self.pruned and self.due(v)
+                       and (self.until < 0 or v <= self.until)), reverse=True)  # fmt: skip
+
+    async def pick(self) -> int | None:
+        """The newest due version whose files exist; pruned ones are skipped (logged once); None if none."""
+        newest = max(self.published, default=None)
+        if newest is not None and not Path(self.published[newest]).is_dir():
+            await self.read_log()  # a publish may have pruned it right now (keep_versions = 1)
+            if max(self.published) == newest:
+                raise EvaluatorError(
+                    f"the newest weight version {newest} is not at {self.published[newest]} as seen from the "
+                    "evaluator; run the evaluator where rollout.weight_dir is visible, or set evaluator.pin = 'never'"
+                )
+        gone = []
+        due = self.candidates()
+        for version in due:
+            if Path(self.published[version]).is_dir():
+                if gone:
+                    self.log_pruned(gone)
+                if version != due[-1]:
+                    log.info("%d due versions not evaluated yet; evaluating the newest, %d, first (older ones "
+                             "follow while their files are kept)", len(due) - len(gone), version)  # fmt: skip
+                return version
+            gone.append(version)
+            self.pruned.add(version)
+        if gone:
+            self.log_pruned(gone)
+        return None
+
+    def log_pruned(self, versions: list[int]) -> None:
+        log.warning("weight version(s) %s were pruned (rollout.keep_versions = %d) before they were evaluated; "
+                    "skipping them (raise rollout.keep_versions to keep them)", sorted(versions),
+                    self.ctx.cfg.rollout.keep_versions)  # fmt: skip
+
+    async def load(self, worker: EvalWorker, version: int) -> bool:
+        """Load `version` into the worker unless it holds it; False if the load failed (the worker is evicted)."""
+        # The publisher's own sequence (pause, start/update/finish with the version, reset prefix cache, resume).
+        from rollout.weights import WorkerError, apply_version, evict, set_worker_version
+
+        if worker.loaded == version:
+            return True
+        keys, location = self.ctx.keys, self.published[version]
         try:
-            await backend.describe()
-            return
-        except RequestError as exc:
-            if not exc.transient or time.monotonic() > deadline:
-                raise EvaluatorError(f"no model served behind the router at {backend.url}: {exc}") from None
-            log.info("waiting for a worker behind the router at %s", backend.url)
+            took = await apply_version(self.session, worker.url, version, location, PIN_PAUSE_MODE)
+        except WorkerError as exc:
+            why = "" if Path(location).is_dir() else f" ({location} was pruned meanwhile)"
+            await evict(self.client, keys, worker.id, f"loading weight version {version}: {exc}{why}",
+                        registry=keys.eval_workers, by="evaluator")  # fmt: skip
+            self.worker = None
+            return False
+        worker.loaded = version
+        await set_worker_version(self.client, keys.eval_workers, worker.id, version)
+        log.info("loaded weight version %d into eval worker %s in %.3fs", version, worker.id, took)
+        return True
+
+    async def step(self) -> bool:
+        """Evaluate one version (the newest due one); False if nothing is due."""
+        await self.read_log()
+        version = await self.pick()
+        if version is None:
+            return False
+        worker = await self.find_worker()
+        if not await self.load(worker, version):
+            return True
+        expect = Snapshot(str(version), (worker.id,))
+        for bench in self.due(version):
+            try:
+                result = await evaluate(bench, worker.backend, self.cache, self.out_dir, worker, self.options,
+                                        self.max_concurrent, self.chunk_cases, expect=expect)  # fmt: skip
+            except VersionMoved as exc:
+                # Only this evaluator loads weights into its worker: something else drives it (a second evaluator?).
+                log.error("%s: eval worker %s changed from version %s to %s during the evaluation, but only this "
+                          "evaluator loads it; is another evaluator using it? Discarding the chunk and reloading",
+                          bench.name, worker.id, exc.expected, exc.seen)  # fmt: skip
+                await announce(self.client, self.ctx.keys, "evaluator", "eval discarded", benchmark=bench.name,
+                               version=exc.expected, seen=exc.seen)  # fmt: skip
+                worker.loaded = None
+                return True
+            await self.record(version, result)
+        return True
+
+    def finished(self) -> bool:
+        """until_version is published (or passed) and every due version up to it is evaluated or pruned."""
+        return 0 <= self.until <= max(self.published, default=-1) and not self.candidates()
+
+    async def run(self) -> int:
+        from rollout.weights import WorkerError
+
+        await self.load_done()
+        await self.find_worker(timeout_s=self.ctx.cfg.evaluator.router_wait_s)
+        log_key = self.ctx.keys.weights_log
+        waiting_logged = False
+        while True:
+            try:
+                evaluated = await self.step()
+            except RequestError as exc:
+                if not exc.transient:
+                    raise
+                log.error("evaluation requests keep failing (%s); trying again in %.0fs", exc, TRANSIENT_PAUSE_S)
+                await asyncio.sleep(TRANSIENT_PAUSE_S)
+                continue
+            except WorkerError as exc:
+                log.error("eval worker stopped answering (%s); looking for a live one", exc)
+                self.worker = None
+                await asyncio.sleep(TRANSIENT_PAUSE_S)
+                continue
+            if self.finished():
+                log.info("evaluated up to version %d (evaluator.until_version = %d); done", self.until, self.until)
+                return 0
+            if evaluated:
+                continue
+            if not self.published and not waiting_logged:
+                log.info("pin mode evaluates published versions only; waiting for the first publish (%s)", log_key)
+                waiting_logged = True
+            await self.client.xread({log_key: self.log_id}, block=BLOCK_MS)
 
 
 async def main(ctx: RunContext) -> int:
@@ -253,19 +489,32 @@ async def main(ctx: RunContext) -> int:
     cache = ResultCache(ctx.run_dir / "evals" / "cache.jsonl")
     try:
         async with aiohttp.ClientSession() as session:
-            try:
-                url = await wait_for_router(client, ctx.keys, cfg.router.name, ev.router_wait_s)
-                backend = Backend(session, url, cfg.rollout.served_model_name, ev.request_timeout_s, RetryPolicy(),
-                                  cfg.router.auth_token)  # fmt: skip
-                await _served_model(backend, ev.router_wait_s)
-            except EvaluatorError as exc:
-                log.error("%s", exc)
-                return 2
+            mode = "pin"
+            if ev.pin != "always":
+                try:
+                    started = time.monotonic()
+                    url = await wait_for_router(client, ctx.keys, cfg.router.name, ev.router_wait_s)
+                    backend = Backend(session, url, cfg.rollout.served_model_name, ev.request_timeout_s,
+                                      RetryPolicy(), cfg.router.auth_token)  # fmt: skip
+                    await backend.wait_until_served(ev.router_wait_s)
+                except (EvaluatorError, RequestError) as exc:
+                    log.error("%s", exc)
+                    return 2
+                left = max(0.0, ev.router_wait_s - (time.monotonic() - started))
+                mode = "verify" if ev.pin == "never" else await choose_mode(client, ctx.keys, left)
+            if mode == "pin":
+                log.info("evaluating %s on an eval-pool worker pinned to each version (every %d version(s))",
+                         ", ".join(ev.benchmarks), ev.every_n_versions)  # fmt: skip
+                try:
+                    return await PinWatcher(ctx, client, benchmarks, cache, metrics, session).run()
+                except EvaluatorError as exc:
+                    log.error("%s", exc)
+                    return 2
             probe = FleetProbe(client, ctx.keys, session)
             await backend.choose_counter(tokenize_urls=tuple((await probe.live_workers()).values()))
             log.info("evaluating %s through %s (every %d version(s))", ", ".join(ev.benchmarks), url,
                      ev.every_n_versions)  # fmt: skip
-            return await Watcher(ctx, client, backend, probe, benchmarks, cache, metrics).run()
+            return await VerifyWatcher(ctx, client, benchmarks, cache, metrics, backend, probe).run()
     finally:
         cache.close()
         metrics.close()
