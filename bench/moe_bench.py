@@ -30,7 +30,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common.config import ModelConfig, load_config  # noqa: E402
+import trainer.model.moe as moe_module  # noqa: E402
+from common.config import ModelConfig, OptimConfig, load_config  # noqa: E402
 from trainer.experts import grouped_mm_experts, reference_experts, select_backend  # noqa: E402
 from trainer.model import attention_flops_per_token, build_model, compile_blocks, count_params  # noqa: E402
 from trainer.model.moe import MoE  # noqa: E402
@@ -44,6 +45,8 @@ SHAPES = [  # (hidden, expert intermediate, experts, top-k): shared/notes/h200.m
     (4096, 2048, 16, 2),
 ]
 SMOKE_SHAPES = [(64, 32, 8, 2), (32, 16, 4, 1)]
+VARIANTS = ["raw", "eager", "compiled", "compiled-bf16w", "compiled-percall", "compiled-fp32router"]
+EXTRA = {"compiled-percall": "per-call cast", "compiled-fp32router": "fp32 router GEMM"}
 
 
 @dataclass
@@ -98,8 +101,12 @@ def raw_grouped(device, dtype, H, inter, E, k, tokens, reps) -> Row:
     return Row("raw grouped_mm", expert_flops(tokens, H, inter, k) / ms / 1e9, ms)
 
 
-def moe_layer(device, H, inter, E, k, tokens, backend, compiled, bf16_weights, reps) -> Row:
-    """Our MoE layer (no shared experts) forward + backward under bf16 autocast."""
+def moe_layer(device, H, inter, E, k, tokens, backend, compiled, bf16_weights, reps, variant="", profile=None) -> Row:
+    """Our MoE layer (no shared experts) forward + backward under bf16 autocast. With fp32 weights the
+    grouped GEMMs use the bf16 copy `Experts` keeps per optimizer step (no step is taken here, so this is
+    the cost per micro-batch; `weight_refresh` times the copy). variant "per-call cast" casts the weights
+    in every call instead (the layer before the copy), "fp32 router GEMM" computes the router logits with
+    an fp32 GEMM instead of the split-bf16 one."""
     cfg = ModelConfig(hidden_size=H, moe_intermediate_size=inter, n_routed_experts=E, num_experts_per_tok=k,
                       n_shared_experts=0)  # fmt: skip
     layer = MoE(cfg, backend).to(device).train()
@@ -108,6 +115,12 @@ def moe_layer(device, H, inter, E, k, tokens, backend, compiled, bf16_weights, r
             p.normal_(0, 0.02)
     if bf16_weights:
         layer.experts.to(torch.bfloat16)
+    if variant == "per-call cast":
+        ex = layer.experts
+        ex.cast_weights = lambda dtype: (ex.gate_up_proj.to(dtype), ex.down_proj.to(dtype))
+    restore = moe_module.router_logits
+    if variant == "fp32 router GEMM":
+        moe_module.router_logits = lambda x, w: F.linear(x.float(), w.float())
     # bf16 on the CPU too: torch.compile's shape rule for _grouped_mm accepts bf16 only.
     x = torch.randn(1, tokens, H, device=device, dtype=torch.bfloat16, requires_grad=True)
     grad = torch.randn(1, tokens, H, device=device, dtype=torch.bfloat16)
@@ -122,23 +135,96 @@ def moe_layer(device, H, inter, E, k, tokens, backend, compiled, bf16_weights, r
         out.backward(grad)
         layer.tokens_per_expert.zero_()
 
-    ms = bench_ms(step, device, reps)
+    try:
+        ms = bench_ms(step, device, reps)
+        if profile is not None:
+            profile_step(step, device, profile)
+    finally:
+        moe_module.router_logits = restore
     name = f"MoE layer {backend}{' compiled' if compiled else ''}{', bf16 weights' if bf16_weights else ''}"
-    return Row(name, expert_flops(tokens, H, inter, k) / ms / 1e9, ms)
+    return Row(name + (f", {variant}" if variant else ""), expert_flops(tokens, H, inter, k) / ms / 1e9, ms)
+
+
+def profile_step(step: Callable[[], object], device: torch.device, path: str) -> None:
+    """Kernel time table of 3 steps (torch.profiler), printed and written to `path`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        for _ in range(3):
+            step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    key = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+    table = prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=70)
+    Path(path).write_text(table)
+    print(table, flush=True)
+
+
+def weight_refresh(device, H, inter, E, reps) -> Row:
+    """The once-per-optimizer-step refresh of the bf16 expert weight copy (fp32 -> bf16, in place)."""
+    cfg = ModelConfig(hidden_size=H, moe_intermediate_size=inter, n_routed_experts=E, n_shared_experts=0)
+    ex = MoE(cfg, "grouped_mm").to(device).experts
+    with torch.no_grad():
+        for p in ex.parameters():
+            p.normal_(0, 0.02)
+    ex.cast_weights(torch.bfloat16)
+
+    def refresh():
+        ex._cast_key = None  # what an optimizer step does to the key
+        ex.cast_weights(torch.bfloat16)
+
+    ms = bench_ms(refresh, device, reps)
+    return Row("bf16 weight copy refresh (per optimizer step)", math.nan, ms)
 
 
 def check_backends(device: torch.device) -> str:
-    """Relative error of grouped_mm against the reference on this device (bf16 on GPUs)."""
+    """Relative errors against a float64 reference on this device: grouped_mm experts (bf16 GEMMs on the
+    bf16 weight copy, fp32 master gradients; fp32 on the CPU) and the split-bf16 router logits; and the
+    weight copy following a (fused, on GPUs) optimizer step bitwise."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     g = torch.Generator(device="cpu").manual_seed(0)
     E, H, inter = 8, 256, 128
     x = torch.randn(1000, H, generator=g).to(device, dtype)
-    w1 = (torch.randn(E, 2 * inter, H, generator=g) * 0.05).to(device, dtype)
-    w2 = (torch.randn(E, H, inter, generator=g) * 0.05).to(device, dtype)
+    w1 = (torch.randn(E, 2 * inter, H, generator=g) * 0.05).to(device)
+    w2 = (torch.randn(E, H, inter, generator=g) * 0.05).to(device)
     offs = torch.tensor([100, 100, 250, 400, 700, 701, 900, 1000], device=device, dtype=torch.int32)
-    ref = reference_experts(x.double(), offs, w1.double(), w2.double())
-    out = grouped_mm_experts(x, offs, w1, w2).double()
-    return f"grouped_mm vs float64 reference on {device.type} {dtype}: rel err {float((out - ref).norm() / ref.norm()):.2e}"
+    grad = torch.randn(1000, H, generator=g).to(device, dtype)
+    ref_in = [t.double().requires_grad_() for t in (x, w1, w2)]
+    ref = reference_experts(ref_in[0], offs, ref_in[1], ref_in[2])
+    ref.backward(grad.double())
+    fast_in = [x.clone().requires_grad_(), w1.clone().requires_grad_(), w2.clone().requires_grad_()]
+    out = grouped_mm_experts(fast_in[0], offs, fast_in[1], fast_in[2], (w1.to(dtype), w2.to(dtype)))
+    out.backward(grad)
+
+    def rel(a, b):
+        return float((a.detach().double() - b.detach()).norm() / b.detach().norm())
+
+    errs = [rel(out, ref)] + [rel(f.grad, r.grad) for f, r in zip(fast_in, ref_in, strict=True)]
+    xr = torch.randn(4096, 2048, generator=g).to(device, torch.bfloat16)
+    wr = (torch.randn(128, 2048, generator=g) * 0.02).to(device)
+    router = rel(moe_module.router_logits(xr, wr), xr.double() @ wr.double().t())
+    # The bf16 copy after a real optimizer step (fused AdamW on GPUs leaves version counters alone).
+    cfg = ModelConfig(hidden_size=256, moe_intermediate_size=128, n_routed_experts=8, num_experts_per_tok=2,
+                      n_shared_experts=0)  # fmt: skip
+    layer = MoE(cfg, "grouped_mm").to(device)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0, 0.05)
+    opt = Optimizer(layer, OptimConfig(lr=1e-2, expert_lr=1e-2))
+    xs = torch.randn(1, 512, 256, generator=g).to(device)
+    with autocast(device, "bfloat16"):
+        layer(xs).float().square().sum().backward()
+    opt.step(512)
+    with torch.no_grad(), autocast(device, "bfloat16"):
+        cached = layer.experts(x[:, :256].to(device), offs)
+        fresh = grouped_mm_experts(x[:, :256].bfloat16(), offs, layer.experts.gate_up_proj, layer.experts.down_proj)
+    return (
+        f"grouped_mm vs float64 reference on {device.type} {dtype}: rel err out {errs[0]:.2e}, grad x "
+        f"{errs[1]:.2e}, grad gate_up {errs[2]:.2e}, grad down {errs[3]:.2e} (fp32 masters: "
+        f"{fast_in[1].grad.dtype}); split-bf16 router logits rel err {router:.2e}; bf16 weight copy after a "
+        f"{'fused ' if opt.adamw.defaults.get('fused') else ''}AdamW step equals a fresh cast: {torch.equal(cached, fresh)}"
+    )
 
 
 def moonlet(device, cfg_path, batch, seq, steps, compiled, dense_tflops) -> dict:
@@ -206,7 +292,17 @@ def main() -> None:
     ap.add_argument("--moonlet-steps", type=int, default=10)
     ap.add_argument("--budget-s", type=float, default=480.0, help="skip sections that would start after this")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "moe_bench.json"))
+    ap.add_argument("--shapes", default="", help="only these expert shapes, e.g. '2048,768,128,8;1024,512,64,8'")
+    ap.add_argument("--layer-only", action="store_true", help="skip moonlet")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"MoE-layer rows to measure, of {', '.join(VARIANTS)}")
+    ap.add_argument("--first-shape-variants", default="", help="extra variants measured for the first shape only")
+    ap.add_argument("--moonlet-eager", action="store_true", help="also time moonlet without torch.compile")
+    ap.add_argument("--profile", action="store_true", help="kernel table of the compiled layer (first shape)")
     args = ap.parse_args()
+    variants = args.variants.split(",")
+    first_only = [v for v in args.first_shape_variants.split(",") if v and v not in variants]
+    if unknown := set(variants + first_only) - set(VARIANTS):
+        ap.error(f"unknown variants {sorted(unknown)}; pick from {', '.join(VARIANTS)}")
     t_start = time.perf_counter()
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     smoke = device.type == "cpu"
@@ -214,6 +310,8 @@ def main() -> None:
     tokens = 64 if smoke else args.tokens
     reps = 3 if smoke else 10
     shapes = SMOKE_SHAPES if smoke else SHAPES
+    if args.shapes:
+        shapes = [tuple(int(v) for v in sh.split(",")) for sh in args.shapes.split(";")]
     results: dict = {"device": torch.cuda.get_device_name() if not smoke else "cpu", "torch": torch.__version__}
     results["check"] = check_backends(device)
     print(results["check"], flush=True)
@@ -243,15 +341,23 @@ def main() -> None:
             torch.cuda.empty_cache()
         save()
 
+    def layer(sh, v):
+        compiled, bf16_w, extra = v.startswith("compiled"), v.endswith("bf16w"), EXTRA.get(v, "")
+        prof = os.path.join(os.path.dirname(args.out) or ".", "profile.txt") if args.profile and compiled and not bf16_w \
+            and not extra and sh == shapes[0] else None  # fmt: skip
+        measure(sh, v, moe_layer, device, *sh, tokens, "grouped_mm", compiled, bf16_w, reps, extra, prof)
+
     # Cheap measurements first, compiled ones (minutes of compile time) last, so a budget cut loses least.
-    for H, i, E, k in shapes:
-        sh = (H, i, E, k)
-        measure(sh, "raw grouped_mm", raw_grouped, device, dtype, H, i, E, k, tokens, reps)
-        measure(sh, "MoE eager", moe_layer, device, H, i, E, k, tokens, "grouped_mm", False, False, reps)
-        measure(sh, "MoE eager bf16 w", moe_layer, device, H, i, E, k, tokens, "grouped_mm", False, True, reps)
+    for sh in shapes:
+        if "raw" in variants or (sh == shapes[0] and "raw" in first_only):
+            measure(sh, "raw grouped_mm", raw_grouped, device, dtype, *sh, tokens, reps)
+        measure(sh, "weight refresh", weight_refresh, device, *sh[:3], reps)
+        for v in (v for v in variants + (first_only if sh == shapes[0] else []) if v.startswith("eager")):
+            layer(sh, v)
     cfg_path = Path(__file__).resolve().parent.parent / "configs" / ("tiny.toml" if smoke else "moonlet.toml")
     results["moonlet"] = []
-    for compiled in [False] if args.no_compile else [False, True]:
+    moonlet_runs = [] if args.layer_only else [False] if args.no_compile else [True, False] if args.moonlet_eager else [True]
+    for compiled in moonlet_runs:
         if time.perf_counter() - t_start > args.budget_s:
             print(f"skipped moonlet compiled={compiled}: time budget spent", flush=True)
             continue
@@ -267,10 +373,9 @@ def main() -> None:
             torch.cuda.empty_cache()
         save()
     if not args.no_compile:
-        for H, i, E, k in shapes:
-            sh = (H, i, E, k)
-            measure(sh, "MoE compiled", moe_layer, device, H, i, E, k, tokens, "grouped_mm", True, False, reps)
-            measure(sh, "MoE compiled bf16 w", moe_layer, device, H, i, E, k, tokens, "grouped_mm", True, True, reps)
+        for sh in shapes:
+            for v in (v for v in variants + (first_only if sh == shapes[0] else []) if v.startswith("compiled")):
+                layer(sh, v)
     print(f"total {time.perf_counter() - t_start:.0f} s")
     print(markdown(results))
 
