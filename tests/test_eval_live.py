@@ -5,7 +5,10 @@ other runs ROLE=evaluator as a process during a sequence of publishes (WeightPub
 rollout/weights.py, publishing the original weights again so later tests see version-0 weights):
 every evaluated version gets exactly one result row with its number, a version that moves during
 its evaluation gets none, and an evaluator killed (SIGKILL) mid-version and restarted regenerates
-only the cases its cache lacked (counted by the router's /metrics)."""
+only the cases its cache lacked (counted by the router's /metrics). The last starts an eval-pool worker
+role process (rollout.pool = "eval", same run and model) and the evaluator in pin mode, then publishes
+versions faster than one evaluation takes: every version gets exactly one row, measured on its own
+weights, while the train worker follows every publish untouched by the evaluator."""
 
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ import re
 import signal
 import time
 import urllib.request
+from dataclasses import replace
 from pathlib import Path
 
 import aiohttp
@@ -28,7 +32,7 @@ from evaluator.benchmark import EvalOptions, load_benchmark
 from evaluator.cache import ResultCache
 from evaluator.runner import evaluate
 from evaluator.watcher import FleetProbe
-from rollout.weights import WeightPublisher
+from rollout.weights import WeightPublisher, served_version
 
 pytestmark = [pytest.mark.slow]
 
@@ -155,3 +159,89 @@ async def test_live_evaluator_records_each_version_exactly_and_resumes_from_its_
         summary = json.loads((eval_dir / "evals" / f"arithmetic.v{version}.summary.json").read_text())
         assert summary["version"] == str(version) and summary["cases"] == n_cases
     assert os.path.exists(eval_dir / "evals" / f"arithmetic.v{v0 + 1}.summary.json") is False
+
+
+def perturbed(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Other weights of the same shapes (fixed noise of half each tensor's spread): other greedy completions."""
+    gen = torch.Generator().manual_seed(0)
+    return {n: t + 0.5 * t.std() * torch.randn(t.shape, generator=gen) if t.is_floating_point() and t.numel() > 1
+            else t for n, t in weights.items()}  # fmt: skip
+
+
+def completions(eval_dir: Path, version: int) -> list[list[str]]:
+    lines = (eval_dir / "evals" / f"arithmetic.v{version}.cases.jsonl").read_text().splitlines()
+    return [json.loads(line)["completions"] for line in lines]
+
+
+@pytest.mark.timeout(480)
+async def test_pinned_evaluator_records_each_version_once_while_publishes_outpace_it(deepseek_run, tmp_path,
+                                                                                     monkeypatch):  # fmt: skip
+    run = deepseek_run
+    run.redis.delete(run.keys.evals)
+    # The eval worker joins the fixture's run (same run dir, so the same generated model).
+    monkeypatch.setenv("SLIPSTREAM__rollout__pool", "eval")
+    eval_worker = run.start_role("vllm", "eval-worker")
+    monkeypatch.delenv("SLIPSTREAM__rollout__pool")
+    r = run.rz.info.async_client()
+    evaluator = None
+    try:
+        (eval_id,) = run.wait_for("eval worker registration", lambda: run.redis.hgetall(run.keys.eval_workers),
+                                  eval_worker, 300)  # fmt: skip
+        eval_url = json.loads(run.redis.hget(run.keys.eval_workers, eval_id))["url"]
+        train = run.workers()
+        assert eval_id not in train and eval_id not in {w["id"] for w in run.router_workers()}
+        v0 = int(await r.get(run.keys.weights_current) or 0)
+        # Older versions whose files are still on disk are due too (none evaluated yet): evaluated after ours.
+        older = sorted(int(f["version"]) for _, f in run.redis.xrange(run.keys.weights_log)
+                       if int(f["version"]) <= v0 and Path(f["location"]).is_dir())  # fmt: skip
+        ours = [v0 + 1, v0 + 2, v0 + 3, v0 + 4]
+        eval_dir = tmp_path / "evalrun"
+        limit = 80
+        # One request at a time: an evaluation takes several seconds, and equal weights give equal completions.
+        for key, value in {"run__dir": eval_dir, "evaluator__pin": "always", "evaluator__limit": limit,
+                           "evaluator__chunk_cases": 2, "evaluator__max_concurrent": 1,
+                           "evaluator__until_version": ours[-1], "evaluator__router_wait_s": 60}.items():  # fmt: skip
+            monkeypatch.setenv(f"SLIPSTREAM__{key}", str(value))
+        cache = eval_dir / "evals" / "cache.jsonl"
+        cfg = load_config(run.config)
+        original = original_weights(run)
+        other = perturbed(original)
+        evaluator = run.start_role("evaluator", "evaluator-pinned")
+        # keep_versions: every version stays loadable; the last publish restores the original weights for later tests.
+        async with WeightPublisher(r, run.keys, replace(cfg.rollout, keep_versions=50), run.run_dir) as pub:
+            results = [await pub.publish(ours[0], other)]
+            run.wait_for("evaluation of v0+1 under way", lambda: cached_for(cache, ours[0]) >= 2, evaluator, 120)
+            results.append(await pub.publish(ours[1], original))
+            async with aiohttp.ClientSession() as session:
+                pinned_at = await served_version(session, eval_url)
+                assert (ours[0], "arithmetic") not in evals(run), "v0+1 was evaluated before v0+2 was published"
+                for version, weights in zip(ours[2:], (other, original), strict=True):
+                    results.append(await pub.publish(version, weights))
+                train_at = {w: await served_version(session, rec["url"]) for w, rec in train.items()}
+            assert evaluator.wait(timeout=300) == 0  # until_version = v0+4 reached
+    finally:
+        for proc in (evaluator, eval_worker):
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(timeout=60)
+        await r.aclose()
+    # The eval worker stayed on v0+1 while the train worker(s) moved on with every publish, which never drove it.
+    assert pinned_at == str(ours[0]) and set(train_at.values()) == {str(ours[-1])}
+    assert all(sorted(o.worker_id for o in res.workers) == sorted(train) and not res.evicted for res in results)
+    assert {w: rec["weight_version"] for w, rec in run.workers().items()} == dict.fromkeys(train, ours[-1])
+    rows = [v for v, bench in evals(run) if bench == "arithmetic"]
+    print(f"pinned rows in order: {rows} (older versions on disk: {older})")
+    # Exactly one row per version (the order after v0+1 depends on when v0+3 and v0+4 land: test_eval_watcher.py).
+    assert sorted(rows) == sorted(set(rows)) == sorted(older + ours)
+    assert [v for v in rows if v in ours][0] == ours[0]
+    points = read_metrics(eval_dir, tags=["eval/arithmetic/accuracy/mean"])
+    assert sorted(p.step for p in points) == sorted(older + ours)
+    for version in ours:
+        summary = json.loads((eval_dir / "evals" / f"arithmetic.v{version}.summary.json").read_text())
+        assert summary["version"] == str(version) and summary["cases"] == limit and summary["url"] == eval_url
+    # Each row measured its own version's weights: equal weights, equal greedy completions; other weights, others.
+    assert completions(eval_dir, ours[0]) == completions(eval_dir, ours[2])
+    assert completions(eval_dir, ours[1]) == completions(eval_dir, ours[3])
+    differ = sum(a != b for a, b in zip(completions(eval_dir, ours[0]), completions(eval_dir, ours[1]), strict=True))
+    print(f"perturbed vs original weights: {differ} of {limit} completions differ")
+    assert differ >= limit // 2

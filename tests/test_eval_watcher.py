@@ -1,9 +1,12 @@
 """The watcher's Redis side against a real redis-server (fast, no vLLM): waiting for the router fails
 after its timeout naming the key and the fix; the fleet snapshot is settled only while every live
-worker's /weight_info equals weights:current, and it ignores workers whose liveness key expired."""
+worker's /weight_info equals weights:current, and it ignores workers whose liveness key expired. Pin mode
+picks the newest due published version first, then older ones, skipping pruned ones with one log line;
+evaluator.pin = auto waits for started vLLM workers to register and pins only if one joined the eval pool."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import aiohttp
@@ -13,7 +16,7 @@ from aiohttp import web
 from common.config import RendezvousConfig
 from common.keys import Keys
 from common.rendezvous import Rendezvous
-from evaluator.watcher import EvaluatorError, FleetProbe, wait_for_router
+from evaluator.watcher import EvaluatorError, FleetProbe, PinWatcher, choose_mode, starting_workers, wait_for_router
 
 
 @pytest.fixture
@@ -74,3 +77,61 @@ async def test_fleet_snapshot_is_settled_only_when_every_live_worker_serves_the_
     finally:
         for runner in runners:
             await runner.cleanup()
+
+
+def pin_watcher(client, keys: Keys, tmp_path) -> PinWatcher:
+    from pathlib import Path
+
+    from common.config import Config
+    from common.metrics import MetricsWriter
+    from common.roles import RunContext
+    from evaluator.benchmark import load_benchmark
+    from evaluator.cache import ResultCache
+
+    data = Path(__file__).resolve().parent.parent / "evaluator" / "data"
+    ctx = RunContext(Config(), "evaluator", keys.exp, tmp_path, tmp_path / "meet", "i0", None, keys)  # type: ignore[arg-type]
+    return PinWatcher(ctx, client, [load_benchmark("arithmetic", data)], ResultCache(tmp_path / "cache.jsonl"),
+                      MetricsWriter(tmp_path, keys.exp, "evaluator", 0), None)  # type: ignore[arg-type]  # fmt: skip
+
+
+@pytest.mark.timeout(30)
+async def test_pin_mode_takes_the_newest_due_version_first_then_older_ones_and_skips_pruned_ones_once(
+    redis_client, tmp_path, caplog
+):
+    keys = Keys("t-pin")
+    for version in range(1, 6):
+        location = tmp_path / "weights" / f"v{version}"
+        if version != 1:  # v1's directory was pruned by the publisher
+            location.mkdir(parents=True)
+        await redis_client.xadd(keys.weights_log, {"version": version, "backend": "file", "location": str(location)})
+    watcher = pin_watcher(redis_client, keys, tmp_path)
+    watcher.done.add((3, "arithmetic"))
+    await watcher.read_log()
+    picked = []
+    while (version := await watcher.pick()) is not None:
+        picked.append(version)
+        watcher.done.add((version, "arithmetic"))
+    assert picked == [5, 4, 2]
+    assert sum("were pruned" in r.getMessage() and "[1]" in r.getMessage() for r in caplog.records) == 1
+
+
+@pytest.mark.timeout(30)
+async def test_auto_mode_waits_for_starting_vllm_workers_and_pins_only_when_an_eval_worker_registers(redis_client):
+    keys = Keys("t-auto")
+    assert await choose_mode(redis_client, keys, 0.3) == "verify"  # no vLLM worker started at all
+    await redis_client.set(keys.role_alive("vllm", "host-1-0"), "{}", px=10_000)
+    await redis_client.set(keys.role_alive("vllm", "host-2-1"), "{}", px=10_000)
+    await redis_client.hset(keys.workers, "host-1-0", json.dumps({"url": "http://127.0.0.1:1"}))
+    assert await starting_workers(redis_client, keys) == ["host-2-1"]
+
+    async def register_eval_worker() -> None:
+        await asyncio.sleep(0.5)
+        await redis_client.hset(keys.eval_workers, "host-2-1", json.dumps({"url": "http://127.0.0.1:2"}))
+        await redis_client.set(keys.worker_alive("host-2-1"), "1", px=10_000)
+
+    task = asyncio.create_task(register_eval_worker())
+    assert await choose_mode(redis_client, keys, 10.0) == "pin"
+    await task
+    await redis_client.delete(keys.eval_workers)
+    await redis_client.hset(keys.workers, "host-2-1", json.dumps({"url": "http://127.0.0.1:2"}))
+    assert await choose_mode(redis_client, keys, 10.0) == "verify"  # both started workers are train workers
