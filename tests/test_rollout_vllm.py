@@ -187,7 +187,7 @@ async def _in_flight_publish(run, mode: str, max_tokens: int):
             for i in range(8)
         ]
         await until_running(worker_url(run), 8)
-        await asyncio.sleep(0.3)  # a few decode steps on the old weights
+        await asyncio.sleep(0.1)  # a few decode steps on the old weights
         assert not any(t.done() for t in tasks), "requests finished before the publish; raise max_tokens"
         result = await pub.publish(old + 1, perturb(model, seed=old + 1))
         samples = [s for (s,) in await asyncio.gather(*tasks)]
@@ -201,12 +201,12 @@ async def _in_flight_publish(run, mode: str, max_tokens: int):
 
 @pytest.mark.timeout(400)
 async def test_keep_mode_pause_completes_all_in_flight_requests_across_the_version_switch(deepseek_run):
-    samples, old, new, result = await _in_flight_publish(deepseek_run, "keep", max_tokens=400)
+    samples, old, new, result = await _in_flight_publish(deepseek_run, "keep", max_tokens=480)
     assert len(samples) == 8
     for s in samples:
-        assert s.finish_reason == "length" and len(s.token_ids) == 400
+        assert s.finish_reason == "length" and len(s.token_ids) == 480
         switch = s.versions.index(new)
-        assert switch > 0 and s.versions == [old] * switch + [new] * (400 - switch)
+        assert switch > 0 and s.versions == [old] * switch + [new] * (480 - switch)
     print(f"keep-mode publish with 8 in flight: pause window {result.max_pause_s * 1e3:.1f} ms")
 
 
