@@ -335,6 +335,16 @@ class RLConfig:
 
 
 @dataclass
+class WarmupConfig:
+    steps: int = identity(0)
+    """Supervised steps on the task's problems and reference answers before RL (0 = none)."""
+    batch_size: int = identity(64)
+    """Problems per supervised step."""
+    lr: float = identity(3e-3)
+    """Learning rate of the supervised warm start (constant)."""
+
+
+@dataclass
 class TrainerConfig:
     steps: int = 20
     """Optimizer steps of the run."""
@@ -354,6 +364,10 @@ class TrainerConfig:
     """Checkpointing."""
     rl: RLConfig = field(default_factory=RLConfig)
     """The RL objective (GRPO advantages, decoupled PPO loss)."""
+    warmup: WarmupConfig = field(default_factory=WarmupConfig)
+    """Supervised warm start before RL, so that rewards are not all zero at the start."""
+    final_eval_wait_s: float = 300.0
+    """At the end, how long the trainer waits for the evaluator's result of the last version (for its report)."""
 
 
 @dataclass

@@ -17,7 +17,7 @@ import concurrent.futures
 import logging
 import queue
 import threading
-from collections.abc import Awaitable, Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -255,6 +255,12 @@ class GenerationController:
 
         self._loop.call_soon_threadsafe(run)
         return fut
+
+    def run_coroutine(self, coro: Coroutine[Any, Any, R]) -> concurrent.futures.Future[R]:
+        """Run a coroutine on the loop (for example closing the genable's HTTP session, which must
+        happen on the loop that opened it); its result (or exception) lands in the returned future."""
+        self._ensure_open()
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
     def set_tqdm(self, disabled: bool, total: int | None = None, desc: str = "") -> None:
         """Show (or hide) a progress bar advanced by every finished item."""

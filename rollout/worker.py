@@ -132,6 +132,14 @@ def vllm_env(run_dir: Path, base: dict[str, str] | None = None) -> dict[str, str
         "XDG_CACHE_HOME": cache / "xdg",
         "TMPDIR": cache / "tmp",
     }
+    # vLLM puts ZeroMQ IPC sockets in TMPDIR, named by a 36-character uuid; a Unix socket path
+    # holds at most 107 bytes, and a longer one kills vLLM deep in its start-up.
+    socket_path = len(str(dirs["TMPDIR"].resolve())) + len("/") + 36
+    if socket_path > 107:
+        raise WorkerStartError(
+            f"run dir {run_dir} is too deep for vLLM's IPC sockets ({socket_path} > 107 bytes under "
+            f"{dirs['TMPDIR']}); use a shorter run.root or run.dir"
+        )
     for name, path in dirs.items():
         path.mkdir(parents=True, exist_ok=True)
         env[name] = str(path)

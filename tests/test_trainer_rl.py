@@ -1,0 +1,67 @@
+"""The RL trainer's batching, and its log-probs of rollout tokens against vLLM's behaviour log-probs
+(real vLLM CPU build, the shared DeepSeek run of tests/conftest.py)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from common.config import load_config
+from rollout.client import RolloutClient, Sample
+from rollout.tinykit import resolve_model
+from trainer.hf import load_hf_state
+from trainer.loop import Rollout, padded_batch
+from trainer.model.transformer import build_model
+
+
+def rollout(prompt: list[int], tokens: list[int], logprobs: list[float]) -> Rollout:
+    return Rollout(Sample(prompt, tokens, logprobs, [0] * len(tokens), "stop"), 1.0, "")
+
+
+def test_padded_batch_aligns_completion_tokens_with_their_predicting_positions():
+    batch = [rollout([5, 6, 7], [8, 9], [-0.5, -0.25]), rollout([5], [10, 11, 12], [-1.0, -2.0, -3.0])]
+    tokens, targets, behaviour, mask = padded_batch(batch, pad_id=0)
+    assert tokens.tolist() == [[5, 6, 7, 8, 9], [5, 10, 11, 12, 0]]
+    # Position t predicts token t + 1: the first completion token is predicted at the last prompt position.
+    assert targets.tolist() == [[-1, -1, 8, 9, -1], [10, 11, 12, -1, -1]]
+    assert behaviour.tolist() == [[0, 0, -0.5, -0.25, 0], [-1.0, -2.0, -3.0, 0, 0]]
+    assert mask.tolist() == [[0, 0, 1, 1, 0], [1, 1, 1, 0, 0]]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_trainer_logprobs_of_rollout_tokens_match_vllm_behaviour_logprobs(deepseek_run):
+    """fp32, the served checkpoint: mean |trainer - vLLM| over sampled tokens below 1e-3 nats."""
+    cfg = load_config(deepseek_run.config)
+    model_dir = resolve_model(cfg, deepseek_run.run_dir)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    prompts = ["12+7=", "what is 3 plus 4?", "20-13=", "hello world"]
+
+    async def sample_all() -> list[Sample]:
+        url = deepseek_run.router_url()
+        async with RolloutClient(cfg.rollout.served_model_name, url=url) as client:
+            groups = await asyncio.gather(
+                *(client.generate(tok(p)["input_ids"], n=4, temperature=1.0, max_tokens=24, seed=i)
+                  for i, p in enumerate(prompts))
+            )
+        return [s for g in groups for s in g]
+
+    samples = asyncio.run(sample_all())
+    served_version = samples[0].versions[0]
+    model = build_model(cfg.trainer.model, "reference", seed=None)
+    load_hf_state(model, model_dir)
+    model.eval()
+    batch = [Rollout(s, 0.0, "") for s in samples]
+    tokens, targets, behaviour, mask = padded_batch(batch, tok.pad_token_id)
+    with torch.no_grad():
+        ours = model.token_logprobs(tokens, targets)
+    diff = ((ours - behaviour).abs() * mask).sum() / mask.sum()
+    worst = ((ours - behaviour).abs() * mask).max()
+    assert mask.sum() >= 40, "too few sampled tokens to compare"
+    assert float(diff) < 1e-3, f"mean |trainer - vLLM| = {float(diff):.2e} nats (max {float(worst):.2e})"
+    # The served weights are the kit's checkpoint (tests that publish put it back), whatever its label.
+    assert all(v == served_version for s in samples for v in s.versions)

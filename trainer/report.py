@@ -1,0 +1,112 @@
+"""The end-of-run report of an RL run: a table of reward and held-out accuracy per step, and a PNG.
+
+Training figures come from the trainer's DuckDB metrics; held-out accuracy comes from the
+evaluator's results on the experiment's `evals` stream (one entry per evaluated version; version v
+is the policy after step v - 1, so it is drawn at step v).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import redis
+
+from common.keys import Keys
+from common.metrics import read_metrics
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ReportRow:
+    step: int
+    reward: float | None
+    train_accuracy: float | None
+    heldout: float | None
+    staleness_max: float | None
+
+
+def held_out_scores(client: redis.Redis, keys: Keys, benchmark: str) -> dict[int, float]:
+    """version -> score of one benchmark, from the evals stream."""
+    scores: dict[int, float] = {}
+    for _, fields in client.xrange(keys.evals):
+        if fields.get("benchmark") == benchmark:
+            scores[int(fields["version"])] = float(fields["score"])
+    return scores
+
+
+def wait_for_eval(client: redis.Redis, keys: Keys, version: int, benchmark: str, timeout_s: float) -> bool:
+    """Block (on the stream, no polling) until `benchmark` has a result for `version`, or the timeout."""
+    if version in held_out_scores(client, keys, benchmark):
+        return True
+    last_id = "$"
+    remaining_ms = int(timeout_s * 1000)
+    while remaining_ms > 0:
+        block = min(remaining_ms, 1000)
+        got = client.xread({keys.evals: last_id}, block=block, count=100)
+        remaining_ms -= block
+        for _, entries in got or []:
+            for entry_id, fields in entries:
+                last_id = entry_id
+                if fields.get("benchmark") == benchmark and int(fields["version"]) >= version:
+                    return True
+    return False
+
+
+def build_rows(run_dir: Path, heldout: dict[int, float]) -> list[ReportRow]:
+    series: dict[str, dict[int, float]] = {}
+    for p in read_metrics(run_dir, tags=["rl/reward_mean", "rl/accuracy", "rl/staleness_max"], role="trainer"):
+        series.setdefault(p.tag, {})[p.step] = p.value
+    steps = sorted(set(series.get("rl/reward_mean", {})) | {v for v in heldout})
+    return [
+        ReportRow(
+            step,
+            series.get("rl/reward_mean", {}).get(step),
+            series.get("rl/accuracy", {}).get(step),
+            heldout.get(step),
+            series.get("rl/staleness_max", {}).get(step),
+        )
+        for step in steps
+    ]
+
+
+def format_table(rows: list[ReportRow], every: int = 1) -> str:
+    def cell(value: float | None, fmt: str = "{:.3f}") -> str:
+        return "-" if value is None else fmt.format(value)
+
+    lines = [f"{'step':>5} {'reward':>8} {'train acc':>10} {'held-out acc':>13} {'max stale':>10}"]
+    last = rows[-1].step if rows else 0
+    for r in rows:
+        if r.step % every and r.step != last and r.heldout is None:
+            continue
+        lines.append(
+            f"{r.step:>5} {cell(r.reward):>8} {cell(r.train_accuracy):>10} {cell(r.heldout):>13} "
+            f"{cell(r.staleness_max, '{:.0f}'):>10}"
+        )
+    return "\n".join(lines)
+
+
+def save_png(rows: list[ReportRow], path: Path, title: str) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    train = [(r.step, r.reward) for r in rows if r.reward is not None]
+    held = [(r.step, r.heldout) for r in rows if r.heldout is not None]
+    if train:
+        ax.plot(*zip(*train, strict=True), label="mean reward (train samples)", color="tab:blue", alpha=0.8)
+    if held:
+        ax.plot(*zip(*held, strict=True), label="held-out accuracy (greedy)", color="tab:red", marker="o")
+    ax.set_xlabel("step (held-out: weight version)")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
