@@ -333,7 +333,7 @@ async def main(ctx: RunContext) -> int:
             registered = True
             await announce(client, ctx.keys, "vllm", "worker registered", worker=worker_id, url=url, version=version,
                            pool=ro.pool)  # fmt: skip
-            log.info("registered %s-pool worker %s at %s serving weight version %d", ro.pool, worker_id, url, version)
+            log.info("registered worker %s at %s serving weight version %d (%s pool)", worker_id, url, version, ro.pool)
             return await _serve(ctx, client, session, vllm, worker_id, record, registry)
     finally:
         if registered:
