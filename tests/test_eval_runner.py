@@ -3,8 +3,8 @@ server standing in for vLLM: /v1/models, /tokenize counting characters, completi
 /weight_info, scripted failure statuses and a version bump after a given number of requests). It
 checks: summary and per-case files, max_tokens clamping, retries only on transport errors and
 408/425/429/5xx, permanent 4xx failing at once with the server's text, resuming an interrupted run
-from the cache without regenerating finished cases, discarding a chunk whose version moved, and
-the `slipstream eval` command."""
+from the cache without regenerating finished cases, discarding a chunk whose version moved, the
+`slipstream eval` command, and waiting for a served model with one log line per wait, not per attempt."""
 
 from __future__ import annotations
 
@@ -222,3 +222,39 @@ async def test_slipstream_eval_command_writes_results_and_a_second_run_is_all_ca
     fake.statuses = [404]
     rc = await asyncio.to_thread(slipstream_main, [*argv[:-4], "--limit", "4", "--out", str(tmp_path)])
     assert rc == 1 and "HTTP 404" in capsys.readouterr().err
+
+
+async def test_waiting_for_a_served_model_logs_the_wait_once_and_its_end_not_every_attempt(monkeypatch, caplog):
+    import logging
+
+    import evaluator.backend
+
+    monkeypatch.setattr(evaluator.backend, "SERVED_POLL_S", 0.02)
+    answers = {"unavailable": 20, "calls": 0}
+
+    async def models(request: web.Request) -> web.Response:
+        answers["calls"] += 1
+        if answers["calls"] <= answers["unavailable"]:  # the router has no healthy worker yet
+            return web.json_response({"error": "no healthy worker"}, status=503)
+        return web.json_response({"data": [{"id": "policy", "max_model_len": 512, "root": None}]})
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    caplog.set_level(logging.INFO, logger="evaluator.backend")
+    try:
+        async with aiohttp.ClientSession() as session:
+            served = await Backend(session, url, "policy").wait_until_served(30)
+            answers.update(unavailable=10**9, calls=0)
+            with pytest.raises(RequestError, match=r"no model served at .* after 0s: .*HTTP 503") as failed:
+                await Backend(session, url, "policy").wait_until_served(0.1)
+    finally:
+        await runner.cleanup()
+    assert served.id == "policy" and failed.value.transient
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("waiting for a model served" in m for m in messages) == 2  # once per wait, not once per attempt
+    assert sum(m.startswith("model 'policy' served at") for m in messages) == 1
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
