@@ -271,13 +271,21 @@ async def wait_ready(session: aiohttp.ClientSession, vllm: VllmProcess, served_m
         await asyncio.sleep(0.5)
 
 
-async def catch_up(ctx: RunContext, client, session: aiohttp.ClientSession, url: str, have: int) -> int:
-    """Apply weights:current to the server at url if it is newer than `have`; the version now served."""
+async def catch_up(ctx: RunContext, client, session: aiohttp.ClientSession, url: str, have: int | None) -> int:
+    """Apply weights:current to the server at url if it is newer than `have`; the version now served.
+
+    `have = None` means the server still holds the checkpoint it started from, which no published
+    version is: any published version replaces it, version 0 included (the trainer publishes its
+    warm-started initial policy as version 0).
+    """
     current = await current_version(client, ctx.keys)
-    if current is None or current <= have:
+    if current is None:
+        return 0 if have is None else have
+    if have is not None and current <= have:
         return have
     location = await _location_of(client, ctx, current)
-    log.info("catching up from weight version %d to %d (%s)", have, current, location)
+    log.info("catching up from weight version %s to %d (%s)", "<start checkpoint>" if have is None else have,
+             current, location)  # fmt: skip
     await apply_version(session, url, current, location, ctx.cfg.rollout.pause_mode)
     return current
 
@@ -326,7 +334,7 @@ async def main(ctx: RunContext) -> int:
             # Label the initial weights version 0 so every token carries a version.
             await label_version(session, url, 0)
             # An eval worker serves whatever version the evaluator loads into it, never weights:current.
-            version = await catch_up(ctx, client, session, url, 0) if ro.pool == "train" else 0
+            version = await catch_up(ctx, client, session, url, None) if ro.pool == "train" else 0
             record = WorkerRecord(url, ro.served_model_name, version, time.time())
             await beat.start()
             await client.hset(registry, worker_id, record.to_json())

@@ -105,11 +105,13 @@ class Launch:
 
 
 @pytest.fixture
-def short_tmp():
+def short_tmp(tmp_path):
     """A short run root: vLLM's IPC socket paths under <run dir>/cache/tmp must stay below 107 bytes,
-    which pytest's deep tmp_path exceeds."""
+    which pytest's deep tmp_path exceeds. The launch log is kept in tmp_path for inspection."""
     path = Path(tempfile.mkdtemp(prefix="ss-"))
     yield path
+    if (path / "launch.log").exists():
+        shutil.copy(path / "launch.log", tmp_path / "launch.log")
     shutil.rmtree(path, ignore_errors=True)
 
 

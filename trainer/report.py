@@ -79,7 +79,7 @@ def format_table(rows: list[ReportRow], every: int = 1) -> str:
     lines = [f"{'step':>5} {'reward':>8} {'train acc':>10} {'held-out acc':>13} {'max stale':>10}"]
     last = rows[-1].step if rows else 0
     for r in rows:
-        if r.step % every and r.step != last and r.heldout is None:
+        if r.step % every and r.step != last:
             continue
         lines.append(
             f"{r.step:>5} {cell(r.reward):>8} {cell(r.train_accuracy):>10} {cell(r.heldout):>13} "
