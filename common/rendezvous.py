@@ -15,13 +15,11 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
-import ctypes
 import json
 import logging
 import os
 import secrets
 import shutil
-import signal
 import socket
 import subprocess
 import time
@@ -33,6 +31,7 @@ import redis
 import redis.asyncio
 
 from common.config import RendezvousConfig
+from common.proc import die_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -125,13 +124,6 @@ def _pid_dead(pid: int) -> bool:
         return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return True
-
-
-def _die_with_parent() -> None:
-    # Runs in the child between fork and exec: ask the kernel to SIGTERM redis-server when the
-    # leader dies, even by SIGKILL, so no server outlives the run.
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 class Rendezvous:
@@ -274,7 +266,7 @@ class Rendezvous:
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
             )
             info = RedisInfo(
                 host=host,

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import json
 import logging
 import os
@@ -34,6 +33,7 @@ from pathlib import Path
 import aiohttp
 
 from common.config import Config, RolloutConfig
+from common.proc import die_with_parent
 from common.rendezvous import Heartbeat
 from common.roles import RunContext, announce
 from rollout.tinykit import TINY_MODELS, resolve_model
@@ -156,13 +156,6 @@ def vllm_env(run_dir: Path, base: dict[str, str] | None = None) -> dict[str, str
     return env
 
 
-def _die_with_parent() -> None:
-    # Runs in the child between fork and exec: a new session (own process group, so it can be
-    # stopped as a whole) and SIGTERM from the kernel if the worker dies, even by SIGKILL.
-    os.setsid()
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 class VllmProcess:
     """The vLLM server child: started in its own process group, its output forwarded to our log."""
 
@@ -180,7 +173,9 @@ class VllmProcess:
             stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
-            preexec_fn=_die_with_parent,
+            # Own session (a process group stopped as a whole); SIGTERM from the kernel if the worker dies.
+            start_new_session=True,
+            preexec_fn=die_with_parent,
         )
         self._pump = asyncio.create_task(self._forward(), name="vllm log")
         log.info("started vLLM pid %d at %s (log %s)", self.proc.pid, self.url, self.log_path)
