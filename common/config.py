@@ -102,7 +102,7 @@ class RouterConfig:
     """Retries on another worker, only before any byte reached the client (transport errors, 408/425/429/5xx)."""
     health_interval_s: float = 1.0
     """Period of the active GET /health check of every worker."""
-    health_timeout_s: float = 1.0
+    health_timeout_s: float = 5.0
     """Timeout of one health check; a failing worker is evicted until it passes again."""
     auth_token: str = ""
     """Bearer token required from clients; empty disables auth (allowed only on loopback)."""

@@ -67,7 +67,7 @@ class MetricsWriter:
         self._steps: list[int] = []
         self._ts: list[int] = []
         self._values: list[float] = []
-        with duckdb.connect(str(self.path)) as con:
+        with _connect(self.path, read_only=False) as con:
             con.execute(_SCHEMA)
         self._closed = threading.Event()
         self._timer = threading.Thread(target=self._flush_periodically, args=(flush_interval_s,), daemon=True)
@@ -106,7 +106,7 @@ class MetricsWriter:
                 "ts_ms": self._ts,
                 "value": self._values,
             }
-            with duckdb.connect(str(self.path)) as con:
+            with _connect(self.path, read_only=False) as con:
                 con.execute(_INSERT, batch)
             # Cleared only after the insert succeeded: a failed flush keeps the points for the next one.
             self._tags, self._steps, self._ts, self._values = [], [], [], []
@@ -133,12 +133,13 @@ class MetricsWriter:
         self.close()
 
 
-def _open_for_reading(path: Path, timeout_s: float = 5.0) -> duckdb.DuckDBPyConnection:
-    """Open a metrics file read-only, waiting out a writer's flush (it holds the file for milliseconds)."""
+def _connect(path: Path, read_only: bool, timeout_s: float = 10.0) -> duckdb.DuckDBPyConnection:
+    """Open a metrics file, waiting out the other side's short hold: a writer holds its file only
+    while it flushes, a reader only while it reads (milliseconds), and DuckDB lets one process in."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            return duckdb.connect(str(path), read_only=True)
+            return duckdb.connect(str(path), read_only=read_only)
         except (duckdb.IOException, duckdb.ConnectionException) as exc:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"metrics file {path} stayed locked for {timeout_s}s: {exc}") from None
@@ -147,11 +148,13 @@ def _open_for_reading(path: Path, timeout_s: float = 5.0) -> duckdb.DuckDBPyConn
 
 def read_metrics(run_dir: str | Path, tags: Iterable[str] | None = None, role: str | None = None) -> list[Point]:
     """Every point of a run (all roles and ranks), ordered by tag, step and time."""
-    files = sorted((Path(run_dir) / "metrics").glob("*.duckdb"))
+    # Files are named <role>-<rank>.duckdb: open only the wanted role's, so a reader never holds
+    # another role's file while that role flushes.
+    files = sorted((Path(run_dir) / "metrics").glob(f"{role}-*.duckdb" if role else "*.duckdb"))
     wanted = list(tags) if tags is not None else None
     points: list[Point] = []
     for path in files:
-        with _open_for_reading(path) as con:
+        with _connect(path, read_only=True) as con:
             query = "SELECT run, role, rank, tag, step, ts_ms, value FROM metrics WHERE true"
             params: dict[str, object] = {}
             if wanted is not None:

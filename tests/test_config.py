@@ -141,9 +141,12 @@ def test_show_prints_docstrings_and_values(capsys):
 
 
 def test_show_of_two_configs_prints_only_differences(tmp_path, capsys):
-    other = write(tmp_path, DEMO.read_text().replace("steps = 30", "steps = 40"))
+    steps = load_config(DEMO, environ={}).trainer.steps
+    text = DEMO.read_text()
+    assert f"[trainer]\nsteps = {steps}\n" in text
+    other = write(tmp_path, text.replace(f"[trainer]\nsteps = {steps}\n", f"[trainer]\nsteps = {steps + 10}\n"))
     assert cli.main(["show", str(DEMO), str(other)]) == 0
-    assert capsys.readouterr().out.strip().splitlines() == ["trainer.steps: 30 -> 40"]
+    assert capsys.readouterr().out.strip().splitlines() == [f"trainer.steps: {steps} -> {steps + 10}"]
     assert cli.main(["show", str(DEMO), str(DEMO)]) == 0
     assert "no differences" in capsys.readouterr().out
 
