@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+import sys
 import time
 
 import pytest
@@ -73,3 +74,28 @@ def test_git_sha_outside_a_checkout_is_unknown_with_a_logged_reason(tmp_path, ca
     with caplog.at_level("WARNING"):
         assert git_sha(tmp_path) == ("unknown", None)
     assert "not a git checkout" in caplog.text
+
+
+def test_a_flush_waits_out_a_reader_in_another_process(tmp_path):
+    writer = MetricsWriter(tmp_path, "r3", "evaluator", flush_interval_s=60)
+    writer.log("accuracy", 0, 0.5)
+    writer.flush()
+    path = metrics_path(tmp_path, "evaluator", 0)
+    hold = (
+        "import duckdb, sys, time\n"
+        f"con = duckdb.connect({str(path)!r}, read_only=True)\n"
+        "print('holding', flush=True)\n"
+        "time.sleep(1.0)\n"
+        "con.close()\n"
+    )
+    reader = subprocess.Popen([sys.executable, "-c", hold], stdout=subprocess.PIPE, text=True)
+    try:
+        assert reader.stdout.readline().strip() == "holding"
+        writer.log("accuracy", 1, 0.75)
+        start = time.monotonic()
+        writer.flush()  # the reader's process holds the file's lock for about a second
+        assert time.monotonic() - start > 0.3
+    finally:
+        reader.wait(timeout=30)
+    writer.close()
+    assert [p.value for p in read_metrics(tmp_path, role="evaluator")] == [0.5, 0.75]
