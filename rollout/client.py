@@ -24,8 +24,24 @@ from common.keys import Keys
 GENERATE_PATH = "/inference/v1/generate"
 
 
+# Answers worth trying again (the same set the router retries on): overload, timeouts, server errors.
+TRANSIENT_STATUSES = frozenset({408, 425, 429, 500, 502, 503, 504})
+
+
 class RolloutError(RuntimeError):
-    """A generation response is unusable for RL (an HTTP error, or tokens without log-probs or versions)."""
+    """A generation response is unusable for RL (an HTTP error, or tokens without log-probs or versions).
+
+    `status` is the HTTP status when the server answered with an error; `transient` (read by the
+    GenerationController's retry logic) is true for the statuses worth retrying.
+    """
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+    @property
+    def transient(self) -> bool:
+        return self.status in TRANSIENT_STATUSES
 
 
 class NoRouterError(RolloutError):
@@ -155,7 +171,7 @@ class RolloutClient:
         timeout = aiohttp.ClientTimeout(total=timeout_s)
         async with self._session.post(url, json=body, headers=headers, timeout=timeout) as r:
             if r.status != 200:
-                raise RolloutError(f"POST {url} -> HTTP {r.status}: {(await r.text())[:500]}")
+                raise RolloutError(f"POST {url} -> HTTP {r.status}: {(await r.text())[:500]}", status=r.status)
             data = await r.json()
         choices = sorted(data.get("choices") or [], key=lambda c: c["index"])
         if len(choices) != n:

@@ -47,3 +47,11 @@ def test_a_logprob_for_another_token_or_an_unlabelled_token_is_an_error():
 def test_client_needs_a_url_or_redis_to_find_the_router():
     with pytest.raises(ValueError, match="needs a url"):
         RolloutClient("policy")
+
+
+@pytest.mark.parametrize(("status", "transient"), [(500, True), (502, True), (503, True), (429, True), (408, True),
+                                                   (400, False), (404, False), (None, False)])
+def test_http_errors_worth_retrying_are_transient_for_the_controller(status, transient):
+    from rollout.controller import is_transient
+
+    assert is_transient(RolloutError("x", status=status)) is transient

@@ -144,10 +144,11 @@ class _Generator:
 
 
 def _no_worker(exc: BaseException) -> bool:
-    """True for failures that mean "no worker right now": no router, 503 from the router, refused connection."""
+    """True for failures that mean "no worker right now": no router, the router's 503 (no healthy
+    worker) or 502 (the worker's connection failed), a refused connection to the router."""
     if isinstance(exc, (NoRouterError, aiohttp.ClientConnectionError)):
         return True
-    return "HTTP 503" in str(exc) or "HTTP 502" in str(exc)
+    return isinstance(exc, RolloutError) and exc.status in (502, 503)
 
 
 def padded_batch(rollouts: list[Rollout], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
