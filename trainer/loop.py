@@ -22,7 +22,7 @@ import logging
 import threading
 import time
 from collections.abc import Coroutine
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -74,15 +74,6 @@ class Rollout:
     @property
     def weight_versions(self) -> list[int]:
         return self.sample.versions
-
-
-@dataclass
-class StepReport:
-    step: int
-    reward_mean: float
-    accuracy: float
-    groups_used: int
-    stats: dict[str, float] = field(default_factory=dict)
 
 
 class _Generator:
@@ -190,7 +181,6 @@ class RLTrainer:
         self.publisher = WeightPublisher(ctx.async_redis(), ctx.keys, self.cfg.rollout, ctx.run_dir)
         self.stop_requested = threading.Event()
         self.controller: GenerationController | None = None
-        self.reports: list[StepReport] = []
         self._t0 = time.monotonic()
         self._samples_trained = 0
 
@@ -262,22 +252,16 @@ class RLTrainer:
         keep = ~zero_variance_groups(rewards) if rl.filter_zero_variance else torch.ones(len(groups), dtype=torch.bool)
         used = [(g, advantages[i]) for i, g in enumerate(groups) if keep[i]]
         rollouts = [r for g, _ in used for r in g.samples]
-        stats: dict[str, float] = {}
-        if rollouts:
-            adv = torch.cat([a for _, a in used])
-            stats = self._update(rollouts, adv)
-        else:
-            # No group carries a signal: the step still happens (version step+1 = same weights).
-            self.optimizer.steps += 1
+        # With no group carrying a signal the step trains nothing: version step + 1 has the same weights.
+        stats = self._update(step, rollouts, torch.cat([a for _, a in used])) if rollouts else {}
         self.state.step = step + 1
         all_rollouts = [r for g in groups for r in g.samples]
         accuracy = sum(r.reward >= 1.0 for r in all_rollouts) / len(all_rollouts)
         staleness = [step - min(r.weight_versions) for r in all_rollouts]
         self._samples_trained += len(all_rollouts)
-        report = StepReport(step, float(rewards.mean()), accuracy, len(used), stats)
-        self.reports.append(report)
+        reward_mean = float(rewards.mean())
         figures = {
-            "rl/reward_mean": report.reward_mean,
+            "rl/reward_mean": reward_mean,
             "rl/accuracy": accuracy,
             "rl/groups_used": len(used),
             "rl/completion_tokens_mean": sum(len(r.sample.token_ids) for r in all_rollouts) / len(all_rollouts),
@@ -292,11 +276,12 @@ class RLTrainer:
             fh.write(json.dumps({"step": step, "prompt_ids": [g.prompt_id for g in groups]}) + "\n")
         log.info(
             "step %d: reward %.3f accuracy %.3f groups %d/%d staleness<=%d %s",
-            step, report.reward_mean, accuracy, len(used), len(groups), max(staleness),
+            step, reward_mean, accuracy, len(used), len(groups), max(staleness),
             " ".join(f"{k}={v:.4g}" for k, v in stats.items() if k in ("loss", "clip_fraction", "iw_mean")),
         )  # fmt: skip
 
-    def _update(self, rollouts: list[Rollout], advantages: torch.Tensor) -> dict[str, float]:
+    def _update(self, step: int, rollouts: list[Rollout], advantages: torch.Tensor) -> dict[str, float]:
+        """One optimizer step on the decoupled PPO loss; returns the loss statistics."""
         rl = self.cfg.trainer.rl
         tokens, targets, behaviour, mask = padded_batch(rollouts, self.tokenizer.pad_token_id)
         tokens, targets, behaviour, mask = (t.to(self.device) for t in (tokens, targets, behaviour, mask))
@@ -318,8 +303,12 @@ class RLTrainer:
                 sums[k] = sums.get(k, 0.0) + (v if k in ("loss", "pg_loss", "kl", "tokens") else v * weight)
         step_stats = self.optimizer.step(int(mask.sum()))
         sums["grad_norm"] = step_stats.grad_norm
-        # The behaviour/proximal gap at version `step` measures the trainer-vs-vLLM numerical mismatch
-        # plus staleness; log the pure mismatch part on fresh samples.
+        # On samples made entirely by the current weights (version `step`), behaviour and proximal
+        # log-probs come from the same function: their gap is the trainer-vs-vLLM numerical mismatch.
+        fresh = torch.tensor([all(v == step for v in r.weight_versions) for r in rollouts], device=mask.device)
+        fresh_mask = mask * fresh.unsqueeze(1)
+        if fresh_mask.sum() > 0:
+            sums["fresh_logprob_mismatch"] = float(((proximal - behaviour).abs() * fresh_mask).sum() / fresh_mask.sum())
         return sums
 
     def publish(self, version: int) -> None:
