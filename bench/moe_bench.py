@@ -35,6 +35,7 @@ from common.config import ModelConfig, OptimConfig, load_config  # noqa: E402
 from trainer.experts import grouped_mm_experts, reference_experts, select_backend  # noqa: E402
 from trainer.model import attention_flops_per_token, build_model, compile_blocks, count_params  # noqa: E402
 from trainer.model.moe import MoE  # noqa: E402
+from trainer.model.permute import combine, permute, select_permute  # noqa: E402
 from trainer.optim import Optimizer, autocast  # noqa: E402
 
 H200_PEAK = 989e12
@@ -45,8 +46,20 @@ SHAPES = [  # (hidden, expert intermediate, experts, top-k): shared/notes/h200.m
     (4096, 2048, 16, 2),
 ]
 SMOKE_SHAPES = [(64, 32, 8, 2), (32, 16, 4, 1)]
-VARIANTS = ["raw", "eager", "compiled", "compiled-bf16w", "compiled-percall", "compiled-fp32router"]
-EXTRA = {"compiled-percall": "per-call cast", "compiled-fp32router": "fp32 router GEMM"}
+VARIANTS = [
+    "raw",
+    "eager",
+    "compiled",
+    "compiled-bf16w",
+    "compiled-percall",
+    "compiled-fp32router",
+    "compiled-torchperm",
+]
+EXTRA = {
+    "compiled-percall": "per-call cast",
+    "compiled-fp32router": "fp32 router GEMM",
+    "compiled-torchperm": "torch permute",
+}
 
 
 @dataclass
@@ -104,26 +117,29 @@ def raw_grouped(device, dtype, H, inter, E, k, tokens, reps) -> Row:
 def moe_layer(device, H, inter, E, k, tokens, backend, compiled, bf16_weights, reps, variant="", profile=None) -> Row:
     """Our MoE layer (no shared experts) forward + backward under bf16 autocast. With fp32 weights the
     grouped GEMMs use the bf16 copy `Experts` keeps per optimizer step (no step is taken here, so this is
-    the cost per micro-batch; `weight_refresh` times the copy). variant "per-call cast" casts the weights
-    in every call instead (the layer before the copy), "fp32 router GEMM" computes the router logits with
-    an fp32 GEMM instead of the split-bf16 one."""
+    the cost per micro-batch; `weight_refresh` times the copy). variant "per-call cast" makes no copy, so
+    the weights are cast in every call (the layer before the copy), "fp32 router GEMM" computes the router logits with
+    an fp32 GEMM instead of the split-bf16 one, "torch permute" permutes and combines with index_select
+    (inductor's gathers) instead of the Triton row kernels. Compiled variants start from a reset dynamo
+    cache, so that earlier shapes and moonlet cannot push this one over the recompile limit into eager."""
     cfg = ModelConfig(hidden_size=H, moe_intermediate_size=inter, n_routed_experts=E, num_experts_per_tok=k,
                       n_shared_experts=0)  # fmt: skip
-    layer = MoE(cfg, backend).to(device).train()
+    layer = MoE(cfg, backend, permute="torch" if variant == "torch permute" else "auto").to(device).train()
     with torch.no_grad():
         for p in layer.parameters():
             p.normal_(0, 0.02)
     if bf16_weights:
         layer.experts.to(torch.bfloat16)
-    if variant == "per-call cast":
-        ex = layer.experts
-        ex.cast_weights = lambda dtype: (ex.gate_up_proj.to(dtype), ex.down_proj.to(dtype))
+    if not bf16_weights and variant != "per-call cast":
+        layer.experts.weight_copy(torch.bfloat16)  # what the first optimizer step would make
     restore = moe_module.router_logits
     if variant == "fp32 router GEMM":
         moe_module.router_logits = lambda x, w: F.linear(x.float(), w.float())
     # bf16 on the CPU too: torch.compile's shape rule for _grouped_mm accepts bf16 only.
     x = torch.randn(1, tokens, H, device=device, dtype=torch.bfloat16, requires_grad=True)
     grad = torch.randn(1, tokens, H, device=device, dtype=torch.bfloat16)
+    if compiled:
+        torch._dynamo.reset()
     fwd = torch.compile(layer) if compiled else layer
 
     def step():
@@ -168,11 +184,8 @@ def weight_refresh(device, H, inter, E, reps) -> Row:
     with torch.no_grad():
         for p in ex.parameters():
             p.normal_(0, 0.02)
-    ex.cast_weights(torch.bfloat16)
-
-    def refresh():
-        ex._cast_key = None  # what an optimizer step does to the key
-        ex.cast_weights(torch.bfloat16)
+    ex.weight_copy(torch.bfloat16)
+    refresh = ex.refresh_weight_copy  # what the optimizer's post-step hook calls
 
     ms = bench_ms(refresh, device, reps)
     return Row("bf16 weight copy refresh (per optimizer step)", math.nan, ms)
@@ -227,6 +240,37 @@ def check_backends(device: torch.device) -> str:
     )
 
 
+def check_permute(device: torch.device) -> str:
+    """Triton permute + combine against the torch (index_select) implementation on this GPU, bf16 rows,
+    fp32 router weights: forward and gradients, fresh random routing; every output element compared."""
+    if select_permute("auto", device) != "triton":
+        return f"triton permutation: not run on {device.type}"
+    g = torch.Generator(device="cpu").manual_seed(1)
+    T, k, H, E = 4096, 8, 2048, 128
+    ids = torch.rand(T, E, generator=g).topk(k, dim=-1).indices.reshape(-1).to(device)
+    order = torch.argsort(ids, stable=True)
+    sorted_pos = torch.empty_like(order)
+    sorted_pos[order] = torch.arange(order.numel(), device=device)
+    x = torch.randn(T, H, generator=g).to(device, torch.bfloat16)
+    w = torch.rand(T, k, generator=g).to(device)
+    scale = torch.randn(T * k, 1, generator=g).to(device, torch.bfloat16)
+    grad = torch.randn(T, H, generator=g).to(device, torch.bfloat16)
+    res = {}
+    for impl in ("torch", "triton"):
+        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+        out = combine(permute(xi, sorted_pos, order, k, impl) * scale, wi, sorted_pos, order, impl)
+        out.backward(grad)
+        res[impl] = (out.detach(), xi.grad, wi.grad)
+
+    def rel(a, b):
+        return float((a.double() - b.double()).norm() / b.double().norm())
+
+    errs = [rel(a, b) for a, b in zip(res["triton"], res["torch"], strict=True)]
+    finite = all(bool(t.isfinite().all()) for t in res["triton"])
+    return (f"triton vs torch permutation (bf16, T{T} k{k} H{H}): rel diff out {errs[0]:.1e}, grad x {errs[1]:.1e}, "
+            f"grad weights {errs[2]:.1e}, all finite: {finite}")  # fmt: skip
+
+
 def moonlet(device, cfg_path, batch, seq, steps, compiled, dense_tflops) -> dict:
     cfg = load_config(cfg_path)
     mc = cfg.trainer.model
@@ -237,6 +281,7 @@ def moonlet(device, cfg_path, batch, seq, steps, compiled, dense_tflops) -> dict
         for name, p in model.named_parameters():
             p.fill_(1.0) if name.endswith("norm.weight") else p.normal_(0, 0.02)
     if compiled:
+        torch._dynamo.reset()
         compile_blocks(model)
     opt = Optimizer(model, cfg.trainer.optim)
     tokens = torch.randint(0, mc.vocab_size, (batch, seq + 1), device=device)
@@ -313,7 +358,7 @@ def main() -> None:
     if args.shapes:
         shapes = [tuple(int(v) for v in sh.split(",")) for sh in args.shapes.split(";")]
     results: dict = {"device": torch.cuda.get_device_name() if not smoke else "cpu", "torch": torch.__version__}
-    results["check"] = check_backends(device)
+    results["check"] = check_backends(device) + "; " + check_permute(device)
     print(results["check"], flush=True)
     dense = dense_rate(device, dtype, 256 if smoke else 8192, reps)
     results["dense"] = asdict(dense)

@@ -1,5 +1,6 @@
 """Expert backends: grouped_mm agrees with the reference (outputs and gradients); the bf16 weight copy of the
-grouped_mm path is made once and follows every optimizer step and in-place load; backend selection."""
+grouped_mm path is made once and refreshed by every optimizer step and in-place load (not by a check in the
+forward); backend selection."""
 
 import pytest
 import torch
@@ -110,9 +111,9 @@ def test_bf16_copy_is_made_once_and_kept_out_of_the_state_dict():
     layer = _bf16_layer(0)
     x, offsets = torch.randn(24, 32), torch.tensor([5, 5, 20, 24], dtype=torch.int32)
     _autocast_forward(layer, x, offsets)
-    first = layer.cast_weights(torch.bfloat16)
+    first = layer.weight_copy(torch.bfloat16)
     _autocast_forward(layer, x, offsets).sum().backward()
-    assert all(a is b for a, b in zip(first, layer.cast_weights(torch.bfloat16), strict=True))
+    assert all(a is b for a, b in zip(first, layer.weight_copy(torch.bfloat16), strict=True))
     assert set(layer.state_dict()) == {"gate_up_proj", "down_proj"}
     assert all(p.dtype == torch.float32 for p in layer.state_dict().values())
 
@@ -150,6 +151,63 @@ def test_bf16_copy_follows_the_trainer_optimizer_and_in_place_loads():
     other = _bf16_layer(5)
     layer.load_state_dict(other.state_dict())  # copy_ into the parameters under no_grad
     torch.testing.assert_close(_autocast_forward(layer, rows, offsets), _per_call_cast(other, rows, offsets), rtol=0, atol=0)
+
+
+def _copy_equals_fresh_cast(layer: Experts) -> bool:
+    return all(
+        torch.equal(c, p.detach().bfloat16())
+        for c, p in zip(layer.weight_copy(torch.bfloat16), (layer.gate_up_proj, layer.down_proj), strict=True)
+    )
+
+
+@needs_bf16_grouped_mm
+@pytest.mark.parametrize("fused", [True, False])
+def test_optimizer_step_refreshes_the_copy_without_a_forward(fused):
+    """The refresh is the optimizer step's own doing (a post-step hook), not a check in the next forward:
+    right after `step()` the copy already equals a fresh cast of the new masters."""
+    layer = _bf16_layer(7)
+    x, offsets = torch.randn(24, 32), torch.tensor([3, 10, 10, 24], dtype=torch.int32)
+    layer.weight_copy(torch.bfloat16)
+    opt = torch.optim.AdamW(layer.parameters(), lr=0.1, fused=fused, foreach=None if fused else False)
+    for p in layer.parameters():
+        p.grad = torch.randn_like(p)
+    before = [c.clone() for c in layer._cast]
+    opt.step()
+    assert not any(torch.equal(a, c) for a, c in zip(before, layer._cast, strict=True))
+    assert _copy_equals_fresh_cast(layer)
+    assert torch.equal(_autocast_forward(layer, x, offsets), _per_call_cast(layer, x, offsets))
+
+
+def test_step_of_an_optimizer_over_other_parameters_leaves_the_copy_alone():
+    layer, other = _bf16_layer(8), torch.nn.Linear(4, 4)
+    first = [c.clone() for c in layer.weight_copy(torch.bfloat16)]
+    with torch.no_grad():
+        layer.gate_up_proj.add_(1.0)  # an in-place write nobody announced: the copy is stale by contract
+    other.weight.grad = torch.ones_like(other.weight)
+    torch.optim.SGD(other.parameters(), lr=0.1).step()
+    assert all(torch.equal(a, c) for a, c in zip(first, layer._cast, strict=True))
+    from trainer.model.moe import refresh_expert_weight_copies
+
+    refresh_expert_weight_copies(layer)
+    assert _copy_equals_fresh_cast(layer)
+
+
+def test_to_drops_the_copy_and_deepcopy_remakes_its_own():
+    import copy
+
+    layer = _bf16_layer(9)
+    layer.weight_copy(torch.bfloat16)
+    twin = copy.deepcopy(layer)
+    assert twin._cast is None
+    twin.weight_copy(torch.bfloat16)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.grad = torch.randn_like(p)
+    torch.optim.SGD(twin.parameters(), lr=0.5).step()
+    assert _copy_equals_fresh_cast(twin) and _copy_equals_fresh_cast(layer)
+    assert not torch.equal(twin._cast[0], layer._cast[0])
+    layer.to(torch.float64)
+    assert layer._cast is None
 
 
 def test_moe_matches_per_token_loop_forward_and_backward():

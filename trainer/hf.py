@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 
 from common.config import ModelConfig
 from trainer.model import Transformer, build_model
+from trainer.model.moe import refresh_expert_weight_copies
 
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -296,6 +297,7 @@ def load_hf_state(model: Transformer, path: str | os.PathLike[str]) -> None:
             f"{path}: {len(missing)} missing tensors {missing[:5]} and {len(unexpected)} unexpected {unexpected[:5]}; "
             "is this checkpoint of the same architecture and shape as config.json says?"
         )
+    refresh_expert_weight_copies(model)  # the masters were written in place, not through load_state_dict
 
 
 def _expert_names(stacked: str, projs: tuple[str, ...], n_experts: int) -> list[str]:

@@ -14,6 +14,8 @@ depend on atomic-add order.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -21,6 +23,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from common.config import ModelConfig
 from trainer.experts import BACKENDS, grouped_mm_experts
+from trainer.model.permute import combine, permute, select_permute
 
 
 class MLP(nn.Module):
@@ -125,27 +128,46 @@ class Router(nn.Module):
         return weights * self.scaling, ids, scores
 
 
-# Torch optimizer steps taken in this process (a global post-step hook counts them). Expert weight
-# copies are keyed on it: fused optimizer kernels (AdamW fused=True, our default on GPUs) write the
-# parameters without bumping their autograd version counters, so the versions alone would miss a step.
-_optimizer_steps = 0
+# Every live `Experts` module, so that an optimizer step can refresh the bf16 copies of the weights it
+# just wrote. A global post-step hook rather than a call in trainer/optim.py: any torch optimizer (fused
+# AdamW writes the parameters without bumping their version counters, so nothing in the forward could see
+# the step cheaply) and any caller (tests, the EP wrapper, benches) is covered.
+_live_experts: weakref.WeakSet[Experts] = weakref.WeakSet()
 
 
-def _count_optimizer_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-    global _optimizer_steps
-    _optimizer_steps += 1
+def _refresh_after_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for experts in list(_live_experts):
+        if id(experts.gate_up_proj) in stepped or id(experts.down_proj) in stepped:
+            experts.refresh_weight_copy()
 
 
-register_optimizer_step_post_hook(_count_optimizer_step)
+register_optimizer_step_post_hook(_refresh_after_step)
+
+
+def _refresh_after_load(module: Experts, incompatible_keys: object) -> None:
+    module.refresh_weight_copy()
+
+
+def refresh_expert_weight_copies(model: nn.Module) -> None:
+    """Refresh the bf16 weight copy of every `Experts` in `model`: call after writing expert masters in place
+    other than through an optimizer step or `load_state_dict` (both refresh by themselves)."""
+    for mod in model.modules():
+        if isinstance(mod, Experts):
+            mod.refresh_weight_copy()
 
 
 class Experts(nn.Module):
     """Routed experts, stacked: gate_up_proj [E, 2I, H] (gate rows then up rows), down_proj [E, H, I].
 
-    Under bf16 autocast over fp32 masters the grouped GEMMs run on a bf16 copy of the weights that is
-    made once per optimizer step (`cast_weights`), not on every call: casting 600M fp32 weights costs
-    about as much as a third of the expert GEMMs of a 16k-token batch. The copy is a plain attribute,
-    never a buffer, so state dicts and checkpoints hold the fp32 masters only."""
+    Under bf16 autocast over fp32 masters the grouped GEMMs run on a bf16 copy of the weights instead of
+    casting 600M fp32 weights per call (about a third of the expert GEMMs of a 16k-token batch). A forward
+    that finds no copy casts per call and asks for one; the copy is then made, and after that rewritten in
+    place, by every optimizer step over the masters (a global post-step hook), by `load_state_dict` and by
+    `weight_copy` / `refresh_weight_copy`; `.to()` drops it. Other in-place writes to the masters must call
+    `refresh_weight_copy`. The forward checks no freshness, so a compiled block has no graph break and
+    guards only on the copy existing (one recompile when it appears). The copy is a plain attribute, never
+    a buffer, so state dicts and checkpoints hold the fp32 masters only."""
 
     def __init__(self, cfg: ModelConfig, backend: str) -> None:
         super().__init__()
@@ -154,29 +176,39 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(E, H, inter))
         self.backend = backend
         self._cast: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._cast_key: tuple | None = None
+        self._copy_dtype: torch.dtype | None = None  # asked for by a forward; made at the next refresh
+        self.register_load_state_dict_post_hook(_refresh_after_load)
+        _live_experts.add(self)
 
-    # Eager under torch.compile: the freshness check reads version counters and Python state that a
-    # compiled graph would otherwise guard on (recompiling every step).
-    @torch.compiler.disable
-    def cast_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """(gate_up_proj, down_proj) in `dtype`, without autograd history. The copy is refreshed when an
-        optimizer has stepped since it was made, or when either parameter was written in place through
-        autograd's view of it (load_state_dict, no_grad init: their version counters move) or replaced."""
+    @torch.no_grad()
+    def refresh_weight_copy(self) -> None:
+        """Make the copy a forward asked for, or rewrite the existing one from the masters in place (so that
+        a backward still holding the old copy fails autograd's version check)."""
         params = (self.gate_up_proj, self.down_proj)
-        key = (dtype, _optimizer_steps, *(p._version for p in params), *(p.data_ptr() for p in params))
-        if key != self._cast_key:
-            with torch.no_grad():
-                if self._cast is not None and all(
-                    c.shape == p.shape and c.dtype == dtype and c.device == p.device
-                    for c, p in zip(self._cast, params, strict=True)
-                ):
-                    for c, p in zip(self._cast, params, strict=True):
-                        c.copy_(p)  # in place: a graph still holding the old copy fails its version check
-                else:
-                    self._cast = tuple(p.detach().to(dtype, copy=True) for p in params)
-            self._cast_key = key
+        if self._cast is not None:
+            for c, p in zip(self._cast, params, strict=True):
+                c.copy_(p)
+        elif self._copy_dtype is not None:
+            self._cast = tuple(p.detach().to(self._copy_dtype, copy=True) for p in params)
+
+    def weight_copy(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up_proj, down_proj) in `dtype` without autograd history, made now if missing (eager callers:
+        tests, benches that take no optimizer step)."""
+        if self._cast is None or self._cast[0].dtype != dtype:
+            self._cast, self._copy_dtype = None, dtype
+            self.refresh_weight_copy()
         return self._cast
+
+    def _apply(self, fn, recurse=True):  # .to(), .cuda(), .half(): the copy would be on the old device/dtype
+        self._cast = None
+        return super()._apply(fn, recurse)
+
+    def __getstate__(self) -> dict:  # deepcopy / pickle: the copy is remade at the first refresh
+        return {**super().__getstate__(), "_cast": None}
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        _live_experts.add(self)
 
     def forward(self, x_sorted: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         # Autocast does not cover grouped GEMMs: run them in its dtype ourselves, else the fp32 residual
@@ -185,47 +217,20 @@ class Experts(nn.Module):
         if torch.is_autocast_enabled(dev):
             x_sorted = x_sorted.to(torch.get_autocast_dtype(dev))
         if self.backend == "grouped_mm" and self.gate_up_proj.dtype != x_sorted.dtype:
-            cast = self.cast_weights(x_sorted.dtype)
+            cast = self._cast
+            if cast is None or cast[0].dtype != x_sorted.dtype:
+                self._copy_dtype, cast = x_sorted.dtype, None  # grouped_mm_experts casts per call
             return grouped_mm_experts(x_sorted, offsets, self.gate_up_proj, self.down_proj, cast)
         return BACKENDS[self.backend](x_sorted, offsets, self.gate_up_proj, self.down_proj)
-
-
-class _Permute(torch.autograd.Function):
-    """rows = x[token_of_slot]; backward sums each token's k slot gradients without atomics."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, token_of_slot: torch.Tensor, sorted_pos: torch.Tensor, k: int):
-        ctx.save_for_backward(sorted_pos)
-        ctx.k = k
-        return x.index_select(0, token_of_slot)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        (sorted_pos,) = ctx.saved_tensors
-        # sorted_pos[s] = where slot s (= token * k + choice) sits in expert order.
-        g = grad.index_select(0, sorted_pos).view(-1, ctx.k, grad.shape[-1]).sum(1)
-        return g, None, None, None
-
-
-class _Unpermute(torch.autograd.Function):
-    """slots = y_sorted[sorted_pos] (a permutation); backward is the inverse gather."""
-
-    @staticmethod
-    def forward(ctx, y_sorted: torch.Tensor, sorted_pos: torch.Tensor, order: torch.Tensor):
-        ctx.save_for_backward(order)
-        return y_sorted.index_select(0, sorted_pos)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        (order,) = ctx.saved_tensors
-        return grad.index_select(0, order), None, None
 
 
 class MoE(nn.Module):
     """Shared experts + routed experts; records per-expert token counts while training."""
 
-    def __init__(self, cfg: ModelConfig, backend: str) -> None:
+    def __init__(self, cfg: ModelConfig, backend: str, permute: str = "auto") -> None:
         super().__init__()
+        self.permute = permute
+        """`auto | torch | triton`: how tokens are permuted to expert order and combined (trainer/model/permute.py)."""
         self.top_k = cfg.num_experts_per_tok
         self.num_experts = cfg.n_routed_experts
         self.gate = Router(cfg)
@@ -252,10 +257,10 @@ class MoE(nn.Module):
         offsets = torch.cumsum(counts, 0, dtype=torch.int32)
         # Permute in the compute dtype: the k copies of every token are the largest tensor of the layer.
         rows = flat.to(torch.get_autocast_dtype(x.device.type)) if torch.is_autocast_enabled(x.device.type) else flat
-        x_sorted = _Permute.apply(rows, order // k, sorted_pos, k)
+        impl = select_permute(self.permute, x.device)
+        x_sorted = permute(rows, sorted_pos, order, k, impl)
         y_sorted = self.experts(x_sorted, offsets)
-        y = _Unpermute.apply(y_sorted, sorted_pos, order).view(T, k, H)
-        out = (y.float() * weights.unsqueeze(-1)).sum(1).to(y.dtype)
+        out = combine(y_sorted, weights, sorted_pos, order, impl)
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
         if self.training:
