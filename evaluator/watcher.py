@@ -124,12 +124,14 @@ async def choose_mode(client: redis.asyncio.Redis, keys: Keys, timeout_s: float)
     deadline = time.monotonic() + timeout_s
     logged = False
     while True:
+        # Starting workers first, the eval pool second: a worker that registers between the two reads
+        # is then seen in the pool; in the other order it would be seen in neither.
+        starting = await starting_workers(client, keys)
         pinned = await live_workers(client, keys, keys.eval_workers)
         if pinned:
             log.info("evaluator.pin = auto: eval-pool worker(s) %s registered; pinning each version on one of them",
                      sorted(pinned))  # fmt: skip
             return "pin"
-        starting = await starting_workers(client, keys)
         if not starting:
             log.info("evaluator.pin = auto: no eval-pool worker (every vLLM worker is in the train pool); verifying "
                      "each version through the router")  # fmt: skip
