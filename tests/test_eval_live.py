@@ -211,12 +211,12 @@ async def test_pinned_evaluator_records_each_version_once_while_publishes_outpac
         async with WeightPublisher(r, run.keys, replace(cfg.rollout, keep_versions=50), run.run_dir) as pub:
             results = [await pub.publish(ours[0], other)]
             run.wait_for("evaluation of v0+1 under way", lambda: cached_for(cache, ours[0]) >= 2, evaluator, 120)
-            results.append(await pub.publish(ours[1], original))
+            # Three more versions back to back, while v0+1 is being measured on the eval worker. (How far
+            # the evaluation got by then depends on the machine's speed; what must hold whatever the timing
+            # is asserted below: one row per version, each measured on its own weights.)
+            for version, weights in zip(ours[1:], (original, other, original), strict=True):
+                results.append(await pub.publish(version, weights))
             async with aiohttp.ClientSession() as session:
-                pinned_at = await served_version(session, eval_url)
-                assert (ours[0], "arithmetic") not in evals(run), "v0+1 was evaluated before v0+2 was published"
-                for version, weights in zip(ours[2:], (other, original), strict=True):
-                    results.append(await pub.publish(version, weights))
                 train_at = {w: await served_version(session, rec["url"]) for w, rec in train.items()}
             assert evaluator.wait(timeout=300) == 0  # until_version = v0+4 reached
     finally:
@@ -225,8 +225,8 @@ async def test_pinned_evaluator_records_each_version_once_while_publishes_outpac
                 proc.send_signal(signal.SIGTERM)
                 proc.wait(timeout=60)
         await r.aclose()
-    # The eval worker stayed on v0+1 while the train worker(s) moved on with every publish, which never drove it.
-    assert pinned_at == str(ours[0]) and set(train_at.values()) == {str(ours[-1])}
+    # The train worker(s) moved on with every publish, which never drove the eval worker.
+    assert set(train_at.values()) == {str(ours[-1])}
     assert all(sorted(o.worker_id for o in res.workers) == sorted(train) and not res.evicted for res in results)
     assert {w: rec["weight_version"] for w, rec in run.workers().items()} == dict.fromkeys(train, ours[-1])
     rows = [v for v, bench in evals(run) if bench == "arithmetic"]
