@@ -25,6 +25,9 @@ from common.rendezvous import Rendezvous
 
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_READY_TIMEOUT_S = 300.0
+# Long enough that requests of nearly this many tokens stay in flight across a weight publish even
+# on an idle machine (the pause tests of test_rollout_vllm.py rely on it).
+MAX_MODEL_LEN = 2048
 
 
 @dataclass
@@ -110,8 +113,8 @@ def _vllm_run(base: Path, exp: str, arch: str, router: bool) -> Iterator[VllmRun
         f'[run]\nname = "{exp}"\ndir = "{base / "run"}"\n'
         "[rendezvous]\nheartbeat_period_s = 0.5\nheartbeat_ttl_s = 2.0\n"
         "[router]\nhealth_interval_s = 0.5\n"
-        f'[rollout]\nmodel = "{model}"\ndtype = "float32"\nmax_model_len = 512\nstartup_timeout_s = 280\n'
-        f'[trainer.model]\narch = "{arch}"\n{extra}'
+        f'[rollout]\nmodel = "{model}"\ndtype = "float32"\nmax_model_len = {MAX_MODEL_LEN}\nstartup_timeout_s = 280\n'
+        f'[trainer.model]\narch = "{arch}"\nmax_seq_len = {MAX_MODEL_LEN}\n{extra}'
     )
     cfg = load_config(config)
     run_dir = base / "run"

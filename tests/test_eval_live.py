@@ -24,6 +24,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 import torch
+from conftest import MAX_MODEL_LEN
 
 from common.config import load_config
 from common.metrics import read_metrics
@@ -65,7 +66,7 @@ async def test_all_benchmarks_run_end_to_end_through_the_router_against_vllm(dee
             backend = Backend(session, run.router_url(), "policy")
             served = await backend.describe()
             counter = await backend.choose_counter()
-            assert served.max_model_len == 512 and "tokenizer at" in repr(counter)
+            assert served.max_model_len == MAX_MODEL_LEN and "tokenizer at" in repr(counter)
             probe = FleetProbe(r, run.keys, session)
             snap = await probe.read()
             assert snap.settled

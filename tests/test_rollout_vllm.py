@@ -19,6 +19,7 @@ import aiohttp
 import psutil
 import pytest
 import torch
+from conftest import MAX_MODEL_LEN
 
 from common.config import load_config
 from rollout.client import RolloutClient
@@ -29,6 +30,8 @@ pytestmark = [pytest.mark.slow]
 # "<|user|>what is 12+7? solve\n<|assistant|>" in the tiny tokenizer
 PROMPT = [5, 90, 80, 91, 80, 8, 9, 17, 14, 84, 80, 97, 81, 6]
 LOGPROB_TOL = 1e-4
+# Requests this long stay in flight across a publish (the fixture's max_model_len leaves room for the prompt).
+LONG = MAX_MODEL_LEN - 64
 
 
 def model_dir(run) -> Path:
@@ -201,22 +204,22 @@ async def _in_flight_publish(run, mode: str, max_tokens: int):
 
 @pytest.mark.timeout(400)
 async def test_keep_mode_pause_completes_all_in_flight_requests_across_the_version_switch(deepseek_run):
-    samples, old, new, result = await _in_flight_publish(deepseek_run, "keep", max_tokens=480)
+    samples, old, new, result = await _in_flight_publish(deepseek_run, "keep", max_tokens=LONG)
     assert len(samples) == 8
     for s in samples:
-        assert s.finish_reason == "length" and len(s.token_ids) == 480
+        assert s.finish_reason == "length" and len(s.token_ids) == LONG
         switch = s.versions.index(new)
-        assert switch > 0 and s.versions == [old] * switch + [new] * (480 - switch)
+        assert switch > 0 and s.versions == [old] * switch + [new] * (LONG - switch)
     print(f"keep-mode publish with 8 in flight: pause window {result.max_pause_s * 1e3:.1f} ms")
 
 
 @pytest.mark.timeout(400)
 async def test_abort_mode_pause_returns_partial_results_marked_aborted(deepseek_run):
-    samples, old, _, _ = await _in_flight_publish(deepseek_run, "abort", max_tokens=480)
+    samples, old, _, _ = await _in_flight_publish(deepseek_run, "abort", max_tokens=LONG)
     assert len(samples) == 8
     for s in samples:
         assert s.aborted and s.finish_reason == "abort"
-        assert 0 < len(s.token_ids) < 480 and len(s.logprobs) == len(s.token_ids)
+        assert 0 < len(s.token_ids) < LONG and len(s.logprobs) == len(s.token_ids)
         assert set(s.versions) == {old}
 
 
