@@ -59,6 +59,9 @@ def _entry(rank: int, world: int, store: str, fn, args: tuple) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         fn(rank, world, *args)
+        # Every rank finishes before any tears its connections down: a gloo peer that vanishes while
+        # the other still holds the pair can abort it ("terminate called without an active exception").
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
