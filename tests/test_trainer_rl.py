@@ -65,3 +65,30 @@ def test_trainer_logprobs_of_rollout_tokens_match_vllm_behaviour_logprobs(deepse
     assert float(diff) < 1e-3, f"mean |trainer - vLLM| = {float(diff):.2e} nats (max {float(worst):.2e})"
     # The served weights are the kit's checkpoint (tests that publish put it back), whatever its label.
     assert all(v == served_version for s in samples for v in s.versions)
+
+
+@pytest.mark.timeout(60)
+def test_wait_for_eval_sees_results_before_and_during_the_wait_and_times_out(tmp_path):
+    import threading
+    import time
+
+    from common.keys import Keys
+    from common.rendezvous import Rendezvous
+    from trainer.report import held_out_scores, wait_for_eval
+
+    rz = Rendezvous(tmp_path / "meet")
+    try:
+        client, keys = rz.connect(), Keys("t-report")
+        client.xadd(keys.evals, {"version": 3, "benchmark": "arithmetic", "score": 0.5, "ts": 0})
+        assert wait_for_eval(client, keys, 3, "arithmetic", timeout_s=0)
+        assert wait_for_eval(client, keys, 2, "arithmetic", timeout_s=0)  # a newer version answers too
+        start = time.monotonic()
+        assert not wait_for_eval(client, keys, 5, "arithmetic", timeout_s=0.5)
+        assert 0.4 < time.monotonic() - start < 3
+        later = threading.Timer(0.3, client.xadd, (keys.evals, {"version": 5, "benchmark": "arithmetic",
+                                                              "score": 0.75, "ts": 0}))  # fmt: skip
+        later.start()
+        assert wait_for_eval(client, keys, 5, "arithmetic", timeout_s=10)
+        assert held_out_scores(client, keys, "arithmetic") == {3: 0.5, 5: 0.75}
+    finally:
+        rz.close()

@@ -311,9 +311,12 @@ class RLTrainer:
             sums["fresh_logprob_mismatch"] = float(((proximal - behaviour).abs() * fresh_mask).sum() / fresh_mask.sum())
         return sums
 
+    def _hf_state(self) -> dict[str, torch.Tensor]:
+        """The policy's tensors in HF naming, on the CPU (what a publish writes)."""
+        return {name: t.detach().to("cpu") for name, t in hf_tensors(self.model)}
+
     def publish(self, version: int) -> None:
-        tensors = {name: t.detach().to("cpu") for name, t in hf_tensors(self.model)}
-        result = self._io(self.publisher.publish(version, tensors))
+        result = self._io(self.publisher.publish(version, self._hf_state()))
         self.metrics.log_many(version, {"weights/publish_s": result.total_s, "weights/max_pause_s": result.max_pause_s})
 
     def checkpoint(self, next_step: int, flow_state: dict[str, Any]) -> None:
@@ -341,11 +344,10 @@ class RLTrainer:
             log.info("resumed from %s at step %d", latest, self.state.step)
         else:
             self.warm_start()
-        published = self._io(current_version(self.ctx.async_redis(), self.ctx.keys))
+        published = self._io(current_version(self.publisher.client, self.ctx.keys))
         if published != self.state.step:
             # Version `step` is what the trainer holds; the workers must serve exactly it.
-            self._io(self.publisher.publish(self.state.step, {n: t.detach().to("cpu") for n, t in
-                                                              hf_tensors(self.model)}, force=True))  # fmt: skip
+            self._io(self.publisher.publish(self.state.step, self._hf_state(), force=True))
         policy = FlowPolicy.from_config(flow, num_prompts=len(self.task), max_steps=tc.steps)
         generator = _Generator(self.cfg, self.ctx, self.task, self.tokenizer)
         controller = self.controller = GenerationController.from_config(generator, flow, name="rollout")

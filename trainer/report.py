@@ -8,6 +8,7 @@ is the policy after step v - 1, so it is drawn at step v).
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,20 +39,26 @@ def held_out_scores(client: redis.Redis, keys: Keys, benchmark: str) -> dict[int
 
 
 def wait_for_eval(client: redis.Redis, keys: Keys, version: int, benchmark: str, timeout_s: float) -> bool:
-    """Block (on the stream, no polling) until `benchmark` has a result for `version`, or the timeout."""
-    if version in held_out_scores(client, keys, benchmark):
-        return True
-    last_id = "$"
-    remaining_ms = int(timeout_s * 1000)
-    while remaining_ms > 0:
-        block = min(remaining_ms, 1000)
-        got = client.xread({keys.evals: last_id}, block=block, count=100)
-        remaining_ms -= block
+    """Block (on the stream, no polling) until `benchmark` has a result for `version` or a newer one,
+    or the timeout. The blocking read continues from the last entry already seen, so a result that
+    lands between the first read and the blocking one is not missed."""
+
+    def answers(fields: dict[str, str]) -> bool:
+        return fields.get("benchmark") == benchmark and int(fields["version"]) >= version
+
+    last_id = "0-0"
+    for entry_id, fields in client.xrange(keys.evals):
+        if answers(fields):
+            return True
+        last_id = entry_id
+    deadline = time.monotonic() + timeout_s
+    while (left_ms := int((deadline - time.monotonic()) * 1000)) > 0:
+        got = client.xread({keys.evals: last_id}, block=min(left_ms, 1000), count=100)
         for _, entries in got or []:
             for entry_id, fields in entries:
-                last_id = entry_id
-                if fields.get("benchmark") == benchmark and int(fields["version"]) >= version:
+                if answers(fields):
                     return True
+                last_id = entry_id
     return False
 
 
