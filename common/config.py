@@ -164,6 +164,11 @@ class RolloutConfig:
     """Where published versions are written; empty means <run dir>/weights (use /dev/shm/... for speed)."""
     keep_versions: int = 2
     """Published version directories kept on disk; older ones are removed."""
+    weight_shard_mb: int = 32
+    """Size of the safetensors shards a published version is written as (MB; a bigger tensor gets its own)."""
+    stream_weights: bool = True
+    """Pause workers first and let them load each shard as soon as it is written (publish ~ max(write, load));
+    false writes the whole version before pausing them (the pause window is then the load alone)."""
     pause_mode: Literal["keep", "abort", "wait"] = "keep"
     """How in-flight requests are treated during a weight update (keep = partial rollout)."""
     pool: Literal["train", "eval"] = "train"
@@ -708,6 +713,7 @@ def validate(cfg: Config) -> None:
     _require(r.affinity_overload_factor >= 1.0, "router.affinity_overload_factor must be >= 1.0")
     ro = cfg.rollout
     _require(ro.keep_versions >= 1, f"rollout.keep_versions must be >= 1, got {ro.keep_versions}")
+    _require(ro.weight_shard_mb >= 1, f"rollout.weight_shard_mb must be >= 1 (MB), got {ro.weight_shard_mb}")
     _require(
         0 < ro.max_tokens < ro.max_model_len,
         f"rollout.max_tokens ({ro.max_tokens}) must be positive and below rollout.max_model_len ({ro.max_model_len})",

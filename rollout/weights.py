@@ -1,15 +1,21 @@
 """Versioned weight publishing, the trainer side of weight sync (DESIGN section 6).
 
 `WeightPublisher.publish(version, tensors)` exports the tensors in HF naming (fused expert tensors
-are split into one name per expert, which vLLM's loaders require), writes them to
-`<weight_dir>/v<N>/` atomically (a temporary directory renamed into place), then drives every live
-worker through vLLM's RL endpoints: /pause?mode=..., /start_weight_update, /update_weights,
-/finish_weight_update {weight_version}, /reset_prefix_cache, /resume. All workers are driven
-concurrently and every response is checked. A worker that fails is evicted (removed from the
+are split into one name per expert, which vLLM's loaders require), writes them as safetensors
+shards of `rollout.weight_shard_mb` to `<weight_dir>/v<N>/` atomically (a temporary directory
+renamed into place; layout in rollout/weight_files.py) and drives every live worker through vLLM's
+RL endpoints: /pause?mode=..., /start_weight_update, /update_weights, /finish_weight_update
+{weight_version}, /reset_prefix_cache, /resume. With `rollout.stream_weights` (the default) the
+workers are paused and loading while the version is written: each loads shard i as soon as it is
+whole, so a publish costs about max(write, load) instead of write + load, at the price of a pause
+window that includes the write. Otherwise the whole version is written first and the workers are
+paused only for the load. All workers are driven concurrently and every response is checked. A worker that fails is evicted (removed from the
 `workers` hash and its liveness key, so the router stops using it; the worker notices and exits to
 be restarted) and reported in the result and as an event. `weights:current` advances only after
 every live worker acknowledged the version; then the version is appended to `weights:log` and
-version directories older than the newest `keep_versions` are removed.
+version directories older than the newest `keep_versions` are removed. If writing fails, the
+version is not published and the temporary directory is removed; workers that were streaming it
+stop at the ABORTED marker, fail their update and are evicted (their weights are half-loaded).
 
 Transports: `file` (above; any machine that sees the weight dir) and `nccl` (`NcclTransport`,
 vLLM's trainer-side NCCL engine; GPUs only, needs vLLM's GPU build in the trainer process).
@@ -36,12 +42,15 @@ import torch
 from common.config import RolloutConfig
 from common.keys import Keys
 from common.roles import announce
+from rollout.weight_files import ABORT_MARKER, shard_name
 
 log = logging.getLogger(__name__)
 
 WEIGHTS_LOG_MAXLEN = 10_000
 # A weight update of a large model can take minutes; a stuck worker is still bounded by this.
 UPDATE_TIMEOUT_S = 600.0
+# How long a worker streaming a version waits for the publisher's next shard.
+SHARD_WAIT_S = 300.0
 _VERSION_DIR = re.compile(r"^v(\d+)$")
 # transformers keeps routed experts fused in memory: [E, 2I, H] gate|up and [E, H, I] down.
 _FUSED_GATE_UP = re.compile(r"^(.*\.experts)\.gate_up_proj$")
@@ -77,7 +86,11 @@ class PublishResult:
     export_s: float
     write_s: float
     drive_s: float
+    """From the start of the write to the last worker's acknowledgement (the write overlaps it when streamed)."""
     total_s: float
+    shards: int = 1
+    streamed: bool = False
+    """Workers loaded each shard as it was written (rollout.stream_weights) instead of after the whole version."""
     workers: list[WorkerOutcome] = field(default_factory=list)
 
     @property
@@ -94,13 +107,8 @@ class PublishResult:
 # ----------------------------------------------------------------------------------------------
 
 
-def hf_tensors(tensors: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
-    """HF-named tensors with one name per expert: fused transformers expert tensors are split.
-
-    `...experts.gate_up_proj` [E, 2I, H] becomes `...experts.{e}.gate_proj.weight` [I, H] and
-    `...experts.{e}.up_proj.weight` [I, H]; `...experts.down_proj` [E, H, I] becomes
-    `...experts.{e}.down_proj.weight`. Everything else passes through; all come out contiguous on CPU.
-    """
+def hf_views(tensors: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF-named tensors with one name per expert, as views (no copies); see `hf_tensors`."""
     for name, t in tensors.items():
         t = t.detach()
         if (m := _FUSED_GATE_UP.match(name)) and t.dim() == 3:
@@ -108,38 +116,113 @@ def hf_tensors(tensors: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch
                 raise PublishError(f"{name}: fused gate_up_proj of shape {tuple(t.shape)} has an odd middle dim")
             gate, up = t.chunk(2, dim=1)
             for e in range(t.shape[0]):
-                yield f"{m[1]}.{e}.gate_proj.weight", gate[e].contiguous().cpu()
-                yield f"{m[1]}.{e}.up_proj.weight", up[e].contiguous().cpu()
+                yield f"{m[1]}.{e}.gate_proj.weight", gate[e]
+                yield f"{m[1]}.{e}.up_proj.weight", up[e]
         elif (m := _FUSED_DOWN.match(name)) and t.dim() == 3:
             for e in range(t.shape[0]):
-                yield f"{m[1]}.{e}.down_proj.weight", t[e].contiguous().cpu()
+                yield f"{m[1]}.{e}.down_proj.weight", t[e]
         else:
-            yield name, t.contiguous().cpu()
+            yield name, t
 
 
-def write_version(root: Path, version: int, tensors: Mapping[str, torch.Tensor]) -> tuple[Path, int, float, float]:
-    """Write one version to root/v<N>/model.safetensors atomically; (dir, bytes, export_s, write_s)."""
-    from safetensors.torch import save_file
+def hf_tensors(tensors: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF-named tensors with one name per expert: fused transformers expert tensors are split.
 
-    t0 = time.perf_counter()
-    named = dict(hf_tensors(tensors))
-    if not named:
-        raise PublishError(f"publish({version}): no tensors given")
-    t1 = time.perf_counter()
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"v{version}"
-    if final.exists():
-        raise PublishError(f"publish({version}): {final} already exists; versions are immutable, publish {version + 1}")
-    tmp = root / f".v{version}.{os.getpid()}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    `...experts.gate_up_proj` [E, 2I, H] becomes `...experts.{e}.gate_proj.weight` [I, H] and
+    `...experts.{e}.up_proj.weight` [I, H]; `...experts.down_proj` [E, H, I] becomes
+    `...experts.{e}.down_proj.weight`. Everything else passes through; all come out contiguous on CPU.
+    """
+    for name, t in hf_views(tensors):
+        yield name, t.contiguous().cpu()
+
+
+def plan_shards(named: list[tuple[str, torch.Tensor]], shard_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
+    """Cut the tensors, in their order, into consecutive shards of at most `shard_bytes` each.
+
+    A tensor larger than `shard_bytes` gets a shard of its own. Keeping the model's order keeps a
+    layer's tensors together, so a worker can finish (and post-process) layers as shards arrive.
+    """
+    if shard_bytes < 1:
+        raise PublishError(f"shard size must be >= 1 byte, got {shard_bytes}")
+    shards: list[list[tuple[str, torch.Tensor]]] = []
+    size = 0
+    for name, t in named:
+        nbytes = t.numel() * t.element_size()
+        if not shards or (shards[-1] and size + nbytes > shard_bytes):
+            shards.append([])
+            size = 0
+        shards[-1].append((name, t))
+        size += nbytes
+    return shards
+
+
+class VersionWriter:
+    """Writes one version as safetensors shards (layout: rollout/weight_files.py), then moves it into place.
+
+    The shards go to a temporary directory `root/.v<N>.<pid>.tmp/`, each renamed into its final name
+    once whole, so workers can load shard i while shard i+1 is written (`write`). `commit` renames the
+    directory to `root/v<N>/`: readers of a committed version see all of it or none of it. A failed
+    write leaves the ABORTED marker for streaming readers; `discard` removes the directory.
+    """
+
+    def __init__(self, root: Path, version: int, tensors: Mapping[str, torch.Tensor], shard_bytes: int) -> None:
+        named = list(hf_views(tensors))
+        if not named:
+            raise PublishError(f"publish({version}): no tensors given")
+        self.version = version
+        self.final = root / f"v{version}"
+        if self.final.exists():
+            raise PublishError(
+                f"publish({version}): {self.final} already exists; versions are immutable, publish {version + 1}"
+            )
+        self.shards = plan_shards(named, shard_bytes)
+        self.bytes = sum(t.numel() * t.element_size() for _, t in named)
+        self.tmp = root / f".v{version}.{os.getpid()}.tmp"
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        self.tmp.mkdir(parents=True)
+        self.export_s = 0.0
+        self.write_s = 0.0
+
+    def write(self) -> None:
+        """Write every shard (blocking); on failure leave the ABORTED marker and raise."""
+        from safetensors.torch import save_file
+
+        t0 = time.perf_counter()
+        try:
+            for i, shard in enumerate(self.shards):
+                t1 = time.perf_counter()
+                tensors = {name: t.contiguous().cpu() for name, t in shard}
+                self.export_s += time.perf_counter() - t1
+                path = self.tmp / shard_name(i, len(self.shards))
+                partial = path.with_name(path.name + ".partial")
+                save_file(tensors, str(partial), metadata={"slipstream_version": str(self.version)})
+                os.rename(partial, path)  # a streaming reader sees the whole shard or nothing
+        except BaseException as exc:
+            with contextlib.suppress(OSError):
+                (self.tmp / ABORT_MARKER).write_text(f"{type(exc).__name__}: {exc}")
+            raise
+        finally:
+            self.write_s = time.perf_counter() - t0 - self.export_s
+
+    def commit(self) -> Path:
+        os.rename(self.tmp, self.final)
+        return self.final
+
+    def discard(self) -> None:
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def write_version(
+    root: Path, version: int, tensors: Mapping[str, torch.Tensor], shard_bytes: int = 64 << 20
+) -> tuple[Path, int, float, float]:
+    """Write one whole version to root/v<N>/ (atomically); (dir, bytes, export_s, write_s)."""
+    writer = VersionWriter(root, version, tensors, shard_bytes)
     try:
-        save_file(named, str(tmp / "model.safetensors"), metadata={"slipstream_version": str(version)})
-        os.rename(tmp, final)  # readers see the whole version or none of it
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    size = sum(t.numel() * t.element_size() for t in named.values())
-    return final, size, t1 - t0, time.perf_counter() - t1
+        writer.write()
+    except BaseException:
+        writer.discard()
+        raise
+    return writer.commit(), writer.bytes, writer.export_s, writer.write_s
 
 
 def prune_versions(root: Path, keep: int) -> list[Path]:
@@ -309,12 +392,25 @@ class WeightPublisher:
         mode = pause_mode or self.cfg.pause_mode
         if mode not in ("keep", "abort", "wait"):
             raise PublishError(f"pause mode {mode!r} is not one of keep, abort, wait")
-        location, size, export_s, write_s = await asyncio.to_thread(write_version, self.root, version, tensors)
-        t1 = time.perf_counter()
         workers = await live_workers(self.client, self.keys)
-        outcomes = await asyncio.gather(
-            *(self._drive(wid, url, version, str(location), mode) for wid, url in workers.items())
-        )
+        writer = await asyncio.to_thread(VersionWriter, self.root, version, tensors, self.cfg.weight_shard_mb << 20)
+        streamed = self.cfg.stream_weights and bool(workers)
+        t1 = time.perf_counter()
+        write = asyncio.create_task(asyncio.to_thread(writer.write))
+        if streamed:
+            # Workers pause and load shard i while shard i+1 is written.
+            info = {"path": str(writer.tmp), "shards": len(writer.shards), "wait_s": SHARD_WAIT_S}
+            outcomes = await asyncio.gather(*(self._drive(w, url, version, info, mode) for w, url in workers.items()))
+        try:
+            await write
+        except BaseException as exc:
+            writer.discard()
+            evicted = "; the workers that were loading it were evicted" if streamed else ""
+            raise PublishError(f"publish({version}): writing the version failed: {exc}{evicted}") from exc
+        location = str(writer.commit())
+        if not streamed:
+            info = {"path": location}
+            outcomes = await asyncio.gather(*(self._drive(w, url, version, info, mode) for w, url in workers.items()))
         drive_s = time.perf_counter() - t1
         # Every worker still live has acknowledged (failures were evicted above), so the version is current.
         await self.client.set(self.keys.weights_current, version)
@@ -324,22 +420,23 @@ class WeightPublisher:
             maxlen=WEIGHTS_LOG_MAXLEN,
             approximate=True,
         )
-        result = PublishResult(version, str(location), size, export_s, write_s, drive_s, time.perf_counter() - t0,
-                               list(outcomes))  # fmt: skip
+        result = PublishResult(version, location, writer.bytes, writer.export_s, writer.write_s, drive_s,
+                               time.perf_counter() - t0, len(writer.shards), streamed, list(outcomes))  # fmt: skip
         await announce(self.client, self.keys, "trainer", "version published", version=version,
                        workers=len(outcomes), evicted=[w.worker_id for w in result.evicted])  # fmt: skip
         for p in prune_versions(self.root, self.cfg.keep_versions):
             log.debug("removed old weight version %s", p)
         log.info(
             "published weight version %d (%.1f MB) to %d worker(s) in %.3fs (write %.3fs, max pause %.3fs)%s",
-            version, size / 1e6, len(outcomes) - len(result.evicted), result.total_s, write_s, result.max_pause_s,
+            version, writer.bytes / 1e6, len(outcomes) - len(result.evicted), result.total_s, writer.write_s,
+            result.max_pause_s,
             f"; EVICTED {[w.worker_id for w in result.evicted]}" if result.evicted else "",
         )  # fmt: skip
         return result
 
-    async def _drive(self, worker_id: str, url: str, version: int, location: str, mode: str) -> WorkerOutcome:
+    async def _drive(self, worker_id: str, url: str, version: int, info: dict[str, Any], mode: str) -> WorkerOutcome:
         try:
-            pause = await apply_version(self._sess(), url, version, location, mode)
+            pause = await apply_version(self._sess(), url, version, info["path"], mode, info)
         except WorkerError as exc:
             await evict(self.client, self.keys, worker_id, f"weight version {version}: {exc}")
             return WorkerOutcome(worker_id, url, False, error=str(exc))

@@ -46,7 +46,7 @@ def test_version_directories_are_written_whole_immutable_and_pruned_to_the_newes
     t = {"w": torch.randn(4, 4)}
     path, size, _, _ = write_version(tmp_path, 1, t)
     assert path == tmp_path / "v1" and size == 64
-    assert torch.equal(load_file(str(path / "model.safetensors"))["w"], t["w"])
+    assert torch.equal(load_file(str(path / "model-00000-of-00001.safetensors"))["w"], t["w"])
     assert [p.name for p in tmp_path.iterdir()] == ["v1"]  # no temporary directory left behind
     with pytest.raises(PublishError, match="already exists"):
         write_version(tmp_path, 1, t)

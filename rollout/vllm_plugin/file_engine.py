@@ -1,14 +1,21 @@
 """The `file` weight-transfer engine: applies a published weight version read from safetensors files.
 
-Update info is `{"path": DIR_OR_FILE}`; every `*.safetensors` file of a directory is read in name
-order and streamed, one tensor at a time, into `model.load_weights` inside vLLM's layer-wise reload
-(`initialize_layerwise_reload` on start, `finalize_layerwise_reload` on finish), so HF-named
-checkpoint tensors (one name per expert) are sharded, fused and post-processed exactly as at load.
-No process group or handshake is needed: trainer and workers only share the files.
+Update info is `{"path": DIR_OR_FILE}`: every `*.safetensors` file of a complete version directory
+is read in name order. With `{"path": DIR, "shards": K}` the version is still being written (the
+publisher streams it; layout in rollout/weight_files.py): shard i appears by an atomic rename once
+whole, so the engine loads shard i while the publisher writes shard i+1. It waits at most `wait_s`
+seconds for each shard and stops at once if the publisher leaves an `ABORTED` file (its write
+failed). Tensors are streamed, one at a time,
+into `model.load_weights` inside vLLM's layer-wise reload (`initialize_layerwise_reload` on start,
+`finalize_layerwise_reload` on finish), so HF-named checkpoint tensors (one name per expert) are
+sharded, fused and post-processed exactly as at load. No process group or handshake is needed:
+trainer and workers only share the files.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +28,10 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
+from rollout.weight_files import ABORT_MARKER, shard_name
+
+_POLL_S = 0.001
+
 
 @dataclass
 class FileInitInfo(WeightTransferInitInfo):
@@ -31,21 +42,48 @@ class FileInitInfo(WeightTransferInitInfo):
 class FileUpdateInfo(WeightTransferUpdateInfo):
     path: str
     """A safetensors file, or a directory whose *.safetensors files together hold the version."""
+    shards: int = 0
+    """When > 0, the version is being streamed into `path` as this many shards; wait for each."""
+    wait_s: float = 300.0
+    """How long to wait for each streamed shard before giving up."""
 
-    def files(self) -> list[Path]:
+    def files(self) -> Iterator[Path]:
+        """The version's files in load order; for a stream, each one once it is whole."""
         p = Path(self.path)
+        if self.shards > 0:
+            for i in range(self.shards):
+                yield self._wait_for(p / shard_name(i, self.shards), i)
+            return
         if p.is_file():
-            return [p]
+            yield p
+            return
         files = sorted(p.glob("*.safetensors")) if p.is_dir() else []
         if not files:
             raise FileNotFoundError(
                 f"file weight update: {self.path!r} is not a safetensors file nor a directory holding any; "
                 "is the weight dir shared with this worker (rollout.weight_dir)?"
             )
-        return files
+        yield from files
+
+    def _wait_for(self, shard: Path, index: int) -> Path:
+        deadline = time.monotonic() + self.wait_s
+        abort = shard.parent / ABORT_MARKER
+        while not shard.exists():
+            if abort.exists():
+                raise RuntimeError(
+                    f"file weight update: the publisher aborted the version streamed into {shard.parent}: "
+                    f"{abort.read_text()[:500]}"
+                )
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"file weight update: shard {index + 1} of {self.shards} ({shard}) did not appear within "
+                    f"{self.wait_s:.0f} s; did the publisher stop?"
+                )
+            time.sleep(_POLL_S)
+        return shard
 
 
-def _tensors(files: list[Path]):
+def _tensors(files: Iterator[Path]) -> Iterator[tuple[str, torch.Tensor]]:
     for f in files:
         with safe_open(str(f), framework="pt", device="cpu") as fh:
             for name in fh.keys():  # noqa: SIM118 - safe_open is not a mapping
@@ -67,11 +105,9 @@ class FileWeightTransferEngine(WeightTransferEngine[FileInitInfo, FileUpdateInfo
         initialize_layerwise_reload(self.model)
 
     def receive_weights(self, update_info: FileUpdateInfo) -> None:
-        files = update_info.files()
+        tensors = _tensors(update_info.files())
         if self.device.type != "cpu":
-            tensors = ((name, t.to(self.device, non_blocking=True)) for name, t in _tensors(files))
-        else:
-            tensors = _tensors(files)
+            tensors = ((name, t.to(self.device, non_blocking=True)) for name, t in tensors)
         self.model.load_weights(tensors)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
