@@ -42,6 +42,10 @@ class Keys:
         """TTL key of one worker of either pool; the worker counts as alive only while it exists."""
         return f"{self.prefix}worker:{worker_id}:alive"
 
+    def worker_sync(self, worker_id: str) -> str:
+        """Lock held by whoever is changing one worker's weights (a publisher, or the worker catching up)."""
+        return f"{self.prefix}worker:{worker_id}:sync"
+
     @property
     def weights_current(self) -> str:
         """The newest weight version every live worker acknowledged (integer)."""

@@ -37,6 +37,7 @@ from typing import Any
 
 import aiohttp
 import redis.asyncio
+import redis.exceptions
 import torch
 
 from common.config import RolloutConfig
@@ -324,6 +325,13 @@ async def evict(
     log.error("evicted worker %s: %s", worker_id, reason)
 
 
+def weight_lock(client: redis.asyncio.Redis, keys: Keys, worker_id: str):
+    """The lock around any change of one worker's weights: a publisher driving it and the worker catching
+    up by itself never interleave their pause/update/resume calls on the same vLLM server. It expires
+    after UPDATE_TIMEOUT_S if its holder dies; waiting for it is bounded the same way."""
+    return client.lock(keys.worker_sync(worker_id), timeout=UPDATE_TIMEOUT_S, blocking_timeout=UPDATE_TIMEOUT_S)
+
+
 async def set_worker_version(client: redis.asyncio.Redis, registry: str, worker_id: str, version: int) -> None:
     """Record in the pool's hash `registry` that the worker now serves `version` (a missing entry stays missing)."""
     import json
@@ -436,11 +444,12 @@ class WeightPublisher:
 
     async def _drive(self, worker_id: str, url: str, version: int, info: dict[str, Any], mode: str) -> WorkerOutcome:
         try:
-            pause = await apply_version(self._sess(), url, version, info["path"], mode, info)
-        except WorkerError as exc:
+            async with weight_lock(self.client, self.keys, worker_id):
+                pause = await apply_version(self._sess(), url, version, info["path"], mode, info)
+                await set_worker_version(self.client, self.keys.workers, worker_id, version)
+        except (WorkerError, redis.exceptions.LockError) as exc:
             await evict(self.client, self.keys, worker_id, f"weight version {version}: {exc}")
             return WorkerOutcome(worker_id, url, False, error=str(exc))
-        await set_worker_version(self.client, self.keys.workers, worker_id, version)
         return WorkerOutcome(worker_id, url, True, pause_window_s=pause)
 
 

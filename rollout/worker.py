@@ -9,7 +9,8 @@ succeeds (some bad configs pass /health and crash on the first request). A worke
 registers in the `workers` hash and heartbeats `worker_alive(id)`. While serving it watches three
 things: vLLM exiting (the role exits non-zero), its registry entry vanishing (a publisher evicted it:
 exit non-zero so it is restarted, never left on old weights), and `weights:current` moving past its
-own version without it (a publish that raced its registration: it catches up itself). A worker of
+own version without it (a publish that raced its registration: it catches up itself, under the
+same per-worker lock publishers take, so the two never interleave). A worker of
 the eval pool registers in `eval_workers` instead, which neither the router nor the publisher
 reads, and never follows `weights:current`: the evaluator loads the version it measures into it
 (evaluator/watcher.py). On SIGTERM it deregisters and stops vLLM's whole process group (SIGTERM,
@@ -38,7 +39,14 @@ from common.rendezvous import Heartbeat
 from common.roles import RunContext, announce
 from rollout.tinykit import TINY_MODELS, resolve_model
 from rollout.vllm_plugin import FILE_BACKEND
-from rollout.weights import WorkerError, apply_version, current_version, label_version
+from rollout.weights import (
+    WorkerError,
+    apply_version,
+    current_version,
+    label_version,
+    set_worker_version,
+    weight_lock,
+)
 
 log = logging.getLogger(__name__)
 
@@ -285,6 +293,25 @@ async def catch_up(ctx: RunContext, client, session: aiohttp.ClientSession, url:
     return current
 
 
+async def follow_current(ctx: RunContext, client, session: aiohttp.ClientSession, worker_id: str, url: str) -> int:
+    """Catch a registered train-pool worker up to weights:current; the version it serves afterwards.
+
+    Runs under the worker's weight lock, the one publishers take to drive it, and re-reads the
+    worker's own version under it: a publish that drove the worker in the meantime is not undone,
+    and the two never interleave their calls on the server.
+    """
+    async with weight_lock(client, ctx.keys, worker_id):
+        raw = await client.hget(ctx.keys.workers, worker_id)
+        if raw is None:
+            return -1  # evicted meanwhile: the serve loop exits on its next look
+        have = WorkerRecord.from_json(raw).weight_version
+        version = await catch_up(ctx, client, session, url, have)
+        if version != have:
+            await set_worker_version(client, ctx.keys.workers, worker_id, version)
+            log.info("worker %s caught up to weight version %d", worker_id, version)
+        return version
+
+
 async def _location_of(client, ctx: RunContext, version: int) -> str:
     for _id, fields in await client.xrevrange(ctx.keys.weights_log, count=1000):
         if int(fields["version"]) == version:
@@ -366,14 +393,10 @@ async def _serve(
                 return EXIT_EVICTED
             if registry != ctx.keys.workers:
                 continue  # an eval worker's version is the evaluator's to set
-            seen = WorkerRecord.from_json(raw)
             current = await current_version(client, ctx.keys)
-            if current is not None and current > seen.weight_version:
+            if current is not None and current > WorkerRecord.from_json(raw).weight_version:
                 # A publish finished without driving us (it started before we registered).
-                version = await catch_up(ctx, client, session, record.url, seen.weight_version)
-                seen.weight_version = version
-                await client.hset(registry, worker_id, seen.to_json())
-                log.info("worker %s caught up to weight version %d", worker_id, version)
+                await follow_current(ctx, client, session, worker_id, record.url)
     finally:
         if not died.done():
             died.cancel()

@@ -5,9 +5,11 @@ nccl transport's refusal to run without CUDA."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
+import aiohttp
 import pytest
 import torch
 from aiohttp import web
@@ -127,3 +129,58 @@ async def test_a_failing_worker_is_evicted_and_the_version_advances_over_the_one
         await bad.cleanup()
         await r.aclose()
         rz.close()
+
+
+@pytest.mark.timeout(60)
+async def test_a_publish_waits_for_a_worker_catching_up_by_itself_and_their_calls_never_interleave(tmp_path: Path):
+    """The worker side is the real `follow_current`; the vLLM server is a small app that records calls and
+    takes 0.3 s per update, so unlocked drivers would interleave."""
+    from types import SimpleNamespace
+
+    from common.config import Config
+    from rollout.worker import follow_current
+
+    calls: list[str] = []
+
+    async def handle(request: web.Request) -> web.Response:
+        if request.path == "/update_weights":
+            calls.append(f"update {Path((await request.json())['update_info']['path']).name}")
+            await asyncio.sleep(0.3)
+        else:
+            calls.append(request.path)
+        return web.json_response({"ok": True})
+
+    app = web.Application()
+    app.router.add_route("POST", "/{tail:.*}", handle)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    rz = Rendezvous(tmp_path / "meet", RendezvousConfig())
+    rz.connect(timeout_s=10)
+    keys = Keys("wl")
+    r = rz.async_client()
+    try:
+        url = _url(runner)
+        await r.hset(keys.workers, "w", json.dumps({"url": url, "model": "policy", "weight_version": 0,
+                                                    "started_at": 0.0}))  # fmt: skip
+        await r.set(keys.worker_alive("w"), "1", ex=30)
+        # Version 1 was published before the worker registered: it is behind and catches up by itself.
+        path, *_ = write_version(tmp_path / "weights", 1, {"w": torch.zeros(2)})
+        await r.set(keys.weights_current, 1)
+        await r.xadd(keys.weights_log, {"version": 1, "backend": "file", "location": str(path), "ts": "0"})
+        ctx = SimpleNamespace(keys=keys, cfg=Config())
+        async with aiohttp.ClientSession() as session, WeightPublisher(r, keys, RolloutConfig(), tmp_path) as pub:
+            follow = asyncio.create_task(follow_current(ctx, r, session, "w", url))
+            await asyncio.sleep(0.1)  # the worker holds its weight lock and is updating
+            result = await pub.publish(2, {"w": torch.ones(2)})
+            assert await follow == 1
+        record = json.loads(await r.hget(keys.workers, "w"))
+    finally:
+        await runner.cleanup()
+        await r.aclose()
+        rz.close()
+    one = ["/pause", "/start_weight_update", "update", "/finish_weight_update", "/reset_prefix_cache", "/resume"]
+    # The catch-up to v1 runs whole, then the publisher's v2 (streamed from its temporary directory).
+    assert [c.split(" ")[0] for c in calls] == one + one, calls
+    assert calls[2] == "update v1" and calls[8].startswith("update .v2."), calls
+    assert not result.evicted and record["weight_version"] == 2
