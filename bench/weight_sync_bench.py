@@ -118,10 +118,11 @@ async def bench_size(name: str, overrides: dict, repeats: int, shard_mb: int, vl
                 res = await pub.publish(version, perturbed if version % 2 else original)
                 assert not res.evicted, res.evicted
                 assert res.streamed == modes[m]
-                rows[m].append((res.total_s, res.max_pause_s, res.write_s))
+                rows[m].append((res.total_s, res.max_pause_s, res.write_s, res.max_load_s))
                 print(
                     f"{name} {m:8s} floor {floors[-1][0]:.3f}+{floors[-1][1]:.3f}  publish {res.total_s:.3f} "
-                    f"write {res.write_s:.3f} drive {res.drive_s:.3f} pause {res.max_pause_s:.3f}",
+                    f"write {res.write_s:.3f} drive {res.drive_s:.3f} pause {res.max_pause_s:.3f} "
+                    f"load {res.max_load_s:.3f}",
                     flush=True,
                 )
         for pub in pubs.values():
@@ -129,8 +130,9 @@ async def bench_size(name: str, overrides: dict, repeats: int, shard_mb: int, vl
         w, rd = (statistics.median(col) for col in zip(*floors, strict=True))
         out = {"size": name, "mb": size / 1e6, "floor_write_s": w, "floor_read_s": rd}
         for m, got in rows.items():
-            total, pause, write = (statistics.median(col) for col in zip(*got, strict=True))
-            out[m] = {"publish_s": total, "pause_s": pause, "write_s": write, "overhead": (total - (w + rd)) / (w + rd)}
+            total, pause, write, load = (statistics.median(col) for col in zip(*got, strict=True))
+            out[m] = {"publish_s": total, "pause_s": pause, "write_s": write, "load_s": load,
+                      "overhead": (total - (w + rd)) / (w + rd)}  # fmt: skip
         return out
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -142,15 +144,15 @@ async def bench_size(name: str, overrides: dict, repeats: int, shard_mb: int, vl
 def table(results: list[dict]) -> str:
     lines = [
         "| size | tensors (MB) | floor write (s) | floor read (s) | streamed publish (s) | pause (s) | overhead | "
-        "whole publish (s) | pause (s) | overhead |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "whole publish (s) | pause (s) | of which vLLM load (s) | overhead |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for x in results:
         st, wh = x["streamed"], x["whole"]
         lines.append(
             f"| {x['size']} | {x['mb']:.1f} | {x['floor_write_s']:.3f} | {x['floor_read_s']:.3f} | "
             f"{st['publish_s']:.3f} | {st['pause_s']:.3f} | {st['overhead'] * 100:+.0f}% | "
-            f"{wh['publish_s']:.3f} | {wh['pause_s']:.3f} | {wh['overhead'] * 100:+.0f}% |"
+            f"{wh['publish_s']:.3f} | {wh['pause_s']:.3f} | {wh['load_s']:.3f} | {wh['overhead'] * 100:+.0f}% |"
         )
     return "\n".join(lines)
 
@@ -189,7 +191,8 @@ def main() -> int:
             f"{args.repeats} rounds of: floor, streamed publish, whole publish (medians). Floor = writing the bytes "
             "once as one safetensors file plus reading them once into existing memory. Streamed = workers load "
             "shard i while shard i+1 is written (rollout.stream_weights = true); whole = write everything, then "
-            "pause and load. Overhead = publish / floor - 1 (target <= +20%).\n\n"
+            "pause and load; vLLM load = its /update_weights call (reading the shards into the model, including "
+            "vLLM's CPU expert pre-packing). Overhead = publish / floor - 1 (target <= +20%).\n\n"
             f"{text}\n\nRatios (publish / floor): {ratios}\n"
         )
         path = ROOT / "bench" / "RESULTS.md"

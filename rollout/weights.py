@@ -74,6 +74,8 @@ class WorkerOutcome:
     url: str
     ok: bool
     pause_window_s: float = 0.0
+    load_s: float = 0.0
+    """The /update_weights call: reading and loading the tensors (and, when streamed, waiting for the write)."""
     error: str = ""
 
 
@@ -101,6 +103,10 @@ class PublishResult:
     @property
     def max_pause_s(self) -> float:
         return max((w.pause_window_s for w in self.workers if w.ok), default=0.0)
+
+    @property
+    def max_load_s(self) -> float:
+        return max((w.load_s for w in self.workers if w.ok), default=0.0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -263,26 +269,36 @@ async def apply_version(
     location: str,
     pause_mode: str,
     update_info: Mapping[str, Any] | None = None,
+    timings: dict[str, float] | None = None,
 ) -> float:
     """Drive one worker through a whole update to `version`; the pause window in seconds.
+
+    `timings`, when given, receives the seconds each call took, by route name.
 
     On any failure the worker is resumed if possible (so it does not hang requests) and WorkerError
     is raised; the caller must evict it, since its weights may be half-updated.
     """
     info = dict(update_info) if update_info is not None else {"path": location}
-    await _call(session, "POST", f"{url}/pause?mode={pause_mode}")
+    took = {} if timings is None else timings
+
+    async def call(route: str, json: Any = None) -> None:
+        t0 = time.perf_counter()
+        await _call(session, "POST", f"{url}/{route}", json)
+        took[route.split("?")[0]] = time.perf_counter() - t0
+
+    await call(f"pause?mode={pause_mode}")
     paused_at = time.perf_counter()
     try:
-        await _call(session, "POST", f"{url}/start_weight_update")
-        await _call(session, "POST", f"{url}/update_weights", {"update_info": info})
-        await _call(session, "POST", f"{url}/finish_weight_update", {"weight_version": str(version)})
+        await call("start_weight_update")
+        await call("update_weights", {"update_info": info})
+        await call("finish_weight_update", {"weight_version": str(version)})
         # A prefix cached under the old weights would be reused for new requests (10 nats off).
-        await _call(session, "POST", f"{url}/reset_prefix_cache")
+        await call("reset_prefix_cache")
     except WorkerError:
         with contextlib.suppress(WorkerError):
             await _call(session, "POST", f"{url}/resume")
         raise
-    await _call(session, "POST", f"{url}/resume")
+    await call("resume")
     return time.perf_counter() - paused_at
 
 
@@ -443,14 +459,15 @@ class WeightPublisher:
         return result
 
     async def _drive(self, worker_id: str, url: str, version: int, info: dict[str, Any], mode: str) -> WorkerOutcome:
+        took: dict[str, float] = {}
         try:
             async with weight_lock(self.client, self.keys, worker_id):
-                pause = await apply_version(self._sess(), url, version, info["path"], mode, info)
+                pause = await apply_version(self._sess(), url, version, info["path"], mode, info, took)
                 await set_worker_version(self.client, self.keys.workers, worker_id, version)
         except (WorkerError, redis.exceptions.LockError) as exc:
             await evict(self.client, self.keys, worker_id, f"weight version {version}: {exc}")
             return WorkerOutcome(worker_id, url, False, error=str(exc))
-        return WorkerOutcome(worker_id, url, True, pause_window_s=pause)
+        return WorkerOutcome(worker_id, url, True, pause_window_s=pause, load_s=took["update_weights"])
 
 
 # ----------------------------------------------------------------------------------------------

@@ -317,7 +317,8 @@ class RLTrainer:
 
     def publish(self, version: int) -> None:
         result = self._io(self.publisher.publish(version, self._hf_state()))
-        self.metrics.log_many(version, {"weights/publish_s": result.total_s, "weights/max_pause_s": result.max_pause_s})
+        self.metrics.log_many(version, {"weights/publish_s": result.total_s, "weights/max_pause_s": result.max_pause_s,
+                                        "weights/write_s": result.write_s, "weights/max_load_s": result.max_load_s})  # fmt: skip
 
     def checkpoint(self, next_step: int, flow_state: dict[str, Any]) -> None:
         interval = self.cfg.trainer.checkpoint.interval_steps
