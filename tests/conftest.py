@@ -1,4 +1,5 @@
-"""Shared fixtures. vLLM servers are expensive (30-60 s and 2 GiB each on CPU), so each tiny
+"""Shared fixtures: `redis_client` (an async client of a fresh experiment Redis under the test's tmp
+dir). vLLM servers are expensive (30-60 s and 2 GiB each on CPU), so each tiny
 architecture gets ONE session-scoped run (Redis, a worker role process serving vLLM, and for
 DeepSeek a router role process) that every slow rollout test reuses. Tests that change the served
 weights publish the original weights back before they end, so the order of tests does not matter.
@@ -145,3 +146,14 @@ def deepseek_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmRun]:
 def qwen3_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmRun]:
     """The shared Qwen3-MoE run: Redis and one worker serving tiny-qwen3 in fp32 (no router)."""
     yield from _vllm_run(tmp_path_factory.mktemp("qwen3"), "qw", "qwen3_moe", router=False)
+
+
+@pytest.fixture
+async def redis_client(tmp_path: Path):
+    """An async client of a real Redis elected in this test's own meet dir (stopped afterwards)."""
+    rz = Rendezvous(tmp_path / "meet", RendezvousConfig())
+    rz.connect(timeout_s=10)
+    client = rz.async_client()
+    yield client
+    await client.aclose()
+    rz.close()

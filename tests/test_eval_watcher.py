@@ -13,20 +13,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from common.config import RendezvousConfig
 from common.keys import Keys
-from common.rendezvous import Rendezvous
 from evaluator.watcher import EvaluatorError, FleetProbe, PinWatcher, choose_mode, starting_workers, wait_for_router
-
-
-@pytest.fixture
-async def redis_client(tmp_path):
-    rz = Rendezvous(tmp_path / "meet", RendezvousConfig())
-    rz.connect(timeout_s=10)
-    client = rz.async_client()
-    yield client
-    await client.aclose()
-    rz.close()
 
 
 @pytest.mark.timeout(30)

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 from aiohttp import web
+from rl_routes import register, start_app
 
-from common.config import RendezvousConfig, RolloutConfig
+from common.config import RolloutConfig
 from common.keys import Keys
-from common.rendezvous import Rendezvous
 from rollout.vllm_plugin.file_engine import FileUpdateInfo, _tensors
 from rollout.weight_files import ABORT_MARKER, shard_name
 from rollout.weights import PublishError, VersionWriter, WeightPublisher, plan_shards
@@ -73,7 +73,7 @@ def test_the_reader_stops_on_the_abort_marker_and_on_a_shard_that_never_comes(tm
     assert time.monotonic() - t0 < 5
 
 
-async def _reading_worker(updates: list[dict], got: dict[str, torch.Tensor]) -> web.AppRunner:
+async def _reading_worker(updates: list[dict], got: dict[str, torch.Tensor]) -> tuple[web.AppRunner, str]:
     """A worker that answers the RL routes and, on /update_weights, reads the version with the real reader."""
 
     async def handle(request: web.Request) -> web.Response:
@@ -91,39 +91,17 @@ async def _reading_worker(updates: list[dict], got: dict[str, torch.Tensor]) -> 
                 return web.json_response({"error": str(exc)}, status=500)
         return web.json_response({"ok": True})
 
-    app = web.Application()
-    app.router.add_route("POST", "/{tail:.*}", handle)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    return runner
-
-
-@pytest.fixture
-async def redis_pool(tmp_path: Path):
-    rz = Rendezvous(tmp_path / "meet", RendezvousConfig())
-    rz.connect(timeout_s=10)
-    r = rz.async_client()
-    yield r
-    await r.aclose()
-    rz.close()
-
-
-async def _register(r, keys: Keys, runner: web.AppRunner) -> None:
-    host, port = runner.addresses[0][:2]
-    await r.hset(keys.workers, "w1", json.dumps({"url": f"http://{host}:{port}", "model": "policy",
-                                                 "weight_version": 0, "started_at": 0.0}))  # fmt: skip
-    await r.set(keys.worker_alive("w1"), "1", ex=30)
+    return await start_app(handle)
 
 
 @pytest.mark.timeout(60)
-async def test_a_streamed_publish_is_loaded_shard_by_shard_and_committed_whole(tmp_path: Path, redis_pool):
+async def test_a_streamed_publish_is_loaded_shard_by_shard_and_committed_whole(tmp_path: Path, redis_client):
     keys, updates, got = Keys("ws"), [], {}
-    runner = await _reading_worker(updates, got)
+    runner, url = await _reading_worker(updates, got)
     tensors = {f"model.layers.{i}.w": mb_tensor(0.75, float(i)) for i in range(4)}
     try:
-        await _register(redis_pool, keys, runner)
-        async with WeightPublisher(redis_pool, keys, RolloutConfig(weight_shard_mb=1), tmp_path) as pub:
+        await register(redis_client, keys, "w1", url)
+        async with WeightPublisher(redis_client, keys, RolloutConfig(weight_shard_mb=1), tmp_path) as pub:
             result = await pub.publish(1, tensors)
     finally:
         await runner.cleanup()
@@ -131,13 +109,13 @@ async def test_a_streamed_publish_is_loaded_shard_by_shard_and_committed_whole(t
     (info,) = updates
     assert info["shards"] == 4 and info["path"] != result.location  # read from the directory being written
     assert all(torch.equal(got[k], v) for k, v in tensors.items()) and len(got) == 4
-    assert result.location == str(tmp_path / "weights" / "v1") and await redis_pool.get(keys.weights_current) == "1"
+    assert result.location == str(tmp_path / "weights" / "v1") and await redis_client.get(keys.weights_current) == "1"
     assert [p.name for p in (tmp_path / "weights").iterdir()] == ["v1"]
 
 
 @pytest.mark.timeout(60)
 async def test_a_write_failing_mid_stream_publishes_nothing_evicts_the_loading_worker_and_leaves_no_files(
-    tmp_path: Path, redis_pool, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, redis_client, monkeypatch: pytest.MonkeyPatch
 ):
     import safetensors.torch
 
@@ -152,19 +130,19 @@ async def test_a_write_failing_mid_stream_publishes_nothing_evicts_the_loading_w
 
     monkeypatch.setattr(safetensors.torch, "save_file", failing_save)
     keys, updates, got = Keys("wf"), [], {}
-    runner = await _reading_worker(updates, got)
+    runner, url = await _reading_worker(updates, got)
     tensors = {f"model.layers.{i}.w": mb_tensor(0.75, float(i)) for i in range(4)}
     try:
-        await _register(redis_pool, keys, runner)
-        async with WeightPublisher(redis_pool, keys, RolloutConfig(weight_shard_mb=1), tmp_path) as pub:
+        await register(redis_client, keys, "w1", url)
+        async with WeightPublisher(redis_client, keys, RolloutConfig(weight_shard_mb=1), tmp_path) as pub:
             with pytest.raises(PublishError, match="writing the version failed.*No space left.*evicted"):
                 await pub.publish(1, tensors)
     finally:
         await runner.cleanup()
     assert len(updates) == 1 and sorted(got) == ["model.layers.0.w", "model.layers.1.w"]  # it had started loading
-    assert await redis_pool.hkeys(keys.workers) == [] and await redis_pool.get(keys.weights_current) is None
+    assert await redis_client.hkeys(keys.workers) == [] and await redis_client.get(keys.weights_current) is None
     events = [
-        json.loads(f["detail"]) for _, f in await redis_pool.xrange(keys.events) if f["event"] == "worker evicted"
+        json.loads(f["detail"]) for _, f in await redis_client.xrange(keys.events) if f["event"] == "worker evicted"
     ]
     assert [e["worker"] for e in events] == ["w1"] and "aborted" in events[0]["reason"]
     assert list((tmp_path / "weights").iterdir()) == []

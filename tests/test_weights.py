@@ -1,7 +1,8 @@
 """The trainer side of weight sync without vLLM: HF export with one name per expert, atomic and
 immutable version directories, pruning to the newest K, a publisher that evicts a worker whose
-update fails (and still advances `weights:current` over the workers that acknowledged), and the
-nccl transport's refusal to run without CUDA."""
+update fails (and still advances `weights:current` over the workers that acknowledged), a publisher
+and a worker catching up by itself taking turns on the worker's weight lock, and the nccl
+transport's refusal to run without CUDA. Workers are small aiohttp apps (tests/rl_routes.py)."""
 
 from __future__ import annotations
 
@@ -13,11 +14,11 @@ import aiohttp
 import pytest
 import torch
 from aiohttp import web
+from rl_routes import register, start_app
 from safetensors.torch import load_file
 
-from common.config import RendezvousConfig, RolloutConfig
+from common.config import RolloutConfig
 from common.keys import Keys
-from common.rendezvous import Rendezvous
 from rollout.weights import (
     NcclTransport,
     PublishError,
@@ -68,44 +69,31 @@ def test_nccl_transport_without_cuda_says_to_use_the_file_backend():
         NcclTransport([], "127.0.0.1", 29500)
 
 
-async def _fake_worker(fail_on: str | None, calls: list[str]) -> web.AppRunner:
+async def _fake_worker(fail_on: str | None, calls: list[str]) -> tuple[web.AppRunner, str]:
     async def handle(request: web.Request) -> web.Response:
         calls.append(request.path + (f"?{request.query_string}" if request.query_string else ""))
         if request.path == fail_on:
             return web.json_response({"error": "boom"}, status=500)
         return web.json_response({"ok": True})
 
-    app = web.Application()
-    app.router.add_route("POST", "/{tail:.*}", handle)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    return runner
-
-
-def _url(runner: web.AppRunner) -> str:
-    host, port = runner.addresses[0][:2]
-    return f"http://{host}:{port}"
+    return await start_app(handle)
 
 
 @pytest.mark.timeout(60)
-async def test_a_failing_worker_is_evicted_and_the_version_advances_over_the_ones_that_acknowledged(tmp_path: Path):
-    rz = Rendezvous(tmp_path / "meet", RendezvousConfig())
-    rz.connect(timeout_s=10)
+async def test_a_failing_worker_is_evicted_and_the_version_advances_over_the_ones_that_acknowledged(
+    tmp_path: Path, redis_client
+):
+    r = redis_client
     keys = Keys("wt")
-    r = rz.async_client()
     good_calls: list[str] = []
     bad_calls: list[str] = []
-    good = await _fake_worker(None, good_calls)
-    bad = await _fake_worker("/update_weights", bad_calls)
+    good, good_url = await _fake_worker(None, good_calls)
+    bad, bad_url = await _fake_worker("/update_weights", bad_calls)
     try:
-        for wid, runner in (("good", good), ("bad", bad)):
-            await r.hset(keys.workers, wid, json.dumps({"url": _url(runner), "model": "policy", "weight_version": 0,
-                                                        "started_at": 0.0}))  # fmt: skip
-            await r.set(keys.worker_alive(wid), "1", ex=30)
+        await register(r, keys, "good", good_url)
+        await register(r, keys, "bad", bad_url)
         # A registered worker without a liveness key is dead and must not be driven.
-        await r.hset(keys.workers, "dead", json.dumps({"url": "http://127.0.0.1:9", "model": "policy",
-                                                       "weight_version": 0, "started_at": 0.0}))  # fmt: skip
+        await register(r, keys, "dead", "http://127.0.0.1:9", alive=False)
         async with WeightPublisher(r, keys, RolloutConfig(pause_mode="abort"), tmp_path) as pub:
             result = await pub.publish(1, {"w": torch.zeros(2, 2)})
             with pytest.raises(PublishError, match="already 1"):
@@ -127,12 +115,12 @@ async def test_a_failing_worker_is_evicted_and_the_version_advances_over_the_one
     finally:
         await good.cleanup()
         await bad.cleanup()
-        await r.aclose()
-        rz.close()
 
 
 @pytest.mark.timeout(60)
-async def test_a_publish_waits_for_a_worker_catching_up_by_itself_and_their_calls_never_interleave(tmp_path: Path):
+async def test_a_publish_waits_for_a_worker_catching_up_by_itself_and_their_calls_never_interleave(
+    tmp_path: Path, redis_client
+):
     """The worker side is the real `follow_current`; the vLLM server is a small app that records calls and
     takes 0.3 s per update, so unlocked drivers would interleave."""
     from types import SimpleNamespace
@@ -140,7 +128,7 @@ async def test_a_publish_waits_for_a_worker_catching_up_by_itself_and_their_call
     from common.config import Config
     from rollout.worker import follow_current
 
-    calls: list[str] = []
+    r, calls = redis_client, []
 
     async def handle(request: web.Request) -> web.Response:
         if request.path == "/update_weights":
@@ -150,20 +138,10 @@ async def test_a_publish_waits_for_a_worker_catching_up_by_itself_and_their_call
             calls.append(request.path)
         return web.json_response({"ok": True})
 
-    app = web.Application()
-    app.router.add_route("POST", "/{tail:.*}", handle)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    rz = Rendezvous(tmp_path / "meet", RendezvousConfig())
-    rz.connect(timeout_s=10)
+    runner, url = await start_app(handle)
     keys = Keys("wl")
-    r = rz.async_client()
     try:
-        url = _url(runner)
-        await r.hset(keys.workers, "w", json.dumps({"url": url, "model": "policy", "weight_version": 0,
-                                                    "started_at": 0.0}))  # fmt: skip
-        await r.set(keys.worker_alive("w"), "1", ex=30)
+        await register(r, keys, "w", url)
         # Version 1 was published before the worker registered: it is behind and catches up by itself.
         path, *_ = write_version(tmp_path / "weights", 1, {"w": torch.zeros(2)})
         await r.set(keys.weights_current, 1)
@@ -177,8 +155,6 @@ async def test_a_publish_waits_for_a_worker_catching_up_by_itself_and_their_call
         record = json.loads(await r.hget(keys.workers, "w"))
     finally:
         await runner.cleanup()
-        await r.aclose()
-        rz.close()
     one = ["/pause", "/start_weight_update", "update", "/finish_weight_update", "/reset_prefix_cache", "/resume"]
     # The catch-up to v1 runs whole, then the publisher's v2 (streamed from its temporary directory).
     assert [c.split(" ")[0] for c in calls] == one + one, calls

@@ -1,0 +1,31 @@
+"""Stand-ins for vLLM servers in publisher tests: an in-process aiohttp app whose one handler answers
+every POST (vLLM's RL routes: /pause, /start_weight_update, /update_weights, ...), and the Redis
+entries that make it a live worker of the train pool."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+
+from common.keys import Keys
+
+
+async def start_app(handle: Callable[[web.Request], Awaitable[web.Response]]) -> tuple[web.AppRunner, str]:
+    """Serve `handle` for every POST on a free loopback port; the runner (clean it up) and its URL."""
+    app = web.Application()
+    app.router.add_route("POST", "/{tail:.*}", handle)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    host, port = runner.addresses[0][:2]
+    return runner, f"http://{host}:{port}"
+
+
+async def register(r, keys: Keys, worker_id: str, url: str, alive: bool = True) -> None:
+    """Enter a worker in the `workers` hash at version 0, live (with its liveness key) unless told otherwise."""
+    entry = {"url": url, "model": "policy", "weight_version": 0, "started_at": 0.0}
+    await r.hset(keys.workers, worker_id, json.dumps(entry))
+    if alive:
+        await r.set(keys.worker_alive(worker_id), "1", ex=30)
