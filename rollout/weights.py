@@ -9,9 +9,11 @@ RL endpoints: /pause?mode=..., /start_weight_update, /update_weights, /finish_we
 workers are paused and loading while the version is written: each loads shard i as soon as it is
 whole, so a publish costs about max(write, load) instead of write + load, at the price of a pause
 window that includes the write. Otherwise the whole version is written first and the workers are
-paused only for the load. All workers are driven concurrently and every response is checked. A worker that fails is evicted (removed from the
-`workers` hash and its liveness key, so the router stops using it; the worker notices and exits to
-be restarted) and reported in the result and as an event. `weights:current` advances only after
+paused only for the load. All workers are driven concurrently and every response is checked; a
+publisher and a worker catching up by itself change its weights only under the worker's weight
+lock. A worker that fails is evicted (removed from the `workers` hash and its liveness key, so the
+router stops using it; the worker notices and exits to be restarted) and reported in the result
+and as an event. `weights:current` advances only after
 every live worker acknowledged the version; then the version is appended to `weights:log` and
 version directories older than the newest `keep_versions` are removed. If writing fails, the
 version is not published and the temporary directory is removed; workers that were streaming it
@@ -220,7 +222,7 @@ class VersionWriter:
 
 
 def write_version(
-    root: Path, version: int, tensors: Mapping[str, torch.Tensor], shard_bytes: int = 64 << 20
+    root: Path, version: int, tensors: Mapping[str, torch.Tensor], shard_bytes: int = 32 << 20
 ) -> tuple[Path, int, float, float]:
     """Write one whole version to root/v<N>/ (atomically); (dir, bytes, export_s, write_s)."""
     writer = VersionWriter(root, version, tensors, shard_bytes)
@@ -421,16 +423,21 @@ class WeightPublisher:
         streamed = self.cfg.stream_weights and bool(workers)
         t1 = time.perf_counter()
         write = asyncio.create_task(asyncio.to_thread(writer.write))
-        if streamed:
-            # Workers pause and load shard i while shard i+1 is written.
-            info = {"path": str(writer.tmp), "shards": len(writer.shards), "wait_s": SHARD_WAIT_S}
-            outcomes = await asyncio.gather(*(self._drive(w, url, version, info, mode) for w, url in workers.items()))
         try:
-            await write
-        except BaseException as exc:
+            if streamed:
+                # Workers pause and load shard i while shard i+1 is written.
+                info = {"path": str(writer.tmp), "shards": len(writer.shards), "wait_s": SHARD_WAIT_S}
+                drives = (self._drive(w, url, version, info, mode) for w, url in workers.items())
+                outcomes = await asyncio.gather(*drives)
+        except BaseException:
+            await asyncio.wait({write})  # the writing thread runs to its end; then nothing is left behind
+            writer.discard()
+            raise
+        await asyncio.wait({write})
+        if (failure := write.exception()) is not None:
             writer.discard()
             evicted = "; the workers that were loading it were evicted" if streamed else ""
-            raise PublishError(f"publish({version}): writing the version failed: {exc}{evicted}") from exc
+            raise PublishError(f"publish({version}): writing the version failed: {failure}{evicted}") from failure
         location = str(writer.commit())
         if not streamed:
             info = {"path": location}

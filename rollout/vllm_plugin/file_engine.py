@@ -5,11 +5,10 @@ is read in name order. With `{"path": DIR, "shards": K}` the version is still be
 publisher streams it; layout in rollout/weight_files.py): shard i appears by an atomic rename once
 whole, so the engine loads shard i while the publisher writes shard i+1. It waits at most `wait_s`
 seconds for each shard and stops at once if the publisher leaves an `ABORTED` file (its write
-failed). Tensors are streamed, one at a time,
-into `model.load_weights` inside vLLM's layer-wise reload (`initialize_layerwise_reload` on start,
-`finalize_layerwise_reload` on finish), so HF-named checkpoint tensors (one name per expert) are
-sharded, fused and post-processed exactly as at load. No process group or handshake is needed:
-trainer and workers only share the files.
+failed). Tensors are streamed, one at a time, into `model.load_weights` inside vLLM's layer-wise
+reload (`initialize_layerwise_reload` on start, `finalize_layerwise_reload` on finish), so HF-named
+checkpoint tensors (one name per expert) are sharded, fused and post-processed exactly as at load.
+No process group or handshake is needed: trainer and workers only share the files.
 """
 
 from __future__ import annotations
