@@ -401,13 +401,14 @@ class PinWatcher(Watcher):
     async def load(self, worker: EvalWorker, version: int) -> bool:
         """Load `version` into the worker unless it holds it; False if the load failed (the worker is evicted)."""
         # The publisher's own sequence (pause, start/update/finish with the version, reset prefix cache, resume).
-        from rollout.weights import WorkerError, apply_version, evict, set_worker_version
+        from rollout.weights import WorkerError, apply_version, evict, set_worker_version, while_alive
 
         if worker.loaded == version:
             return True
         keys, location = self.ctx.keys, self.published[version]
         try:
-            took = await apply_version(self.session, worker.url, version, location, PIN_PAUSE_MODE)
+            update = apply_version(self.session, worker.url, version, location, PIN_PAUSE_MODE)
+            took = await while_alive(self.client, keys, worker.id, update)
         except WorkerError as exc:
             why = "" if Path(location).is_dir() else f" ({location} was pruned meanwhile)"
             await evict(self.client, keys, worker.id, f"loading weight version {version}: {exc}{why}",

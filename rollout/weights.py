@@ -32,10 +32,10 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Awaitable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 import redis.asyncio
@@ -48,12 +48,15 @@ from common.roles import announce
 from rollout.weight_files import ABORT_MARKER, shard_name
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 WEIGHTS_LOG_MAXLEN = 10_000
 # A weight update of a large model can take minutes; a stuck worker is still bounded by this.
 UPDATE_TIMEOUT_S = 600.0
 # How long a worker streaming a version waits for the publisher's next shard.
 SHARD_WAIT_S = 300.0
+# How often a driver checks that the worker it is updating still heartbeats.
+LIVENESS_POLL_S = 0.5
 _VERSION_DIR = re.compile(r"^v(\d+)$")
 # transformers keeps routed experts fused in memory: [E, 2I, H] gate|up and [E, H, I] down.
 _FUSED_GATE_UP = re.compile(r"^(.*\.experts)\.gate_up_proj$")
@@ -343,6 +346,28 @@ async def evict(
     log.error("evicted worker %s: %s", worker_id, reason)
 
 
+async def while_alive(client: redis.asyncio.Redis, keys: Keys, worker_id: str, call: Awaitable[T]) -> T:
+    """Await `call` (an update of one worker) unless the worker's liveness key vanishes first.
+
+    A worker role that died (kill -9) can leave its vLLM server half shut down, taking requests and
+    never answering them (/pause waits on a dead engine); without this a publish would hang for the
+    whole UPDATE_TIMEOUT_S. Raises WorkerError naming the worker; the call is cancelled.
+    """
+    task = asyncio.ensure_future(call)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=LIVENESS_POLL_S)
+            if done:
+                return task.result()
+            if not await client.exists(keys.worker_alive(worker_id)):
+                raise WorkerError(f"worker {worker_id} stopped heartbeating during the weight update (its role died)")
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, WorkerError):
+                await task
+
+
 def weight_lock(client: redis.asyncio.Redis, keys: Keys, worker_id: str):
     """The lock around any change of one worker's weights: a publisher driving it and the worker catching
     up by itself never interleave their pause/update/resume calls on the same vLLM server. It expires
@@ -469,7 +494,8 @@ class WeightPublisher:
         took: dict[str, float] = {}
         try:
             async with weight_lock(self.client, self.keys, worker_id):
-                pause = await apply_version(self._sess(), url, version, info["path"], mode, info, took)
+                update = apply_version(self._sess(), url, version, info["path"], mode, info, took)
+                pause = await while_alive(self.client, self.keys, worker_id, update)
                 await set_worker_version(self.client, self.keys.workers, worker_id, version)
         except (WorkerError, redis.exceptions.LockError) as exc:
             await evict(self.client, self.keys, worker_id, f"weight version {version}: {exc}")

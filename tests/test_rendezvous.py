@@ -19,12 +19,15 @@ from common.config import RendezvousConfig
 from common.rendezvous import RedisInfo, Rendezvous, RendezvousError
 
 CHILD = r"""
-import json, sys
+import json, sys, time
 from common.rendezvous import Rendezvous
 rz = Rendezvous(sys.argv[1])
+t0 = time.monotonic()
 client = rz.connect(timeout_s=30)
+connect_s = time.monotonic() - t0
 client.incr("joined")
-print(json.dumps({"leader": rz.is_leader, "port": rz.info.port, "generation": rz.info.generation}), flush=True)
+print(json.dumps({"leader": rz.is_leader, "port": rz.info.port, "generation": rz.info.generation,
+                  "connect_s": connect_s}), flush=True)
 sys.stdin.read()  # hold the connection (and, for the leader, the server) until the test closes stdin
 rz.close()
 """
@@ -89,7 +92,10 @@ def test_racing_processes_elect_one_leader_and_reelect_after_server_death(tmp_pa
         report = read_report(newcomer)
         elapsed = time.monotonic() - start
         assert report["leader"] and report["generation"] == 2
-        assert elapsed < 5.0, f"re-election took {elapsed:.1f}s"
+        # The election itself (finding the server dead, taking the next lock, starting redis-server);
+        # the newcomer's interpreter start-up comes on top and varies with the machine's load.
+        assert report["connect_s"] < 5.0, f"re-election took {report['connect_s']:.1f}s"
+        assert elapsed < 30.0, f"a newcomer took {elapsed:.1f}s to start and take over"
         assert info_of(meet).pid != info.pid
     finally:
         for child in children:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
 
 import aiohttp
@@ -160,3 +161,34 @@ async def test_a_publish_waits_for_a_worker_catching_up_by_itself_and_their_call
     assert [c.split(" ")[0] for c in calls] == one + one, calls
     assert calls[2] == "update v1" and calls[8].startswith("update .v2."), calls
     assert not result.evicted and record["weight_version"] == 2
+
+
+@pytest.mark.timeout(60)
+async def test_a_worker_that_dies_during_a_publish_is_given_up_on_when_its_heartbeat_stops(
+    tmp_path: Path, redis_client
+):
+    """A killed worker role can leave a vLLM server that takes /pause and never answers (its engine is
+    gone); the app below does exactly that. The publish must not wait out its 600 s HTTP timeout."""
+    r, keys, calls, never = redis_client, Keys("wd"), [], asyncio.Event()
+
+    async def hang(request: web.Request) -> web.Response:
+        calls.append(request.path)
+        await never.wait()
+        return web.json_response({"ok": True})
+
+    runner, url = await start_app(hang)
+    try:
+        await register(r, keys, "w", url)
+        async with WeightPublisher(r, keys, RolloutConfig(), tmp_path) as pub:
+            publish = asyncio.create_task(pub.publish(1, {"w": torch.zeros(2)}))
+            await asyncio.sleep(0.5)
+            assert calls == ["/pause"] and not publish.done()
+            await r.delete(keys.worker_alive("w"))  # its heartbeat expires
+            t0 = time.monotonic()
+            result = await publish
+            assert time.monotonic() - t0 < 3
+    finally:
+        never.set()  # let the server shut down
+        await runner.cleanup()
+    assert [w.worker_id for w in result.evicted] == ["w"] and "stopped heartbeating" in result.evicted[0].error
+    assert await r.get(keys.weights_current) == "1" and await r.hkeys(keys.workers) == []
