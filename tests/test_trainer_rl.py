@@ -68,13 +68,13 @@ def test_trainer_logprobs_of_rollout_tokens_match_vllm_behaviour_logprobs(deepse
 
 
 @pytest.mark.timeout(60)
-def test_wait_for_eval_sees_results_before_and_during_the_wait_and_times_out(tmp_path):
+def test_waits_for_eval_see_results_before_and_during_the_wait_and_time_out(tmp_path):
     import threading
     import time
 
     from common.keys import Keys
     from common.rendezvous import Rendezvous
-    from trainer.report import held_out_scores, wait_for_eval
+    from trainer.report import held_out_scores, wait_for_eval, wait_for_evals
 
     rz = Rendezvous(tmp_path / "meet")
     try:
@@ -90,5 +90,15 @@ def test_wait_for_eval_sees_results_before_and_during_the_wait_and_times_out(tmp
         later.start()
         assert wait_for_eval(client, keys, 5, "arithmetic", timeout_s=10)
         assert held_out_scores(client, keys, "arithmetic") == {3: 0.5, 5: 0.75}
+
+        # Every due version: a pinning evaluator backfills older versions after the newest.
+        assert wait_for_evals(client, keys, {3, 5}, "arithmetic", timeout_s=0) == set()
+        assert wait_for_evals(client, keys, {0, 3, 5}, "arithmetic", timeout_s=0.3) == {0}
+        assert wait_for_evals(client, keys, set(), "arithmetic", timeout_s=30) == set()
+        backfill = threading.Timer(0.3, client.xadd, (keys.evals, {"version": 0, "benchmark": "arithmetic",
+                                                                 "score": 0.25, "ts": 0}))  # fmt: skip
+        backfill.start()
+        assert wait_for_evals(client, keys, {0, 3, 5}, "arithmetic", timeout_s=10) == set()
+        assert wait_for_evals(client, keys, {0, 7}, "ifeval", timeout_s=0) == {0, 7}
     finally:
         rz.close()

@@ -46,7 +46,7 @@ from trainer.hf import hf_tensors, load_hf_state
 from trainer.model.transformer import Transformer, build_model
 from trainer.optim import Optimizer
 from trainer.pretrain import resolve_device
-from trainer.report import build_rows, format_table, held_out_scores, save_png, wait_for_eval
+from trainer.report import build_rows, format_table, held_out_scores, save_png, wait_for_eval, wait_for_evals
 from trainer.rl.advantages import group_advantages, zero_variance_groups
 from trainer.rl.loss import ppo_loss
 
@@ -391,8 +391,8 @@ class RLTrainer:
         return 0
 
     def final_report(self) -> None:
-        """Wait (bounded) for the evaluator's verdict on the last evaluated version, then print the
-        table of the run and draw reward and held-out accuracy against step into report.png."""
+        """Wait (bounded) for the evaluator's verdict on the last evaluated version (and, when it pins
+        versions, on every due one), then print the table of the run and draw reward and held-out accuracy against step into report.png."""
         ev = self.cfg.evaluator
         benchmark = ev.benchmarks[0] if ev.benchmarks else None
         client = self.ctx.redis
@@ -401,8 +401,16 @@ class RLTrainer:
         if benchmark and evaluator_alive:
             log.info("waiting up to %.0fs for the evaluator's %s result of version %d", self.cfg.trainer.final_eval_wait_s,
                      benchmark, last)  # fmt: skip
+            deadline = time.monotonic() + self.cfg.trainer.final_eval_wait_s
             if not wait_for_eval(client, self.ctx.keys, last, benchmark, self.cfg.trainer.final_eval_wait_s):
                 log.warning("no %s result for version %d yet; the table shows what was evaluated", benchmark, last)
+            elif client.hlen(self.ctx.keys.eval_workers):
+                # A pinning evaluator measures every due version, newest first, then backfills the older ones.
+                due = set(range(0, last + 1, ev.every_n_versions))
+                missing = wait_for_evals(client, self.ctx.keys, due, benchmark, max(0.0, deadline - time.monotonic()))
+                if missing:
+                    log.warning("no %s result yet for version(s) %s; the table shows what was evaluated", benchmark,
+                                sorted(missing))  # fmt: skip
         heldout = held_out_scores(client, self.ctx.keys, benchmark) if benchmark else {}
         rows = build_rows(self.ctx.run_dir, heldout)
         print(format_table(rows, every=max(1, len(rows) // 20)), flush=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,24 +43,49 @@ def wait_for_eval(client: redis.Redis, keys: Keys, version: int, benchmark: str,
     """Block (on the stream, no polling) until `benchmark` has a result for `version` or a newer one,
     or the timeout. The blocking read continues from the last entry already seen, so a result that
     lands between the first read and the blocking one is not missed."""
+    return not _wait_stream(
+        client, keys, lambda f: f.get("benchmark") == benchmark and int(f["version"]) >= version, timeout_s, 1
+    )
+
+
+def wait_for_evals(client: redis.Redis, keys: Keys, versions: set[int], benchmark: str, timeout_s: float) -> set[int]:
+    """Block until `benchmark` has a result for every one of `versions`, or the timeout; the versions
+    still without one (an evaluator that pins each version backfills older ones after the newest)."""
+    pending = set(versions)
 
     def answers(fields: dict[str, str]) -> bool:
-        return fields.get("benchmark") == benchmark and int(fields["version"]) >= version
+        if fields.get("benchmark") == benchmark and int(fields["version"]) in pending:
+            pending.discard(int(fields["version"]))
+            return True
+        return False
 
+    _wait_stream(client, keys, answers, timeout_s, len(pending))
+    return pending
+
+
+def _wait_stream(
+    client: redis.Redis, keys: Keys, answers: Callable[[dict[str, str]], bool], timeout_s: float, needed: int
+) -> int:
+    """Read the evals stream from its start, then block on it, until `needed` entries answered or the
+    timeout; how many are still needed."""
+    if needed <= 0:
+        return 0
     last_id = "0-0"
     for entry_id, fields in client.xrange(keys.evals):
-        if answers(fields):
-            return True
+        needed -= answers(fields)
+        if needed <= 0:
+            return 0
         last_id = entry_id
     deadline = time.monotonic() + timeout_s
     while (left_ms := int((deadline - time.monotonic()) * 1000)) > 0:
         got = client.xread({keys.evals: last_id}, block=min(left_ms, 1000), count=100)
         for _, entries in got or []:
             for entry_id, fields in entries:
-                if answers(fields):
-                    return True
+                needed -= answers(fields)
+                if needed <= 0:
+                    return 0
                 last_id = entry_id
-    return False
+    return needed
 
 
 def build_rows(run_dir: Path, heldout: dict[int, float]) -> list[ReportRow]:
