@@ -30,7 +30,6 @@ import torch.nn.functional as F  # noqa: E402
 from common.config import Config, ModelConfig  # noqa: E402
 from trainer.checkpoint import TrainState, load_checkpoint, save_checkpoint  # noqa: E402
 from trainer.ep import (  # noqa: E402
-    ExpertParallelOptimizer,
     ProcessGroupTransport,
     SymmetricMemoryTransport,
     Transport,
@@ -102,7 +101,7 @@ def skew_check(transport: SymmetricMemoryTransport, device: torch.device) -> Non
 
 
 def train_step_check(transport: Transport, device: torch.device, dtype_name: str, backend: str, root: Path) -> None:
-    """A whole model: forward logits, one ExpertParallelOptimizer step (fused AdamW on DTensor experts on
+    """A whole model: forward logits, one Optimizer step over the parallel plan (fused AdamW on DTensor experts on
     the GPU) against the plain Optimizer, then a DCP checkpoint of the EP model loaded into a plain model."""
     cfg = Config()
     cfg.trainer.dtype = dtype_name
@@ -113,7 +112,7 @@ def train_step_check(transport: Transport, device: torch.device, dtype_name: str
     mc, oc = cfg.trainer.model, cfg.trainer.optim
     ref, model = build_model(mc, backend, seed=0, device=device), build_model(mc, backend, seed=0, device=device)
     ep = apply_expert_parallel(model, transport)
-    ref_opt, opt = Optimizer(ref, oc), ExpertParallelOptimizer(ep, oc)
+    ref_opt, opt = Optimizer(ref, oc), Optimizer(model, oc, ep)
     tokens = torch.randint(0, mc.vocab_size, (4, 257), device=device, generator=torch.Generator(device).manual_seed(0))
     logits, norms = [], []
     for m, o in ((ref, ref_opt), (model, opt)):

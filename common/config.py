@@ -310,6 +310,33 @@ class OptimConfig:
 
 
 @dataclass
+class ParallelConfig:
+    ep: int = 1
+    """Expert-parallel group size: routed experts are sharded over this many trainer ranks (RDEP); it must
+    divide the number of ranks and n_routed_experts. The rest is data parallel (ranks / ep replicas)."""
+    transport: Literal["auto", "p2p", "symm_mem"] = "auto"
+    """How expert rows travel between ranks: p2p (torch.distributed point-to-point, CPU and GPU) or
+    symm_mem (NVLink symmetric memory, GPUs); auto = p2p."""
+    store_host: str = "127.0.0.1"
+    """Address rank 0's process-group store binds and advertises when the launcher starts the ranks (use
+    one the other hosts reach for ranks on several hosts; torchrun starts use MASTER_ADDR instead)."""
+
+
+@dataclass
+class DataConfig:
+    path: str = identity("")
+    """Pretraining data (trainer.mode = "pretrain"): a .jsonl file of texts or a .npy array of token ids."""
+    tokenizer: str = identity("")
+    """HF tokenizer directory for .jsonl text (empty: the rollout model's tokenizer when it is a local tiny one)."""
+    text_key: str = identity("text")
+    """Field of each JSONL object that holds the text."""
+    seq_len: int = identity(256)
+    """Tokens per training row."""
+    batch_size: int = identity(8)
+    """Rows per micro-batch over all ranks (each of W ranks takes batch_size / W); times grad_accum per step."""
+
+
+@dataclass
 class CheckpointConfig:
     interval_steps: int = 0
     """Save a checkpoint every N optimizer steps (0 = only at the end)."""
@@ -336,7 +363,7 @@ class RLConfig:
     aggregation: Literal["token_mean", "seq_mean"] = identity("token_mean")
     """Loss aggregation: mean over all tokens of the batch, or mean over sequences of their token means."""
     micro_batch_samples: int = 16
-    """Samples per forward/backward pass (memory knob; the gradient is the same)."""
+    """Samples per forward/backward pass on each rank (memory knob; the gradient is the same)."""
 
 
 @dataclass
@@ -351,6 +378,8 @@ class WarmupConfig:
 
 @dataclass
 class TrainerConfig:
+    mode: Literal["rl", "pretrain"] = "rl"
+    """What ROLE=trainer runs: RL through the flow controller, or next-token pretraining on trainer.data."""
     steps: int = 20
     """Optimizer steps of the run."""
     device: str = "auto"
@@ -363,6 +392,10 @@ class TrainerConfig:
     """Model shape."""
     experts: ExpertsConfig = field(default_factory=ExpertsConfig)
     """Expert compute backend."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """How the trainer's ranks share the model (expert parallelism; data parallelism over the rest)."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Pretraining data (trainer.mode = "pretrain")."""
     optim: OptimConfig = field(default_factory=OptimConfig)
     """Optimizer and learning-rate schedule."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -771,6 +804,21 @@ def validate(cfg: Config) -> None:
     _require(0 <= rl.clip_low < 1 and rl.clip_high >= 0, "trainer.rl.clip_low must be in [0, 1) and clip_high >= 0")
     _require(rl.tis_cap >= 1.0, f"trainer.rl.tis_cap ({rl.tis_cap}) must be >= 1 (1 = weights capped at one)")
     _require(rl.micro_batch_samples >= 1, "trainer.rl.micro_batch_samples must be >= 1")
+    _require(
+        rl.kl_coef == 0,
+        f"trainer.rl.kl_coef = {rl.kl_coef}: a KL penalty needs a frozen reference policy, which the trainer does "
+        "not keep; set trainer.rl.kl_coef = 0 (the PPO clip against the proximal policy and TIS bound each update)",
+    )
+    par = cfg.trainer.parallel
+    _require(par.ep >= 1, f"trainer.parallel.ep must be >= 1, got {par.ep}")
+    _require(
+        m.n_routed_experts % par.ep == 0,
+        f"trainer.parallel.ep = {par.ep} does not divide trainer.model.n_routed_experts = {m.n_routed_experts}; "
+        "pick an expert-parallel size that divides the expert count",
+    )
+    d = cfg.trainer.data
+    _require(d.seq_len >= 1 and d.batch_size >= 1, "trainer.data.seq_len and trainer.data.batch_size must be >= 1")
+    _require(cfg.trainer.mode != "pretrain" or bool(d.path), 'trainer.mode = "pretrain" needs trainer.data.path')
     _require(cfg.evaluator.every_n_versions >= 1, "evaluator.every_n_versions must be >= 1")
     _require(cfg.evaluator.chunk_cases >= 1, "evaluator.chunk_cases must be >= 1")
     for name, spec in cfg.launch.roles.items():

@@ -73,3 +73,13 @@ class Keys:
     def role_pattern(self, role: str) -> str:
         """SCAN pattern matching the liveness keys of every process of one role."""
         return f"{self.prefix}role:{role}:*:alive"
+
+    @property
+    def trainer_store(self) -> str:
+        """JSON {addr: "host:port", pid, ts} of trainer rank 0's process-group store (launcher-started ranks)."""
+        return f"{self.prefix}trainer:store"
+
+    @property
+    def trainer_ranks(self) -> str:
+        """Hash rank -> JSON {host, pid, instance, state}: each trainer rank's process and its role heartbeat."""
+        return f"{self.prefix}trainer:ranks"

@@ -3,7 +3,8 @@
 The launcher resolves the experiment id, run dir and meet dir, writes the resolved config into the
 run dir, records the run in the registry, becomes the rendezvous leader (so Redis outlives any role
 restart), and starts every replica of every `launch.roles` entry as a child process with ROLE,
-SLIPSTREAM_EXP, SLIPSTREAM_MEET_DIR and SLIPSTREAM_REPLICA set. Child output is prefixed with
+SLIPSTREAM_EXP, SLIPSTREAM_MEET_DIR, SLIPSTREAM_REPLICA and SLIPSTREAM_REPLICAS set (trainer replicas are
+its ranks). Child output is prefixed with
 `role/replica`. The run ends when every critical entry exited 0, or at the first failure (whose
 exit code the launcher returns), or on SIGINT/SIGTERM; in every case the whole process tree is torn
 down: SIGTERM to each child's process group and every descendant, then SIGKILL after the grace period.
@@ -123,6 +124,7 @@ def env_of(rep: Replica, prep: Prepared) -> dict[str, str]:
         "SLIPSTREAM_EXP": prep.exp,
         "SLIPSTREAM_MEET_DIR": str(prep.meet_dir),
         "SLIPSTREAM_REPLICA": str(rep.index),
+        "SLIPSTREAM_REPLICAS": str(rep.spec.replicas),
         "PYTHONUNBUFFERED": "1",
         **rep.spec.env,
     }

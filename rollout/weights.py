@@ -3,9 +3,10 @@
 `WeightPublisher.publish(version, tensors)` exports the tensors in HF naming (fused expert tensors
 are split into one name per expert, which vLLM's loaders require), writes them as safetensors
 shards of `rollout.weight_shard_mb` to `<weight_dir>/v<N>/` atomically (a temporary directory
-renamed into place; layout in rollout/weight_files.py) and drives every live worker through vLLM's
-RL endpoints: /pause?mode=..., /start_weight_update, /update_weights, /finish_weight_update
-{weight_version}, /reset_prefix_cache, /resume. With `rollout.stream_weights` (the default) the
+renamed into place; layout in rollout/weight_files.py) with an index recording each shard's size
+and CRC-32, and drives every live worker through vLLM's RL endpoints: /pause?mode=...,
+/start_weight_update, /update_weights, /finish_weight_update {weight_version},
+/reset_prefix_cache, /resume. With `rollout.stream_weights` (the default) the
 workers are paused and loading while the version is written: each loads shard i as soon as it is
 whole, so a publish costs about max(write, load) instead of write + load, at the price of a pause
 window that includes the write. Otherwise the whole version is written first and the workers are
@@ -18,6 +19,15 @@ every live worker acknowledged the version; then the version is appended to `wei
 version directories older than the newest `keep_versions` are removed. If writing fails, the
 version is not published and the temporary directory is removed; workers that were streaming it
 stop at the ABORTED marker, fail their update and are evicted (their weights are half-loaded).
+
+Several trainer ranks (expert parallelism: each holds only its own experts) write one version
+together: rank 0 calls `publish(..., peers=...)` with its tensors (the dense ones and its experts);
+`PeerWriters` is the trainer's handle on the other ranks, each of which writes a `VersionPart` (its
+`count_shards` shards, numbered after those of the ranks before it) into rank 0's temporary
+directory. Rank 0 writes its own part meanwhile, then the index from every rank's `PartReport`, and
+owns the directory, the commit and the workers; a failure of any rank fails the publish as above.
+Left out: a failing rank does not stop the others (`PeerWriters.write` has no cancel); every writer
+runs to its end before the directory is removed, and the ABORTED marker releases the workers early.
 
 Transports: `file` (above; any machine that sees the weight dir) and `nccl` (`NcclTransport`,
 vLLM's trainer-side NCCL engine; GPUs only, needs vLLM's GPU build in the trainer process).
@@ -32,10 +42,12 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Awaitable, Iterator, Mapping
+import zlib
+from collections.abc import Awaitable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import aiohttp
 import redis.asyncio
@@ -45,7 +57,7 @@ import torch
 from common.config import RolloutConfig
 from common.keys import Keys
 from common.roles import announce
-from rollout.weight_files import ABORT_MARKER, shard_name
+from rollout.weight_files import ABORT_MARKER, PartReport, ShardRecord, shard_name, write_index
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -168,53 +180,154 @@ def plan_shards(named: list[tuple[str, torch.Tensor]], shard_bytes: int) -> list
     return shards
 
 
+def count_shards(tensors: Mapping[str, torch.Tensor], shard_bytes: int) -> int:
+    """How many shards `VersionPart` cuts these tensors into (0 for none): what a rank announces before writing."""
+    return len(plan_shards(list(hf_views(tensors)), shard_bytes))
+
+
+def _mark_aborted(tmp: Path, exc: BaseException) -> None:
+    """Leave the ABORTED marker for streaming readers; the first writer to fail gives the reason."""
+    with contextlib.suppress(OSError), open(tmp / ABORT_MARKER, "x") as f:
+        f.write(f"{type(exc).__name__}: {exc}")
+
+
+class VersionPart:
+    """One trainer rank's shards of a version, written into the version's existing temporary directory.
+
+    The tensors are cut by `plan_shards` and written as shards `first_shard`, `first_shard + 1`, ... of
+    `total_shards`, each renamed into its final name once whole. The part never creates, renames or
+    removes the directory: rank 0's `VersionWriter` does. A failed write leaves the ABORTED marker.
+    """
+
+    def __init__(
+        self,
+        tmp: Path,
+        version: int,
+        tensors: Mapping[str, torch.Tensor],
+        shard_bytes: int,
+        first_shard: int,
+        total_shards: int,
+    ) -> None:
+        named = list(hf_views(tensors))
+        self.shards = plan_shards(named, shard_bytes)
+        if first_shard < 0 or first_shard + len(self.shards) > total_shards:
+            raise PublishError(
+                f"publish({version}): this part's {len(self.shards)} shard(s) from index {first_shard} do not fit in "
+                f"{total_shards}; did the rank announce count_shards() of these same tensors and shard size?"
+            )
+        self.tmp, self.version = tmp, version
+        self.first_shard, self.total_shards = first_shard, total_shards
+        self.bytes = sum(t.numel() * t.element_size() for _, t in named)
+        self.export_s = 0.0
+        self.write_s = 0.0
+
+    def write(self) -> PartReport:
+        """Write every shard (blocking); what was written. On failure leave the ABORTED marker and raise."""
+        from safetensors.torch import save
+
+        report = PartReport({}, self.bytes)
+        t0 = time.perf_counter()
+        try:
+            for i, shard in enumerate(self.shards, start=self.first_shard):
+                t1 = time.perf_counter()
+                tensors = {name: t.contiguous().cpu() for name, t in shard}
+                self.export_s += time.perf_counter() - t1
+                # Serialised in memory so the checksum costs no second read of the file.
+                data = save(tensors, metadata={"slipstream_version": str(self.version)})
+                path = self.tmp / shard_name(i, self.total_shards)
+                partial = path.with_name(path.name + ".partial")
+                partial.write_bytes(data)
+                os.rename(partial, path)  # a streaming reader sees the whole shard or nothing
+                report.shards[path.name] = ShardRecord(len(data), zlib.crc32(data), tuple(tensors))
+        except BaseException as exc:
+            _mark_aborted(self.tmp, exc)
+            raise
+        finally:
+            self.write_s = time.perf_counter() - t0 - self.export_s
+        return report
+
+
+class PeerWriters(Protocol):
+    """The other trainer ranks, each writing its own `VersionPart` of a version (rank 0 writes the first).
+
+    The trainer implements this with torch.distributed; the publisher knows only this interface.
+    """
+
+    shard_counts: list[int]
+    """How many shards each other rank will write (`count_shards` of its tensors), in rank order 1, 2, ..."""
+
+    def write(self, tmp: Path, first_shard: list[int], total_shards: int) -> list[PartReport]:
+        """Have rank r+1 write its part into `tmp` from shard `first_shard[r]` of `total_shards`; block until every
+        rank is done; their reports in rank order. Raises if any rank failed (that rank left the ABORTED marker)."""
+        ...
+
+
 class VersionWriter:
     """Writes one version as safetensors shards (layout: rollout/weight_files.py), then moves it into place.
 
     The shards go to a temporary directory `root/.v<N>.<pid>.tmp/`, each renamed into its final name
-    once whole, so workers can load shard i while shard i+1 is written (`write`). `commit` renames the
-    directory to `root/v<N>/`: readers of a committed version see all of it or none of it. A failed
-    write leaves the ABORTED marker for streaming readers; `discard` removes the directory.
+    once whole, so workers can load shard i while shard i+1 is written. `write` writes rank 0's part
+    (`VersionPart`, shards 0..) while `peers`, the other trainer ranks, write theirs (the shards after
+    it), then the index. `commit` renames the directory to `root/v<N>/`: readers of a committed version
+    see all of it or none of it. A failed write leaves the ABORTED marker for streaming readers;
+    `discard` removes the directory.
     """
 
-    def __init__(self, root: Path, version: int, tensors: Mapping[str, torch.Tensor], shard_bytes: int) -> None:
-        named = list(hf_views(tensors))
-        if not named:
+    def __init__(
+        self,
+        root: Path,
+        version: int,
+        tensors: Mapping[str, torch.Tensor],
+        shard_bytes: int,
+        peer_shards: Sequence[int] = (),
+    ) -> None:
+        own = count_shards(tensors, shard_bytes)
+        if own == 0:
             raise PublishError(f"publish({version}): no tensors given")
+        if any(n < 0 for n in peer_shards):
+            raise PublishError(
+                f"publish({version}): the other ranks announced negative shard counts {list(peer_shards)}"
+            )
         self.version = version
         self.final = root / f"v{version}"
         if self.final.exists():
             raise PublishError(
                 f"publish({version}): {self.final} already exists; versions are immutable, publish {version + 1}"
             )
-        self.shards = plan_shards(named, shard_bytes)
-        self.bytes = sum(t.numel() * t.element_size() for _, t in named)
         self.tmp = root / f".v{version}.{os.getpid()}.tmp"
+        self.total_shards = own + sum(peer_shards)
+        self.peer_first_shards = [own + sum(peer_shards[:r]) for r in range(len(peer_shards))]
+        self.part = VersionPart(self.tmp, version, tensors, shard_bytes, 0, self.total_shards)
+        self.bytes = self.part.bytes  # rank 0's tensor bytes until `write` has every rank's report
         shutil.rmtree(self.tmp, ignore_errors=True)
         self.tmp.mkdir(parents=True)
-        self.export_s = 0.0
-        self.write_s = 0.0
 
-    def write(self) -> None:
-        """Write every shard (blocking); on failure leave the ABORTED marker and raise."""
-        from safetensors.torch import save_file
+    @property
+    def export_s(self) -> float:
+        return self.part.export_s
 
-        t0 = time.perf_counter()
+    @property
+    def write_s(self) -> float:
+        return self.part.write_s
+
+    def write(self, peers: PeerWriters | None = None) -> None:
+        """Write rank 0's part while `peers` write theirs, then the index (blocking); returns when every writer
+        has ended. On any failure leave the ABORTED marker and raise PublishError naming who failed."""
+        with ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"write-v{self.version}") as pool:
+            mine = pool.submit(self.part.write)
+            theirs = pool.submit(peers.write, self.tmp, self.peer_first_shards, self.total_shards) if peers else None
+        # Both have ended (the pool's exit waits), so nothing writes into the directory after this.
+        failures = [(who, exc) for who, f in (("rank 0", mine), ("the other ranks", theirs))
+                    if f is not None and (exc := f.exception()) is not None]  # fmt: skip
+        if failures:
+            _mark_aborted(self.tmp, failures[0][1])
+            raise PublishError("; ".join(f"{who}: {type(e).__name__}: {e}" for who, e in failures)) from failures[0][1]
+        reports = [mine.result(), *(theirs.result() if theirs else [])]
         try:
-            for i, shard in enumerate(self.shards):
-                t1 = time.perf_counter()
-                tensors = {name: t.contiguous().cpu() for name, t in shard}
-                self.export_s += time.perf_counter() - t1
-                path = self.tmp / shard_name(i, len(self.shards))
-                partial = path.with_name(path.name + ".partial")
-                save_file(tensors, str(partial), metadata={"slipstream_version": str(self.version)})
-                os.rename(partial, path)  # a streaming reader sees the whole shard or nothing
-        except BaseException as exc:
-            with contextlib.suppress(OSError):
-                (self.tmp / ABORT_MARKER).write_text(f"{type(exc).__name__}: {exc}")
-            raise
-        finally:
-            self.write_s = time.perf_counter() - t0 - self.export_s
+            self.bytes = write_index(self.tmp, reports, self.total_shards)
+        except (ValueError, OSError) as exc:
+            _mark_aborted(self.tmp, exc)
+            raise PublishError(f"the index of version {self.version}: {exc}") from exc
 
     def commit(self) -> Path:
         os.rename(self.tmp, self.final)
@@ -429,12 +542,19 @@ class WeightPublisher:
         return self._session
 
     async def publish(
-        self, version: int, tensors: Mapping[str, torch.Tensor], pause_mode: str | None = None, force: bool = False
+        self,
+        version: int,
+        tensors: Mapping[str, torch.Tensor],
+        pause_mode: str | None = None,
+        force: bool = False,
+        peers: PeerWriters | None = None,
     ) -> PublishResult:
         """Write `version` and apply it on every live worker; see the module docstring for the contract.
 
-        Versions only move forward, except with `force`: a trainer that resumes from a checkpoint older
-        than `weights:current` (or publishes its initial weights as version 0) makes its version current.
+        `tensors` are this rank's (rank 0's); `peers`, when given, are the other trainer ranks, which write
+        their shards of the same version concurrently (`PeerWriters`). Versions only move forward, except
+        with `force`: a trainer that resumes from a checkpoint older than `weights:current` (or publishes its
+        initial weights as version 0) makes its version current.
         """
         t0 = time.perf_counter()
         current = await current_version(self.client, self.keys)
@@ -444,18 +564,21 @@ class WeightPublisher:
         if mode not in ("keep", "abort", "wait"):
             raise PublishError(f"pause mode {mode!r} is not one of keep, abort, wait")
         workers = await live_workers(self.client, self.keys)
-        writer = await asyncio.to_thread(VersionWriter, self.root, version, tensors, self.cfg.weight_shard_mb << 20)
+        peer_shards = list(peers.shard_counts) if peers is not None else []
+        writer = await asyncio.to_thread(
+            VersionWriter, self.root, version, tensors, self.cfg.weight_shard_mb << 20, peer_shards
+        )
         streamed = self.cfg.stream_weights and bool(workers)
         t1 = time.perf_counter()
-        write = asyncio.create_task(asyncio.to_thread(writer.write))
+        write = asyncio.create_task(asyncio.to_thread(writer.write, peers))
         try:
             if streamed:
-                # Workers pause and load shard i while shard i+1 is written.
-                info = {"path": str(writer.tmp), "shards": len(writer.shards), "wait_s": SHARD_WAIT_S}
+                # Workers pause and load shard i while shard i+1 is written (by whichever rank owns it).
+                info = {"path": str(writer.tmp), "shards": writer.total_shards, "wait_s": SHARD_WAIT_S}
                 drives = (self._drive(w, url, version, info, mode) for w, url in workers.items())
                 outcomes = await asyncio.gather(*drives)
         except BaseException:
-            await asyncio.wait({write})  # the writing thread runs to its end; then nothing is left behind
+            await asyncio.wait({write})  # every writer runs to its end; then nothing is left behind
             writer.discard()
             raise
         await asyncio.wait({write})
@@ -477,7 +600,7 @@ class WeightPublisher:
             approximate=True,
         )
         result = PublishResult(version, location, writer.bytes, writer.export_s, writer.write_s, drive_s,
-                               time.perf_counter() - t0, len(writer.shards), streamed, list(outcomes))  # fmt: skip
+                               time.perf_counter() - t0, writer.total_shards, streamed, list(outcomes))  # fmt: skip
         await announce(self.client, self.keys, "trainer", "version published", version=version,
                        workers=len(outcomes), evicted=[w.worker_id for w in result.evicted])  # fmt: skip
         for p in prune_versions(self.root, self.cfg.keep_versions):

@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 import trainer.ep.parallel as ep_parallel
 from common.config import Config, ModelConfig
 from trainer.checkpoint import TrainState, load_checkpoint, save_checkpoint
-from trainer.ep import ExpertParallelOptimizer, ProcessGroupTransport, ShardedExperts, apply_expert_parallel
+from trainer.ep import ProcessGroupTransport, ShardedExperts, apply_expert_parallel
 from trainer.experts import BACKENDS
 from trainer.model import build_model
 from trainer.optim import Optimizer
@@ -112,7 +112,7 @@ def _train_step_worker(rank: int, world: int, out_dir: str) -> None:
     for m, store in ((ref, ref_moe_out), (model, ep_moe_out)):
         for layer in m.moe_layers():
             layer.register_forward_hook(lambda mod, inp, out, store=store: store.append(out.detach().clone()))
-    ref_opt, opt = Optimizer(ref, cfg.trainer.optim), ExpertParallelOptimizer(ep, cfg.trainer.optim)
+    ref_opt, opt = Optimizer(ref, cfg.trainer.optim), Optimizer(model, cfg.trainer.optim, ep)
 
     batch = _batch(0)
     mine = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
@@ -218,7 +218,7 @@ def _params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def _ep_train(world: int, rank: int, cfg: Config, seed: int):
     model = build_model(cfg.trainer.model, seed=seed)
     ep = apply_expert_parallel(model, ProcessGroupTransport())
-    return model, ExpertParallelOptimizer(ep, cfg.trainer.optim)
+    return model, Optimizer(model, cfg.trainer.optim, ep)
 
 
 def _step(model, opt, batch: torch.Tensor, rows: slice) -> None:

@@ -119,17 +119,16 @@ def test_bf16_copy_is_made_once_and_kept_out_of_the_state_dict():
 
 
 @needs_bf16_grouped_mm
-@pytest.mark.parametrize("fused", [True, False])
-def test_bf16_copy_follows_every_optimizer_step(fused):
-    """Fused AdamW writes the masters without moving their version counters; the copy must follow anyway."""
+def test_bf16_copy_follows_every_optimizer_step():
+    """The trainer's optimizer rewrites the copy after every step (fused AdamW on GPUs writes the masters
+    without moving their version counters, so nothing in the forward could notice)."""
     layer = _bf16_layer(1)
     x, offsets = torch.randn(24, 32), torch.tensor([3, 10, 10, 24], dtype=torch.int32)
-    opt = torch.optim.AdamW(layer.parameters(), lr=0.1, fused=fused, foreach=None if fused else False)
+    opt = Optimizer(layer, OptimConfig(lr=0.1, expert_lr=0.1, grad_clip=0.0))
     for _ in range(3):
         before = [p.detach().clone() for p in layer.parameters()]
         _autocast_forward(layer, x, offsets).square().sum().backward()
-        opt.step()
-        opt.zero_grad()
+        opt.step(24)
         assert not any(torch.equal(a, p) for a, p in zip(before, layer.parameters(), strict=True))
         expected = _per_call_cast(layer, x, offsets)
         torch.testing.assert_close(_autocast_forward(layer, x, offsets), expected, rtol=0, atol=0)
@@ -161,18 +160,17 @@ def _copy_equals_fresh_cast(layer: Experts) -> bool:
 
 
 @needs_bf16_grouped_mm
-@pytest.mark.parametrize("fused", [True, False])
-def test_optimizer_step_refreshes_the_copy_without_a_forward(fused):
-    """The refresh is the optimizer step's own doing (a post-step hook), not a check in the next forward:
-    right after `step()` the copy already equals a fresh cast of the new masters."""
+def test_optimizer_step_refreshes_the_copy_without_a_forward():
+    """The refresh is the trainer optimizer's own doing (trainer.optim.Optimizer.step), not a check in the
+    next forward: right after `step()` the copy already equals a fresh cast of the new masters."""
     layer = _bf16_layer(7)
     x, offsets = torch.randn(24, 32), torch.tensor([3, 10, 10, 24], dtype=torch.int32)
     layer.weight_copy(torch.bfloat16)
-    opt = torch.optim.AdamW(layer.parameters(), lr=0.1, fused=fused, foreach=None if fused else False)
+    opt = Optimizer(layer, OptimConfig(lr=0.1, expert_lr=0.1, grad_clip=0.0))
     for p in layer.parameters():
         p.grad = torch.randn_like(p)
     before = [c.clone() for c in layer._cast]
-    opt.step()
+    opt.step(24)
     assert not any(torch.equal(a, c) for a, c in zip(before, layer._cast, strict=True))
     assert _copy_equals_fresh_cast(layer)
     assert torch.equal(_autocast_forward(layer, x, offsets), _per_call_cast(layer, x, offsets))
@@ -203,7 +201,7 @@ def test_to_drops_the_copy_and_deepcopy_remakes_its_own():
     with torch.no_grad():
         for p in twin.parameters():
             p.grad = torch.randn_like(p)
-    torch.optim.SGD(twin.parameters(), lr=0.5).step()
+    Optimizer(twin, OptimConfig(lr=0.5, grad_clip=0.0)).step(1)
     assert _copy_equals_fresh_cast(twin) and _copy_equals_fresh_cast(layer)
     assert not torch.equal(twin._cast[0], layer._cast[0])
     layer.to(torch.float64)

@@ -1,7 +1,7 @@
 """Streamed weight versions (rollout.stream_weights) without a vLLM server: the publisher's shard plan,
 the `file` engine's reader (the class vLLM runs, imported from the vLLM CPU build) following a
 version while it is being written, stopping on the publisher's ABORTED marker or a missing shard,
-and a publish whose write fails part-way (failure injected into safetensors' save_file, the one
+and a publish whose write fails part-way (failure injected into safetensors' `save`, the one
 stand-in here): the worker streaming it fails and is evicted, nothing is published, nothing is left
 on disk. The workers are small aiohttp apps that read the files with that same reader."""
 
@@ -20,8 +20,8 @@ from rl_routes import register, start_app
 
 from common.config import RolloutConfig
 from common.keys import Keys
-from rollout.vllm_plugin.file_engine import FileUpdateInfo, _tensors
-from rollout.weight_files import ABORT_MARKER, shard_name
+from rollout.vllm_plugin.file_engine import FileUpdateInfo
+from rollout.weight_files import ABORT_MARKER, INDEX_NAME, shard_name
 from rollout.weights import PublishError, VersionWriter, WeightPublisher, plan_shards
 
 MB = 1 << 20
@@ -43,12 +43,12 @@ def test_shards_keep_the_model_order_stay_under_the_size_and_give_a_big_tensor_i
 def test_the_reader_follows_a_version_while_it_is_written_and_gets_every_tensor(tmp_path: Path):
     tensors = {f"t{i}": mb_tensor(0.5, float(i)) for i in range(6)}
     writer = VersionWriter(tmp_path, 7, tensors, 1 * MB)
-    assert len(writer.shards) == 3
+    assert writer.total_shards == 3
     got: dict[str, torch.Tensor] = {}
 
     def read() -> None:
-        info = FileUpdateInfo(path=str(writer.tmp), shards=len(writer.shards), wait_s=30)
-        for name, t in _tensors(info.files()):
+        info = FileUpdateInfo(path=str(writer.tmp), shards=writer.total_shards, wait_s=30)
+        for name, t in info.tensors():
             got[name] = t.clone()
 
     reader = threading.Thread(target=read)
@@ -59,7 +59,9 @@ def test_the_reader_follows_a_version_while_it_is_written_and_gets_every_tensor(
     reader.join(30)
     assert list(got) == list(tensors) and all(torch.equal(got[k], v) for k, v in tensors.items())
     assert writer.commit() == tmp_path / "v7"
-    assert sorted(p.name for p in (tmp_path / "v7").iterdir()) == [shard_name(i, 3) for i in range(3)]
+    assert sorted(p.name for p in (tmp_path / "v7").iterdir()) == sorted(
+        [shard_name(i, 3) for i in range(3)] + [INDEX_NAME]
+    )
 
 
 def test_the_reader_stops_on_the_abort_marker_and_on_a_shard_that_never_comes(tmp_path: Path):
@@ -82,7 +84,7 @@ async def _reading_worker(updates: list[dict], got: dict[str, torch.Tensor]) -> 
             updates.append(info)
 
             def read() -> None:
-                for name, t in _tensors(FileUpdateInfo(**info).files()):
+                for name, t in FileUpdateInfo(**info).tensors():
                     got[name] = t.clone()
 
             try:
@@ -119,16 +121,16 @@ async def test_a_write_failing_mid_stream_publishes_nothing_evicts_the_loading_w
 ):
     import safetensors.torch
 
-    real_save = safetensors.torch.save_file
+    real_save = safetensors.torch.save
     calls = []
 
-    def failing_save(tensors, path, metadata=None):
-        calls.append(path)
+    def failing_save(tensors, metadata=None):
+        calls.append(sorted(tensors))
         if len(calls) == 3:
             raise OSError(28, "No space left on device")
-        real_save(tensors, path, metadata=metadata)
+        return real_save(tensors, metadata=metadata)
 
-    monkeypatch.setattr(safetensors.torch, "save_file", failing_save)
+    monkeypatch.setattr(safetensors.torch, "save", failing_save)
     keys, updates, got = Keys("wf"), [], {}
     runner, url = await _reading_worker(updates, got)
     tensors = {f"model.layers.{i}.w": mb_tensor(0.75, float(i)) for i in range(4)}

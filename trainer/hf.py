@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch.distributed.tensor import DTensor
 
 from common.config import ModelConfig
 from trainer.model import Transformer, build_model
@@ -173,23 +174,33 @@ def model_config_from_hf(hf: dict, max_seq_len: int | None = None) -> ModelConfi
     raise HFFormatError(f"model_type {model_type!r} is not supported; use deepseek_v3 or qwen3_moe")
 
 
-def hf_tensors(model: Transformer, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def hf_tensors(
+    model: Transformer, dtype: torch.dtype | None = None, dense: bool = True, experts: bool = True
+) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor) pairs of the model, experts split per expert; `dtype` casts floating tensors
-    except the expert-score bias, which HF keeps in fp32."""
+    except the expert-score bias, which HF keeps in fp32. `dense` / `experts` select the part: under
+    expert parallelism a rank holds a shard of the experts (a DTensor on dim 0), and yields only those,
+    under their global expert numbers."""
     state = model.state_dict()
     if model.cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     for name, t in state.items():
+        is_expert = name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))
+        if not (experts if is_expert else dense):
+            continue
+        first = 0
+        if isinstance(t, DTensor):  # this rank's contiguous block of experts
+            t, first = t.to_local(), t.device_mesh.get_local_rank() * t.to_local().shape[0]
         if name.endswith("mlp.experts.gate_up_proj"):
             prefix = name[: -len(".gate_up_proj")]
             inter = t.shape[1] // 2
             for e in range(t.shape[0]):
-                yield f"{prefix}.{e}.gate_proj.weight", _cast(t[e, :inter], dtype)
-                yield f"{prefix}.{e}.up_proj.weight", _cast(t[e, inter:], dtype)
+                yield f"{prefix}.{first + e}.gate_proj.weight", _cast(t[e, :inter], dtype)
+                yield f"{prefix}.{first + e}.up_proj.weight", _cast(t[e, inter:], dtype)
         elif name.endswith("mlp.experts.down_proj"):
             prefix = name[: -len(".down_proj")]
             for e in range(t.shape[0]):
-                yield f"{prefix}.{e}.down_proj.weight", _cast(t[e], dtype)
+                yield f"{prefix}.{first + e}.down_proj.weight", _cast(t[e], dtype)
         elif name.endswith("e_score_correction_bias"):
             yield name, t.float()
         else:

@@ -1,15 +1,18 @@
-"""The RL trainer role (`ROLE=trainer`): warm start, then RLVR through the flow controller.
+"""The trainer role (`ROLE=trainer`) on each of its W ranks: RLVR (warm start, then the flow controller)
+or, with trainer.mode = "pretrain", next-token pretraining; both train only through the training core
+(trainer/core.py).
 
-One `RLTrainer` owns the model, the optimizer and the run's bookkeeping. It starts from the exact
-checkpoint the vLLM workers serve (so version 0 is the same function on both sides), optionally
-runs a short supervised warm start on the task's reference answers and publishes the result as
-version 0, then hands control to the flow runtime: generation runs on the GenerationController's
-event loop through the router, and the runtime calls back into this thread to train a batch
-(`train_step`), publish a version (`publish`) and checkpoint (`checkpoint`). A train step computes
-GRPO advantages per prompt group, recomputes the proximal log-probs with the current weights,
-and takes one optimizer step on the decoupled PPO loss. Every step's figures go to DuckDB, and the
-prompt ids of every trained group are appended to `<run dir>/trained_prompts.jsonl`, the audit
-that every prompt is trained exactly once.
+In RL, rank 0 (`RLTrainer`) leads. It starts from the exact checkpoint the vLLM workers serve (so
+version 0 is the same function on both sides), optionally runs a short supervised warm start on the
+task's reference answers (a cross-entropy loss on the core) and publishes the result as version 0,
+then hands control to the flow runtime: generation runs on the GenerationController's event loop
+through the router, and the runtime calls back into this thread to train a batch (`train_step`),
+publish a version (`publish`) and checkpoint (`checkpoint`). Each of those is a `Command` rank 0
+broadcasts and every rank (`TrainerRank`) executes: a train step gives each rank its share of the
+batch (GRPO advantages and global normalisation are computed once, on rank 0); a publish has every
+rank write its experts into the version while rank 0 writes the dense part and drives the workers; a
+checkpoint is sharded. Every step's figures go to DuckDB, and the prompt ids of every trained group
+are appended to `<run dir>/trained_prompts.jsonl`, the audit that every prompt is trained exactly once.
 """
 
 from __future__ import annotations
@@ -19,18 +22,18 @@ import contextlib
 import dataclasses
 import json
 import logging
+import os
 import threading
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 import aiohttp
 import torch
-import torch.nn.functional as F
 
-from common.config import Config
+from common.config import Config, RLConfig
 from common.metrics import MetricsWriter
 from common.roles import RunContext
 from rollout.client import NoRouterError, RolloutClient, RolloutError, Sample
@@ -39,16 +42,26 @@ from rollout.flow.policy import FlowPolicy
 from rollout.flow.runtime import FlowRuntime, Group, SampleRequest
 from rollout.tasks import Problem, Task, load_task
 from rollout.tinykit import resolve_model
-from rollout.weights import WeightPublisher, current_version
-from trainer.checkpoint import TrainState, list_checkpoints, load_checkpoint, save_checkpoint
+from rollout.weights import PartReport, VersionPart, WeightPublisher, count_shards, current_version
+from trainer.checkpoint import TrainState
+from trainer.core import Batch, LossFn, PrepareFn, StepResult, TrainingCore, cross_entropy_loss
 from trainer.experts import select_backend
-from trainer.hf import hf_tensors, load_hf_state
+from trainer.hf import load_hf_state
 from trainer.model.transformer import Transformer, build_model
-from trainer.optim import Optimizer
-from trainer.pretrain import resolve_device
+from trainer.pretrain import PretrainData, Pretrainer, resolve_device
+from trainer.ranks import (
+    BOOTSTRAP_TIMEOUT_S,
+    RankInfo,
+    Ranks,
+    RedisStoreAddress,
+    dead_ranks,
+    form_group,
+    rank_info,
+    rank_record,
+)
 from trainer.report import build_rows, format_table, held_out_scores, save_png, wait_for_eval, wait_for_evals
 from trainer.rl.advantages import group_advantages, zero_variance_groups
-from trainer.rl.loss import ppo_loss
+from trainer.rl.loss import LossOutput, ppo_loss
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -57,6 +70,10 @@ T = TypeVar("T")
 _NO_WORKER_RETRY_S = 1.0
 # How long a stopping trainer waits for its training thread to notice.
 STOP_TIMEOUT_S = 20.0
+# How often a rank looks at the other ranks' liveness.
+RANK_POLL_S = 0.5
+# How long a rank whose collective failed waits for the watch to say which rank died.
+DEAD_RANK_GRACE_S = 3.0
 
 
 class StopRequested(RuntimeError):
@@ -160,40 +177,153 @@ def padded_batch(rollouts: list[Rollout], pad_id: int) -> tuple[torch.Tensor, to
     return tokens, targets, behaviour, (targets >= 0).float()
 
 
-class RLTrainer:
-    """The trainer of one RL run; `run()` does the whole run and returns the exit code."""
+@dataclass
+class Command:
+    """What rank 0 tells every rank to do next (broadcast over the control group; every rank executes it)."""
 
-    def __init__(self, ctx: RunContext, io_loop: asyncio.AbstractEventLoop) -> None:
-        self.ctx, self.cfg = ctx, ctx.cfg
-        self.io_loop = io_loop  # the role's event loop, idle while this thread trains: runs publishes
-        self.device = resolve_device(self.cfg.trainer.device)
-        self.task = load_task(self.cfg.rollout.task)
+    op: str
+    """sft (a supervised step), rl (a PPO step), publish, save, or stop."""
+    batch: dict[str, torch.Tensor] | None = None
+    """The step's global batch (the same rows on every rank; each trains its share)."""
+    total: float = 0.0
+    """Global normaliser of the loss: target tokens (sft, rl token_mean) or samples (rl seq_mean)."""
+    tokens: int = 0
+    """Trained tokens over all ranks (advances the schedule)."""
+    lr: float | None = None
+    step: int = 0
+    """The RL step (its samples made entirely by version `step` are fresh)."""
+    state: TrainState | None = None
+
+
+def rl_loss_fns(rl: RLConfig, total: float) -> tuple[PrepareFn, LossFn]:
+    """The RL update's two passes: the proximal log-probs of every micro-batch before any update, then the
+    decoupled PPO loss normalised by the global `total`. Per-token statistics are weighted by the
+    micro-batch's share of the step's tokens, so that summed over micro-batches and ranks they are means."""
+
+    def prepare(model: Transformer, mb: Batch) -> Batch:
+        return {"proximal": model.token_logprobs(mb["tokens"], mb["targets"])}
+
+    def loss_fn(model: Transformer, mb: Batch) -> LossOutput:
+        mask = mb["mask"]
+        logp = model.token_logprobs(mb["tokens"], mb["targets"])
+        out = ppo_loss(logp, mb["proximal"], mb["behaviour"], mb["advantages"], mask, rl, total=total)
+        weight = float(mask.sum()) / float(mb["step_tokens"][0])
+        additive = ("loss", "pg_loss", "kl", "tokens")
+        stats = {k: v if k in additive or k.endswith(("_max", "_min")) else v * weight for k, v in out.stats.items()}
+        # On samples made entirely by the current weights, behaviour and proximal log-probs come from the
+        # same function: their gap is the trainer-vs-vLLM numerical mismatch.
+        fresh = mask * mb["fresh"].unsqueeze(1)
+        stats["fresh_abs_diff_sum"] = float(((mb["proximal"] - mb["behaviour"]).abs() * fresh).sum())
+        stats["fresh_tokens"] = float(fresh.sum())
+        return LossOutput(out.loss, stats)
+
+    return prepare, loss_fn
+
+
+class _RankPeers:
+    """Rank 0's side of a publish the other ranks write parts of (rollout.weights.PeerWriters)."""
+
+    def __init__(self, ranks: Ranks, shard_counts: list[int]) -> None:
+        self.ranks, self.shard_counts = ranks, shard_counts
+        self.called = False
+
+    def write(self, tmp: Path, first_shard: list[int], total_shards: int) -> list[PartReport]:
+        self.called = True
+        self.ranks.broadcast({"tmp": str(tmp), "first": first_shard, "total": total_shards})
+        reports = self.ranks.all_gather(None)[1:]
+        failed = [r for r in reports if isinstance(r, str)]
+        if failed:
+            raise RuntimeError("; ".join(failed))
+        return reports
+
+    def cancel(self) -> None:
+        """The publish ended before the parts were asked for: release the ranks waiting for a place."""
+        self.ranks.broadcast(None)
+
+
+class TrainerRank:
+    """One rank of the trainer: its share of every command. Rank 0 (`RLTrainer`) decides the commands."""
+
+    def __init__(self, ctx: RunContext, ranks: Ranks) -> None:
+        self.ctx, self.cfg, self.ranks = ctx, ctx.cfg, ranks
+        self.device = ranks.device
         self.model_dir = resolve_model(self.cfg, ctx.run_dir)
+        self.core = TrainingCore(self.cfg, ranks, initial_policy(self.cfg, self.device, self.model_dir))
+        self.ckpt_root = ctx.run_dir / "checkpoints"
+        self.shard_bytes = self.cfg.rollout.weight_shard_mb << 20
+
+    def execute(self, cmd: Command) -> StepResult | None:
+        rl = self.cfg.trainer.rl
+        if cmd.op == "sft":
+            assert cmd.batch is not None
+            return self.core.step(cmd.batch, cross_entropy_loss(int(cmd.total)), self.cfg.trainer.warmup.batch_size,
+                                  tokens=cmd.tokens, lr=cmd.lr)  # fmt: skip
+        if cmd.op == "rl":
+            assert cmd.batch is not None
+            prepare, loss_fn = rl_loss_fns(rl, cmd.total)
+            return self.core.step(cmd.batch, loss_fn, rl.micro_batch_samples, tokens=cmd.tokens, prepare=prepare)
+        if cmd.op == "publish":
+            self.write_part(cmd.step)
+        elif cmd.op == "save":
+            assert cmd.state is not None
+            self.core.save(self.ckpt_root, cmd.state)
+        elif cmd.op != "stop":
+            raise ValueError(f"unknown trainer command {cmd.op!r}")
+        return None
+
+    def write_part(self, version: int) -> None:
+        """A rank other than 0 in a publish: write this rank's experts where rank 0 says."""
+        part = self.core.hf_part()
+        self.ranks.all_gather(count_shards(part, self.shard_bytes))
+        where = self.ranks.broadcast()
+        if where is None:
+            return
+        try:
+            report: PartReport | str = VersionPart(Path(where["tmp"]), version, part, self.shard_bytes,
+                                                   where["first"][self.ranks.rank - 1], where["total"]).write()  # fmt: skip
+        except Exception as exc:  # reported to rank 0, which fails the publish and says why
+            report = f"trainer rank {self.ranks.rank}: {type(exc).__name__}: {exc}"
+        self.ranks.all_gather(report)
+
+    def follow(self, stop: threading.Event) -> int:
+        """Ranks other than 0: resume like rank 0, then execute its commands until it says stop."""
+        self.core.resume(self.ckpt_root)
+        while not stop.is_set():
+            cmd: Command = self.ranks.broadcast()
+            self.execute(cmd)
+            if cmd.op == "stop":
+                return 0
+        raise StopRequested("stopped while following rank 0")
+
+
+def initial_policy(cfg: Config, device: torch.device, model_dir: Path) -> Transformer:
+    """Version 0 must be the function the workers serve: start from their checkpoint unless told otherwise."""
+    tc = cfg.trainer
+    dtype = torch.bfloat16 if tc.dtype == "bfloat16" else torch.float32
+    model = build_model(tc.model, select_backend(tc.experts.backend, device, dtype), seed=None)
+    load_hf_state(model, Path(tc.init) if tc.init else model_dir)
+    return model.to(device)
+
+
+class RLTrainer(TrainerRank):
+    """Rank 0 of an RL run: warm start, flow control, generation, publishing; `run()` returns the exit code."""
+
+    def __init__(self, ctx: RunContext, io_loop: asyncio.AbstractEventLoop, ranks: Ranks) -> None:
+        super().__init__(ctx, ranks)
+        self.io_loop = io_loop  # the role's event loop, idle while this thread trains: runs publishes
+        self.task = load_task(self.cfg.rollout.task)
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
-        self.model = self._initial_model()
-        self.optimizer = Optimizer(self.model, self.cfg.trainer.optim)
+        self.model = self.core.model
         self.state = TrainState()
         self.metrics = MetricsWriter(ctx.run_dir, ctx.exp, "trainer", 0)
-        self.ckpt_root = ctx.run_dir / "checkpoints"
         self.audit = ctx.run_dir / "trained_prompts.jsonl"
         self.publisher = WeightPublisher(ctx.async_redis(), ctx.keys, self.cfg.rollout, ctx.run_dir)
         self.stop_requested = threading.Event()
         self.controller: GenerationController | None = None
         self._t0 = time.monotonic()
         self._samples_trained = 0
-
-    # -- setup ---------------------------------------------------------------------------------
-
-    def _initial_model(self) -> Transformer:
-        tc = self.cfg.trainer
-        dtype = torch.bfloat16 if tc.dtype == "bfloat16" else torch.float32
-        backend = select_backend(tc.experts.backend, self.device, dtype)
-        model = build_model(tc.model, backend, seed=None)
-        # Version 0 must be the function the workers serve: start from their checkpoint unless told otherwise.
-        load_hf_state(model, Path(tc.init) if tc.init else self.model_dir)
-        return model.to(self.device)
 
     def stop(self) -> None:
         """Ask the run to end (from another thread): warm start checks the flag, the flow runtime's
@@ -205,17 +335,18 @@ class RLTrainer:
     def _io(self, coro: Coroutine[Any, Any, T]) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self.io_loop).result()
 
+    def command(self, cmd: Command) -> StepResult | None:
+        """Tell every rank, then do this rank's share."""
+        self.ranks.broadcast(cmd)
+        return self.execute(cmd)
+
     # -- warm start ----------------------------------------------------------------------------
 
     def warm_start(self) -> None:
-        """Supervised steps on reference answers (prompt tokens masked out of the loss)."""
+        """Supervised steps on reference answers (prompt tokens masked out of the loss), on the core."""
         w = self.cfg.trainer.warmup
-        if w.steps <= 0:
-            return
-        optim = torch.optim.AdamW(self.model.parameters(), lr=w.lr, betas=(0.9, 0.95), weight_decay=0.0)
         eos = self.tokenizer.eos_token_id
         n = len(self.task)
-        self.model.train()
         for step in range(w.steps):
             if self.stop_requested.is_set():
                 raise StopRequested(f"stopped during the warm start at step {step}")
@@ -230,17 +361,16 @@ class RLTrainer:
             length = max(map(len, rows))
             tokens = torch.tensor([r + [self.tokenizer.pad_token_id] * (length - len(r)) for r in rows])
             mask = torch.tensor([m + [0] * (length - len(m)) for m in masks])
-            targets = torch.where(mask[:, 1:] > 0, tokens[:, 1:], torch.full_like(tokens[:, 1:], -100))
-            logits = self.model(tokens[:, :-1].to(self.device))
-            loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1).to(self.device))
-            optim.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.trainer.optim.grad_clip or 1e9)
-            optim.step()
-            self.metrics.log("warmup/loss", step, float(loss.detach()))
+            targets = torch.where(mask[:, 1:] > 0, tokens[:, 1:], torch.full_like(tokens[:, 1:], -1))
+            n_targets = int((targets >= 0).sum())
+            # The warm start does not advance the RL schedule: tokens = 0, a constant rate of its own.
+            result = self.command(Command("sft", {"tokens": tokens[:, :-1], "targets": targets}, total=n_targets,
+                                          tokens=0, lr=w.lr))  # fmt: skip
+            assert result is not None
+            loss = result.figures["loss"]
+            self.metrics.log("warmup/loss", step, loss)
             if step % 50 == 0 or step == w.steps - 1:
-                log.info("warm start step %d/%d loss %.4f", step + 1, w.steps, float(loss.detach()))
-        self.model.zero_grad(set_to_none=True)
+                log.info("warm start step %d/%d loss %.4f", step + 1, w.steps, loss)
 
     # -- flow callbacks (trainer thread) -------------------------------------------------------
 
@@ -281,74 +411,63 @@ class RLTrainer:
         )  # fmt: skip
 
     def _update(self, step: int, rollouts: list[Rollout], advantages: torch.Tensor) -> dict[str, float]:
-        """One optimizer step on the decoupled PPO loss; returns the loss statistics."""
+        """One optimizer step on the decoupled PPO loss over every rank; returns the loss statistics."""
         rl = self.cfg.trainer.rl
         tokens, targets, behaviour, mask = padded_batch(rollouts, self.tokenizer.pad_token_id)
-        tokens, targets, behaviour, mask = (t.to(self.device) for t in (tokens, targets, behaviour, mask))
-        advantages = advantages.to(self.device)
-        mb = rl.micro_batch_samples
-        chunks = [slice(i, i + mb) for i in range(0, len(rollouts), mb)]
-        with torch.no_grad():
-            self.model.eval()
-            proximal = torch.cat([self.model.token_logprobs(tokens[c], targets[c]) for c in chunks])
-        self.model.train()
-        total = float(mask.sum()) if rl.aggregation == "token_mean" else float(len(rollouts))
-        sums: dict[str, float] = {}
-        for c in chunks:
-            logp = self.model.token_logprobs(tokens[c], targets[c])
-            out = ppo_loss(logp, proximal[c], behaviour[c], advantages[c], mask[c], rl, total=total)
-            out.loss.backward()
-            weight = float(mask[c].sum()) / float(mask.sum())
-            for k, v in out.stats.items():
-                sums[k] = sums.get(k, 0.0) + (v if k in ("loss", "pg_loss", "kl", "tokens") else v * weight)
-        step_stats = self.optimizer.step(int(mask.sum()))
-        sums["grad_norm"] = step_stats.grad_norm
-        # On samples made entirely by the current weights (version `step`), behaviour and proximal
-        # log-probs come from the same function: their gap is the trainer-vs-vLLM numerical mismatch.
-        fresh = torch.tensor([all(v == step for v in r.weight_versions) for r in rollouts], device=mask.device)
-        fresh_mask = mask * fresh.unsqueeze(1)
-        if fresh_mask.sum() > 0:
-            sums["fresh_logprob_mismatch"] = float(((proximal - behaviour).abs() * fresh_mask).sum() / fresh_mask.sum())
-        return sums
+        n_tokens = int(mask.sum())
+        fresh = torch.tensor([float(all(v == step for v in r.weight_versions)) for r in rollouts])
+        batch = {"tokens": tokens, "targets": targets, "behaviour": behaviour, "mask": mask, "advantages": advantages,
+                 "fresh": fresh, "step_tokens": torch.full((len(rollouts),), float(n_tokens))}  # fmt: skip
+        total = float(n_tokens) if rl.aggregation == "token_mean" else float(len(rollouts))
+        result = self.command(Command("rl", batch, total=total, tokens=n_tokens, step=step))
+        assert result is not None
+        figures = dict(result.figures)
+        abs_sum, fresh_tokens = figures.pop("fresh_abs_diff_sum", 0.0), figures.pop("fresh_tokens", 0.0)
+        if fresh_tokens > 0:
+            figures["fresh_logprob_mismatch"] = abs_sum / fresh_tokens
+        figures["grad_norm"] = result.optim.grad_norm
+        return figures
 
-    def _hf_state(self) -> dict[str, torch.Tensor]:
-        """The policy's tensors in HF naming, on the CPU (what a publish writes)."""
-        return {name: t.detach().to("cpu") for name, t in hf_tensors(self.model)}
-
-    def publish(self, version: int) -> None:
-        result = self._io(self.publisher.publish(version, self._hf_state()))
+    def publish(self, version: int, force: bool = False) -> None:
+        """Every rank writes its part of the version; this rank drives the workers."""
+        self.command(Command("publish", step=version))
+        part = self.core.hf_part()
+        counts = self.ranks.all_gather(count_shards(part, self.shard_bytes))
+        peers = _RankPeers(self.ranks, counts[1:]) if self.ranks.world > 1 else None
+        try:
+            result = self._io(self.publisher.publish(version, part, force=force, peers=peers))
+        finally:
+            if peers is not None and not peers.called:
+                peers.cancel()
         self.metrics.log_many(version, {"weights/publish_s": result.total_s, "weights/max_pause_s": result.max_pause_s,
                                         "weights/write_s": result.write_s, "weights/max_load_s": result.max_load_s})  # fmt: skip
+
+    def write_part(self, version: int) -> None:
+        pass  # rank 0 writes its part inside `publish`, beside driving the workers
 
     def checkpoint(self, next_step: int, flow_state: dict[str, Any]) -> None:
         interval = self.cfg.trainer.checkpoint.interval_steps
         if interval and next_step % interval == 0:
             self.save(flow_state)
 
-    def save(self, flow_state: dict[str, Any]) -> Path:
-        self.state.tokens = self.optimizer.tokens
+    def save(self, flow_state: dict[str, Any]) -> None:
         self.state.flow_state = flow_state
-        path = save_checkpoint(self.ckpt_root, self.model, self.optimizer, self.state, self.cfg,
-                               keep=self.cfg.trainer.checkpoint.keep)  # fmt: skip
-        log.info("checkpoint %s", path)
-        return path
+        self.command(Command("save", state=self.state))
+        log.info("checkpoint at step %d", self.state.step)
 
     # -- the run -------------------------------------------------------------------------------
 
     def run(self) -> int:
         tc, flow = self.cfg.trainer, self.cfg.flow
-        resumed = False
-        if tc.checkpoint.resume and list_checkpoints(self.ckpt_root):
-            latest = list_checkpoints(self.ckpt_root)[-1]
-            self.state = load_checkpoint(latest, self.model, self.optimizer, self.cfg)
-            resumed = True
-            log.info("resumed from %s at step %d", latest, self.state.step)
-        else:
+        resumed = self.core.resume(self.ckpt_root)
+        if resumed is not None:
+            self.state = resumed
+        elif tc.warmup.steps > 0:
             self.warm_start()
         published = self._io(current_version(self.publisher.client, self.ctx.keys))
         if published != self.state.step:
             # Version `step` is what the trainer holds; the workers must serve exactly it.
-            self._io(self.publisher.publish(self.state.step, self._hf_state(), force=True))
+            self.publish(self.state.step, force=True)
         policy = FlowPolicy.from_config(flow, num_prompts=len(self.task), max_steps=tc.steps)
         generator = _Generator(self.cfg, self.ctx, self.task, self.tokenizer)
         controller = self.controller = GenerationController.from_config(generator, flow, name="rollout")
@@ -359,7 +478,7 @@ class RLTrainer:
             policy, controller, lambda i: self.task.problem(i) if i < len(self.task) else None,
             self.train_step, self.publish, checkpoint=self.checkpoint,
         )  # fmt: skip
-        if resumed and self.state.flow_state:
+        if resumed is not None and self.state.flow_state:
             runtime.load_state_dict(self.state.flow_state)
         try:
             report = runtime.run()
@@ -372,6 +491,7 @@ class RLTrainer:
                 controller.run_coroutine(generator.close()).result(timeout=10)
             controller.close()
         self.save(runtime.state_dict())
+        self.command(Command("stop"))
         c = report.counters
         log.info("flow finished: %s; counters %s", report.finish_reason, c)
         self.metrics.log_many(self.state.step, {f"flow/{k}": float(v) for k, v in vars(c).items()
@@ -422,19 +542,113 @@ class RLTrainer:
         log.info("report: %s; metrics: %s", png, self.ctx.run_dir / "metrics")
 
 
-async def main(ctx: RunContext) -> int:
-    """ROLE=trainer: the RL run, in a thread (training blocks), with this loop serving its publishes.
 
-    A thread cannot be cancelled: on SIGTERM the trainer is told to stop (its generation controller
-    closes, which ends the flow runtime's wait), and the role waits a bounded time for the thread.
-    """
-    trainer = RLTrainer(ctx, asyncio.get_running_loop())
-    work = asyncio.ensure_future(asyncio.to_thread(trainer.run))
+def _thread(fn: Callable[[], int], name: str) -> asyncio.Future[int]:
+    """Run fn in a daemon thread: a rank stuck in a collective with a dead peer must not keep the process alive."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[int] = loop.create_future()
+
+    def body() -> None:
+        def settle(result: Any = None, exc: BaseException | None = None) -> None:
+            if not future.done():
+                future.set_exception(exc) if exc is not None else future.set_result(result)
+
+        try:
+            result: Any = fn()
+        except BaseException as exc:  # handed to the event loop, which raises it in the role
+            loop.call_soon_threadsafe(settle, None, exc)
+        else:
+            loop.call_soon_threadsafe(settle, result)
+
+    threading.Thread(target=body, name=name, daemon=True).start()
+    return future
+
+
+async def _watch_ranks(ctx: RunContext, ranks: Ranks) -> str:
+    """Return (the reason) as soon as another trainer rank is gone; runs until cancelled otherwise."""
+    client = ctx.async_redis()
     try:
-        return await asyncio.shield(work)
+        while True:
+            await asyncio.sleep(RANK_POLL_S)
+            raw = await client.hgetall(ctx.keys.trainer_ranks)
+            records = {int(r): json.loads(v) for r, v in raw.items()}
+            instances = sorted(records)
+            alive = await client.mget([ctx.keys.role_alive("trainer", records[r]["instance"]) for r in instances])
+            dead = dead_ranks(records, {r: a is not None for r, a in zip(instances, alive, strict=True)}, ranks.rank)
+            if dead:
+                return "; ".join(f"trainer rank {r} died ({why})" for r, why in dead)
+    finally:
+        await client.aclose()
+
+
+def _device(cfg: Config, info: RankInfo) -> torch.device:
+    device = resolve_device(cfg.trainer.device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", info.local_rank)
+    return device
+
+
+async def main(ctx: RunContext) -> int:
+    """ROLE=trainer on one rank: form the group, then RL (rank 0 leads, the others follow) or pretraining.
+
+    Training runs in a thread while this loop serves rank 0's publishes and watches the other ranks. A
+    thread cannot be cancelled: on SIGTERM the trainer is told to stop and the role waits a bounded time;
+    when another rank died, this rank names it and exits non-zero at once (its thread may be blocked in
+    a collective with the dead rank; it is a daemon thread and does not hold the process).
+    """
+    info = rank_info(os.environ)
+    device = _device(ctx.cfg, info)
+    client = ctx.redis
+    store = RedisStoreAddress(client, ctx.keys.trainer_store)
+    ranks = await asyncio.to_thread(form_group, info, device, store, BOOTSTRAP_TIMEOUT_S,
+                                    ctx.cfg.trainer.parallel.store_host)  # fmt: skip
+    record = json.loads(rank_record(ranks.rank, ctx.instance))
+    client.hset(ctx.keys.trainer_ranks, str(ranks.rank), json.dumps(record))
+    stopping = threading.Event()
+    trainer: RLTrainer | None = None
+    if ctx.cfg.trainer.mode == "pretrain":
+        work = _thread(lambda: _pretrain(ctx, ranks), "pretrain")
+    elif ranks.is_main:
+        # Built off the loop (tokenizer, model): the heartbeats must keep beating meanwhile.
+        trainer = await asyncio.to_thread(RLTrainer, ctx, asyncio.get_running_loop(), ranks)
+        work = _thread(trainer.run, "rl-trainer")
+    else:
+        follower = await asyncio.to_thread(TrainerRank, ctx, ranks)
+        work = _thread(lambda: follower.follow(stopping), f"rank-{ranks.rank}")
+    watch = asyncio.ensure_future(_watch_ranks(ctx, ranks))
+    try:
+        done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if work in done and work.exception() is not None and watch not in done:
+            # A collective with a dead rank fails at once; the watch names the rank soon after.
+            done, _ = await asyncio.wait({watch}, timeout=DEAD_RANK_GRACE_S)
+        if watch in done:
+            log.error("%s; stopping trainer rank %d", watch.result(), ranks.rank)
+            return 1
+        code = work.result()
+        client.hset(ctx.keys.trainer_ranks, str(ranks.rank), json.dumps({**record, "state": "done"}))
+        return code
     except asyncio.CancelledError:
-        trainer.stop()
+        stopping.set()
+        if trainer is not None:
+            trainer.stop()
         done, _ = await asyncio.wait({work}, timeout=STOP_TIMEOUT_S)
         if not done:
             log.error("the training thread did not stop within %.0fs", STOP_TIMEOUT_S)
         raise
+    finally:
+        watch.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watch
+        if work.done() and not work.cancelled() and work.exception() is None:
+            ranks.close()
+
+
+def _pretrain(ctx: RunContext, ranks: Ranks) -> int:
+    """trainer.mode = "pretrain" on this rank: trainer.data through the core, metrics to DuckDB (rank 0)."""
+    cfg = ctx.cfg
+    d = cfg.trainer.data
+    tokenizer = d.tokenizer or (str(resolve_model(cfg, ctx.run_dir)) if d.path.endswith(".jsonl") else "")
+    data = PretrainData(d.path, d.seq_len, d.batch_size, tokenizer, d.text_key)
+    with MetricsWriter(ctx.run_dir, ctx.exp, "trainer", ranks.rank) as metrics:
+        Pretrainer(cfg, data, ctx.run_dir, metrics, ranks=ranks).run()
+    return 0

@@ -2,8 +2,10 @@
 router gate, routed experts), the WSD schedule in tokens, global gradient-norm clipping, and the
 aux-loss-free router-bias update with its own rate. Parameters are the fp32 master weights and
 AdamW's moments are fp32; `autocast` gives bf16 compute on top of them (weights are cast per op in
-the forward, gradients land in fp32). Gradient accumulation is the caller's loop of backward passes
-before one `Optimizer.step`."""
+the forward, gradients land in fp32). Under data and expert parallelism the step first reduces the
+gradients and expert loads through the model's `ParallelPlan` (trainer/ep) and clips by the global
+norm. After writing the masters it refreshes the bf16 expert-weight copies itself. Gradient
+accumulation is the training core's loop of backward passes before one `Optimizer.step`."""
 
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ import torch
 from torch import nn
 
 from common.config import OptimConfig
-from trainer.model.moe import MoE
+from trainer.ep.parallel import ParallelPlan
+from trainer.model.moe import MoE, refresh_expert_weight_copies
 from trainer.schedule import WSD
 
 GROUPS = ("dense", "router", "expert")
@@ -74,11 +77,13 @@ def router_stats(model: nn.Module) -> list[RouterStats]:
 
 class Optimizer:
     """AdamW + WSD + clipping + router-bias balancing for one model. `step(tokens)` after the backward
-    passes of one batch; `tokens` is the number of trained tokens in that batch."""
+    passes of one batch; `tokens` is the number of trained tokens in that batch (over all ranks).
+    `plan` is the model's parallel plan (None: one rank)."""
 
-    def __init__(self, model: nn.Module, cfg: OptimConfig) -> None:
+    def __init__(self, model: nn.Module, cfg: OptimConfig, plan: ParallelPlan | None = None) -> None:
         self.model = model
         self.cfg = cfg
+        self.plan = plan
         self.schedule = WSD.from_config(cfg)
         peak = {"dense": cfg.lr, "router": cfg.router_lr, "expert": cfg.expert_lr}
         buckets: dict[tuple[str, bool], list[nn.Parameter]] = {}
@@ -111,19 +116,26 @@ class Optimizer:
         return self.cfg.bias_update_rate * (1.0 - decay)
 
     def clip_gradients(self, max_norm: float) -> float:
-        """Clip to a global gradient norm and return the norm before clipping. Parallel wrappers whose
-        parameters are sharded over ranks (trainer/ep) override this to reduce the norm across ranks."""
+        """Clip to the global gradient norm (over every rank's shards) and return the norm before clipping."""
+        if self.plan is not None:
+            return self.plan.clip_gradients(max_norm)
         return float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
 
-    def step(self, tokens: int) -> StepStats:
+    def step(self, tokens: int, lr: float | None = None) -> StepStats:
+        """One AdamW step after the backward passes of `tokens` trained tokens (over all ranks). `lr`, when
+        given, is a constant rate for every group instead of the schedule (a supervised warm start)."""
+        if self.plan is not None:
+            self.plan.reduce_gradients()
+            self.plan.reduce_expert_load()
         self.tokens += tokens
         factor = self.schedule.lr_factor(self.tokens)
         for grp in self.adamw.param_groups:
-            grp["lr"] = grp["peak_lr"] * factor
+            grp["lr"] = grp["peak_lr"] * factor if lr is None else lr
         max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
         grad_norm = self.clip_gradients(max_norm)
         self.adamw.step()
         self.adamw.zero_grad(set_to_none=True)
+        refresh_expert_weight_copies(self.model)
         telemetry = router_stats(self.model)
         rate = self.bias_rate(self.tokens)
         for mod in self.model.modules():

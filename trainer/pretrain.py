@@ -1,6 +1,7 @@
-"""Next-token training (supervised warm starts): JSONL text through a tokenizer, or pre-tokenized
-arrays, packed into fixed-length rows and trained with the model, optimizer, schedule and
-checkpoints of the trainer core. Loss, gradient norm, throughput and per-MoE-layer router telemetry
+"""Next-token pretraining, a driver of the training core (trainer/core.py): JSONL text through a
+tokenizer, or pre-tokenized arrays, packed into fixed-length rows; the core does the rest (ranks,
+optimizer, schedule, checkpoints). `ROLE=trainer` with `trainer.mode = "pretrain"` runs it on every
+trainer rank (trainer/loop.py); `python -m trainer.pretrain` runs one rank without the rendezvous. Loss, gradient norm, throughput and per-MoE-layer router telemetry
 go to a metrics writer (anything with `log(tag, step, value)`, e.g. common.metrics.MetricsWriter).
 
     python -m trainer.pretrain CONFIG --data text.jsonl --tokenizer TOKENIZER_DIR --seq-len 256 \\
@@ -20,14 +21,15 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from common.config import Config, load_config
-from trainer.checkpoint import TrainState, list_checkpoints, load_checkpoint, load_model_weights, save_checkpoint
+from trainer.checkpoint import TrainState, load_model_weights
+from trainer.core import TrainingCore, cross_entropy_loss
 from trainer.experts import select_backend
 from trainer.hf import load_hf_state
 from trainer.model import Transformer, build_model
-from trainer.optim import Optimizer, StepStats, autocast
+from trainer.optim import StepStats
+from trainer.ranks import Ranks
 
 log = logging.getLogger(__name__)
 
@@ -167,7 +169,8 @@ def initial_model(cfg: Config, device: torch.device) -> Transformer:
 
 
 class Pretrainer:
-    """One next-token training run: `run()` trains `trainer.steps` optimizer steps, resuming if it can."""
+    """One next-token training run on the training core: `run()` trains `trainer.steps` optimizer steps,
+    resuming if it can. Every rank reads the same rows; the core gives each its share."""
 
     def __init__(
         self,
@@ -176,52 +179,36 @@ class Pretrainer:
         run_dir: str | Path,
         metrics: MetricsSink | None = None,
         encode: Callable[[str], list[int]] | None = None,
+        ranks: Ranks | None = None,
     ) -> None:
         self.cfg = cfg
-        self.device = resolve_device(cfg.trainer.device)
+        self.ranks = ranks if ranks is not None else Ranks.single(resolve_device(cfg.trainer.device))
+        self.device = self.ranks.device
         self.run_dir = Path(run_dir)
         self.ckpt_root = self.run_dir / "checkpoints"
         self.metrics = metrics
         self.data = data
         self.sampler = RowSampler(token_rows(data, encode), cfg.run.seed)
-        self.model = initial_model(cfg, self.device)
-        self.optimizer = Optimizer(self.model, cfg.trainer.optim)
-        self.state = TrainState()
-        self.model.set_aux_loss(cfg.trainer.optim.seq_aux_loss_coef > 0)
-        if cfg.trainer.checkpoint.resume and list_checkpoints(self.ckpt_root):
-            latest = list_checkpoints(self.ckpt_root)[-1]
-            self.state = load_checkpoint(latest, self.model, self.optimizer, cfg)
+        self.core = TrainingCore(cfg, self.ranks, initial_model(cfg, self.device))
+        self.model, self.optimizer = self.core.model, self.core.optimizer
+        self.state = self.core.resume(self.ckpt_root) or TrainState()
+        if self.state.data_cursor:
             self.sampler.restore(self.state.data_cursor)
-            log.info("resumed from %s at step %d", latest, self.state.step)
 
     def train_step(self) -> tuple[float, StepStats]:
-        """One optimizer step over grad_accum micro-batches; returns (mean loss per token, stats)."""
+        """One optimizer step over grad_accum micro-batches of batch_size rows (over all ranks); returns
+        (mean loss per token, stats)."""
         oc = self.cfg.trainer.optim
-        batches = [self.sampler.next_batch(self.data.batch_size) for _ in range(oc.grad_accum)]
-        n_targets = int(sum(int((b[:, 1:] >= 0).sum()) for b in batches))
-        self.model.train()
-        loss_sum = torch.zeros((), device=self.device)
-        for batch in batches:
-            batch = batch.to(self.device)
-            inputs, targets = batch[:, :-1].clamp(min=0), batch[:, 1:]
-            with autocast(self.device, self.cfg.trainer.dtype):
-                logits = self.model(inputs)
-            ce = F.cross_entropy(
-                logits.float().reshape(-1, logits.shape[-1]),
-                targets.reshape(-1).masked_fill(targets.reshape(-1) < 0, -100),
-                reduction="sum",
-            )
-            loss = ce / n_targets
-            aux = self.model.aux_loss()
-            if aux is not None:
-                loss = loss + oc.seq_aux_loss_coef * aux / oc.grad_accum
-            loss.backward()
-            loss_sum += ce.detach()
-        stats = self.optimizer.step(n_targets)
-        return float(loss_sum) / n_targets, stats
+        rows = torch.cat([self.sampler.next_batch(self.data.batch_size) for _ in range(oc.grad_accum)])
+        targets = rows[:, 1:]
+        n_targets = int((targets >= 0).sum())
+        batch = {"tokens": rows[:, :-1].clamp(min=0), "targets": targets}
+        per_forward = -(-self.data.batch_size // self.ranks.world)
+        result = self.core.step(batch, cross_entropy_loss(n_targets), per_forward, tokens=n_targets)
+        return result.figures["loss"], result.optim
 
     def _log(self, loss: float, stats: StepStats, tokens_per_s: float) -> None:
-        if self.metrics is None:
+        if self.metrics is None or not self.ranks.is_main:
             return
         step = stats.step
         for tag, value in (
@@ -239,9 +226,7 @@ class Pretrainer:
 
     def save(self) -> Path:
         self.state.data_cursor = self.sampler.cursor()
-        return save_checkpoint(
-            self.ckpt_root, self.model, self.optimizer, self.state, self.cfg, keep=self.cfg.trainer.checkpoint.keep
-        )
+        return self.core.save(self.ckpt_root, self.state)
 
     def run(self, steps: int | None = None) -> list[float]:
         """Train until step `steps` (default trainer.steps); returns the losses of the steps run here."""
@@ -255,7 +240,8 @@ class Pretrainer:
             n_tokens = self.cfg.trainer.optim.grad_accum * self.data.batch_size * self.data.seq_len
             self._log(loss, stats, n_tokens / (time.perf_counter() - t0))
             losses.append(loss)
-            log.info("step %d loss %.4f grad_norm %.3f", stats.step, loss, stats.grad_norm)
+            if self.ranks.is_main:
+                log.info("step %d loss %.4f grad_norm %.3f", stats.step, loss, stats.grad_norm)
             if interval and self.state.step % interval == 0 and self.state.step < target:
                 self.save()
         self.save()

@@ -1,11 +1,16 @@
 """The `file` weight-transfer engine: applies a published weight version read from safetensors files.
 
 Update info is `{"path": DIR_OR_FILE}`: every `*.safetensors` file of a complete version directory
-is read in name order. With `{"path": DIR, "shards": K}` the version is still being written (the
-publisher streams it; layout in rollout/weight_files.py): shard i appears by an atomic rename once
-whole, so the engine loads shard i while the publisher writes shard i+1. It waits at most `wait_s`
-seconds for each shard and stops at once if the publisher leaves an `ABORTED` file (its write
-failed). Tensors are streamed, one at a time, into `model.load_weights` inside vLLM's layer-wise
+is read in name order. When the directory has an index with checksums (`model.safetensors.index.json`,
+which the publisher writes), each file is read once into memory, its size and CRC-32 checked against
+the index, and its tensors loaded from those bytes; a mismatch, a shard missing or a shard the index
+does not know raises before that file is loaded. With `{"path": DIR, "shards": K}` the version is still
+being written (the publisher streams it; layout in rollout/weight_files.py): shard i appears by an
+atomic rename once whole, so the engine loads shard i while the publisher (or another trainer rank)
+writes shard i+1. It waits at most `wait_s` seconds for each shard and stops at once if a writer
+leaves an `ABORTED` file (its write failed). Streamed shards are NOT checksummed: the index is written
+after the last shard, when the load is already done; the atomic rename is what guards them. Tensors
+are streamed, one at a time, into `model.load_weights` inside vLLM's layer-wise
 reload (`initialize_layerwise_reload` on start, `finalize_layerwise_reload` on finish), so HF-named
 checkpoint tensors (one name per expert) are sharded, fused and post-processed exactly as at load.
 No process group or handshake is needed: trainer and workers only share the files.
@@ -21,13 +26,14 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
+from safetensors.torch import load
 from vllm.distributed.weight_transfer.base import (
     WeightTransferEngine,
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,
 )
 
-from rollout.weight_files import ABORT_MARKER, shard_name
+from rollout.weight_files import ABORT_MARKER, CorruptShardError, read_index, shard_name, verify_shard
 
 _POLL_S = 0.001
 
@@ -56,6 +62,7 @@ class FileUpdateInfo(WeightTransferUpdateInfo):
         if p.is_file():
             yield p
             return
+        # The index (model.safetensors.index.json) does not match this pattern.
         files = sorted(p.glob("*.safetensors")) if p.is_dir() else []
         if not files:
             raise FileNotFoundError(
@@ -81,12 +88,26 @@ class FileUpdateInfo(WeightTransferUpdateInfo):
             time.sleep(_POLL_S)
         return shard
 
-
-def _tensors(files: Iterator[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    for f in files:
-        with safe_open(str(f), framework="pt", device="cpu") as fh:
-            for name in fh.keys():  # noqa: SIM118 - safe_open is not a mapping
-                yield name, fh.get_tensor(name)
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every tensor of the version, file by file in load order; a complete version with an index is
+        checked file by file (CorruptShardError names the file, the expected and the found value)."""
+        p = Path(self.path)
+        expected = read_index(p) if self.shards == 0 and p.is_dir() else None
+        if expected is None:
+            for f in self.files():
+                with safe_open(str(f), framework="pt", device="cpu") as fh:
+                    for name in fh.keys():  # noqa: SIM118 - safe_open is not a mapping
+                        yield name, fh.get_tensor(name)
+            return
+        files = list(self.files())
+        if missing := sorted(set(expected) - {f.name for f in files}):
+            raise CorruptShardError(f"file weight update: {p} lacks the shard(s) {missing} that its index lists")
+        for f in files:
+            if f.name not in expected:
+                raise CorruptShardError(f"file weight update: {f} is not in the version's index; it does not belong")
+            data = f.read_bytes()
+            verify_shard(f, data, expected[f.name])
+            yield from load(data).items()
 
 
 class FileWeightTransferEngine(WeightTransferEngine[FileInitInfo, FileUpdateInfo]):
@@ -104,7 +125,7 @@ class FileWeightTransferEngine(WeightTransferEngine[FileInitInfo, FileUpdateInfo
         initialize_layerwise_reload(self.model)
 
     def receive_weights(self, update_info: FileUpdateInfo) -> None:
-        tensors = _tensors(update_info.files())
+        tensors = update_info.tensors()
         if self.device.type != "cpu":
             tensors = ((name, t.to(self.device, non_blocking=True)) for name, t in tensors)
         self.model.load_weights(tensors)

@@ -4,9 +4,9 @@ moves rows through a `Transport`; the model code stays rank-agnostic, since the 
 module's own contract (expert-sorted rows and offsets in, results for the same rows out). Expert
 weights become DTensors sharded on dim 0 over the group, so torch.distributed.checkpoint saves them as
 global-shape tensors with per-rank chunks and loads them at any other EP size; the dense weights stay
-plain replicated tensors. `ExpertParallel` keeps the replicas in step: it all-reduces the dense
-gradients and the expert-load counts (sum), and computes the global gradient norm; the expert
-gradients already hold every source's contribution and are never reduced."""
+plain replicated tensors. `ParallelPlan` keeps the replicas in step: it all-reduces the dense
+gradients (over every rank), the expert gradients over the data-parallel copies of the EP group, and
+the expert-load counts (sum), and computes the global gradient norm."""
 
 from __future__ import annotations
 
@@ -93,20 +93,40 @@ class ShardedExperts(nn.Module):
         return _Combine.apply(out, plan, self.transport)
 
 
-@dataclass
-class ExpertParallel:
-    """The applied expert parallelism of one model: its group, transport and gradient bookkeeping.
+def _all_reduce_flat(grads: list[torch.Tensor], group: dist.ProcessGroup) -> None:
+    """Sum gradients over a group in place, one flat all-reduce per (device, dtype) bucket."""
+    buckets: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for g in grads:
+        buckets.setdefault((g.device, g.dtype), []).append(g)
+    for bucket in buckets.values():
+        flat = torch.cat([g.reshape(-1) for g in bucket])
+        dist.all_reduce(flat, group=group)
+        for g, part in zip(bucket, flat.split([g.numel() for g in bucket]), strict=True):
+            g.copy_(part.view_as(g))
 
-    Training objective under EP: the sum of the ranks' losses, each normalised by the global token
-    count. Then summing the dense gradients over ranks gives the single-rank gradient, and the expert
-    gradients (accumulated on the owners from every source) already are."""
+
+@dataclass
+class ParallelPlan:
+    """The parallelism applied to one model: expert shards, data-parallel replicas, gradient bookkeeping.
+
+    Ranks are laid out as D data-parallel replicas of an expert-parallel group of E ranks (W = D * E):
+    rank r is EP rank r % E of replica r // E. `transport` moves rows inside the EP group (None: the
+    experts are not sharded). `dense_group` holds every rank with a copy of the replicated weights
+    (all W); `expert_replica_group` the D ranks holding the same expert shards (None when D = 1).
+
+    Training objective: the sum of the ranks' losses, each normalised by the global count (tokens,
+    samples). Summing replicated gradients over `dense_group` then gives the one-rank gradient; the
+    expert gradients already hold every row of their EP group and are summed over the replicas."""
 
     model: nn.Module
-    transport: Transport
+    transport: Transport | None = None
+    dense_group: dist.ProcessGroup | None = None
+    expert_replica_group: dist.ProcessGroup | None = None
 
     @property
     def group(self) -> dist.ProcessGroup | None:
-        return self.transport.group
+        """The expert-parallel group (None without sharded experts)."""
+        return None if self.transport is None else self.transport.group
 
     def expert_params(self) -> list[nn.Parameter]:
         return [p for m in self.model.modules() if isinstance(m, ShardedExperts) for p in m.parameters()]
@@ -115,39 +135,35 @@ class ExpertParallel:
         sharded = {id(p) for p in self.expert_params()}
         return [p for p in self.model.parameters() if p.requires_grad and id(p) not in sharded]
 
-    def all_reduce_gradients(self) -> None:
-        """Sum the dense gradients over the group, one flat all-reduce per (device, dtype).
+    def reduce_gradients(self) -> None:
+        """Sum replicated gradients over `dense_group` and expert shards' over `expert_replica_group`.
 
-        A dense parameter without a gradient on this rank contributes zeros (another rank may have one)."""
-        if self.group is None:
-            return
-        buckets: dict[tuple[torch.device, torch.dtype], list[nn.Parameter]] = {}
-        for p in self.replicated_params():
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            buckets.setdefault((p.grad.device, p.grad.dtype), []).append(p)
-        for params in buckets.values():
-            flat = torch.cat([p.grad.reshape(-1) for p in params])
-            dist.all_reduce(flat, group=self.group)
-            for p, g in zip(params, flat.split([p.numel() for p in params]), strict=True):
-                p.grad.copy_(g.view_as(p.grad))
+        A parameter without a gradient on this rank contributes zeros (another rank may have one)."""
+        for params, group in ((self.replicated_params(), self.dense_group),
+                              (self.expert_params(), self.expert_replica_group)):  # fmt: skip
+            if group is None:
+                continue
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            _all_reduce_flat([_local(p.grad) for p in params], group)
 
-    def all_reduce_expert_load(self) -> None:
-        """Sum every MoE layer's tokens_per_expert over the group, so the bias update and router
+    def reduce_expert_load(self) -> None:
+        """Sum every MoE layer's tokens_per_expert over all ranks, so the bias update and router
         telemetry see the global load and every rank applies the same bias step."""
-        if self.group is None:
+        if self.dense_group is None:
             return
         layers = [m for m in self.model.modules() if isinstance(m, MoE)]
         if not layers:
             return
         load = torch.stack([m.tokens_per_expert for m in layers])
-        dist.all_reduce(load, group=self.group)
+        dist.all_reduce(load, group=self.dense_group)
         for m, row in zip(layers, load, strict=True):
             m.tokens_per_expert.copy_(row)
 
     def grad_norm(self) -> torch.Tensor:
-        """Global L2 norm of all gradients: the dense part once (replicas are equal after the all-reduce),
-        the expert part summed over the shards."""
+        """Global L2 norm of all gradients: the replicated part once (equal on every rank after the
+        reduction), the expert part summed over the shards of the EP group."""
         device = next(iter(self.model.parameters())).device
 
         def squares(params: list[nn.Parameter]) -> torch.Tensor:
@@ -169,12 +185,18 @@ class ExpertParallel:
         return float(norm)
 
 
-def apply_expert_parallel(model: nn.Module, transport: Transport) -> ExpertParallel:
+def apply_expert_parallel(
+    model: nn.Module,
+    transport: Transport,
+    dense_group: dist.ProcessGroup | None = None,
+    expert_replica_group: dist.ProcessGroup | None = None,
+) -> ParallelPlan:
     """Shard the routed experts of every MoE layer of `model` over the transport's group, in place.
 
     Call after the model is built, initialised (or loaded) and moved to its device: rank r keeps
     experts [r * E/W, (r + 1) * E/W) of the full weights it holds. All ranks must apply it to
-    identical models and then run the same sequence of forwards and backwards."""
+    identical models and then run the same sequence of forwards and backwards. `dense_group` (default:
+    the transport's group) and `expert_replica_group` are those of `ParallelPlan`."""
     layers = [m for m in model.modules() if isinstance(m, MoE)]
     if not layers:
         raise ValueError("the model has no MoE layer to apply expert parallelism to")
@@ -186,4 +208,5 @@ def apply_expert_parallel(model: nn.Module, transport: Transport) -> ExpertParal
         if isinstance(moe.experts, ShardedExperts):
             raise ValueError("expert parallelism is already applied to this model")
         moe.experts = ShardedExperts(moe.experts, transport, mesh)
-    return ExpertParallel(model, transport)
+    return ParallelPlan(model, transport, dense_group if dense_group is not None else transport.group,
+                        expert_replica_group)  # fmt: skip

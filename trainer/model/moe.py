@@ -14,12 +14,9 @@ depend on atomic-add order.
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from common.config import ModelConfig
 from trainer.experts import BACKENDS, grouped_mm_experts
@@ -128,30 +125,13 @@ class Router(nn.Module):
         return weights * self.scaling, ids, scores
 
 
-# Every live `Experts` module, so that an optimizer step can refresh the bf16 copies of the weights it
-# just wrote. A global post-step hook rather than a call in trainer/optim.py: any torch optimizer (fused
-# AdamW writes the parameters without bumping their version counters, so nothing in the forward could see
-# the step cheaply) and any caller (tests, the EP wrapper, benches) is covered.
-_live_experts: weakref.WeakSet[Experts] = weakref.WeakSet()
-
-
-def _refresh_after_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    for experts in list(_live_experts):
-        if id(experts.gate_up_proj) in stepped or id(experts.down_proj) in stepped:
-            experts.refresh_weight_copy()
-
-
-register_optimizer_step_post_hook(_refresh_after_step)
-
-
 def _refresh_after_load(module: Experts, incompatible_keys: object) -> None:
     module.refresh_weight_copy()
 
 
 def refresh_expert_weight_copies(model: nn.Module) -> None:
-    """Refresh the bf16 weight copy of every `Experts` in `model`: call after writing expert masters in place
-    other than through an optimizer step or `load_state_dict` (both refresh by themselves)."""
+    """Refresh the bf16 weight copy of every `Experts` in `model`: trainer.optim.Optimizer calls it after each
+    step; call it after any other in-place write of the expert masters (`load_state_dict` refreshes by itself)."""
     for mod in model.modules():
         if isinstance(mod, Experts):
             mod.refresh_weight_copy()
@@ -163,7 +143,7 @@ class Experts(nn.Module):
     Under bf16 autocast over fp32 masters the grouped GEMMs run on a bf16 copy of the weights instead of
     casting 600M fp32 weights per call (about a third of the expert GEMMs of a 16k-token batch). A forward
     that finds no copy casts per call and asks for one; the copy is then made, and after that rewritten in
-    place, by every optimizer step over the masters (a global post-step hook), by `load_state_dict` and by
+    place, by every step of the training core's optimizer (trainer.optim.Optimizer), by `load_state_dict` and by
     `weight_copy` / `refresh_weight_copy`; `.to()` drops it. Other in-place writes to the masters must call
     `refresh_weight_copy`. The forward checks no freshness, so a compiled block has no graph break and
     guards only on the copy existing (one recompile when it appears). The copy is a plain attribute, never
@@ -178,7 +158,6 @@ class Experts(nn.Module):
         self._cast: tuple[torch.Tensor, torch.Tensor] | None = None
         self._copy_dtype: torch.dtype | None = None  # asked for by a forward; made at the next refresh
         self.register_load_state_dict_post_hook(_refresh_after_load)
-        _live_experts.add(self)
 
     @torch.no_grad()
     def refresh_weight_copy(self) -> None:
@@ -205,10 +184,6 @@ class Experts(nn.Module):
 
     def __getstate__(self) -> dict:  # deepcopy / pickle: the copy is remade at the first refresh
         return {**super().__getstate__(), "_cast": None}
-
-    def __setstate__(self, state: dict) -> None:
-        super().__setstate__(state)
-        _live_experts.add(self)
 
     def forward(self, x_sorted: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         # Autocast does not cover grouped GEMMs: run them in its dtype ourselves, else the fp32 residual

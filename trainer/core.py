@@ -1,0 +1,240 @@
+"""The training core: the one training step of every path (next-token pretraining, the supervised warm
+start, the RL update). It owns the model, its parallel plan (routed experts sharded over an
+expert-parallel group with RDEP, everything else data parallel over the ranks), the optimizer
+(dense / router / expert learning rates, WSD, clipping, the router-bias update), bf16 autocast over
+fp32 masters, the sequence aux loss, micro-batching with gradient accumulation, per-layer router
+telemetry and checkpoints.
+
+Drivers hand `step` the step's global batch (the same rows on every rank: rank 0 broadcasts it, or
+every rank reads the same data) and a loss. The core takes this rank's contiguous share of the rows,
+cuts it into the same number of micro-batches on every rank (every MoE forward is a collective of
+the expert-parallel group), and sums the micro-batch losses, which the loss normalises by the global
+count (tokens or samples). Summed over ranks the gradient is then the one-rank gradient, so W ranks
+compute W = 1's update up to floating-point summation order.
+
+Left out on purpose: FSDP sharding of the dense weights (they are replicated and their gradients
+all-reduced in flat buckets; the dense part of the MoEs trained here is small next to the experts),
+Muon, and a frozen reference policy (trainer.rl.kl_coef > 0 is refused by config validation).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from common.config import Config
+from trainer.checkpoint import TrainState, list_checkpoints, load_checkpoint, save_checkpoint
+from trainer.ep import ParallelPlan, apply_expert_parallel, make_transport
+from trainer.hf import hf_tensors
+from trainer.model import Transformer
+from trainer.optim import Optimizer, StepStats, autocast
+from trainer.ranks import Ranks
+from trainer.rl.loss import LossOutput
+
+log = logging.getLogger(__name__)
+
+Batch = dict[str, torch.Tensor]
+LossFn = Callable[[Transformer, Batch], LossOutput]
+"""(model, micro-batch) -> the micro-batch's loss, normalised by the step's global count, and its stats.
+Stats are summed over micro-batches and ranks, except names ending in _max / _min (max / min)."""
+PrepareFn = Callable[[Transformer, Batch], Batch]
+"""(model, micro-batch) -> extra tensors for that micro-batch, computed before any update (no grad,
+eval mode); e.g. the proximal log-probs of the RL update."""
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step did."""
+
+    optim: StepStats
+    figures: dict[str, float]
+    """The loss function's statistics reduced over micro-batches and ranks."""
+    seconds: float
+
+
+def rank_rows(n: int, world: int, rank: int) -> slice:
+    """Rank `rank`'s contiguous share of n rows: the first n % world ranks take one row more."""
+    base, extra = divmod(n, world)
+    start = rank * base + min(rank, extra)
+    return slice(start, start + base + (1 if rank < extra else 0))
+
+
+def split_rows(n: int, parts: int) -> list[slice]:
+    """n rows cut into `parts` consecutive pieces as equal as possible (some empty when n < parts)."""
+    return [rank_rows(n, parts, i) for i in range(parts)]
+
+
+def reduce_figures(per_part: list[Mapping[str, float]]) -> dict[str, float]:
+    """Sum statistics over parts (micro-batches, ranks); _max / _min names take the max / min."""
+    out: dict[str, float] = {}
+    for figures in per_part:
+        for k, v in figures.items():
+            if k not in out:
+                out[k] = v
+            elif k.endswith("_max"):
+                out[k] = max(out[k], v)
+            elif k.endswith("_min"):
+                out[k] = min(out[k], v)
+            else:
+                out[k] += v
+    return out
+
+
+def build_plan(model: Transformer, ranks: Ranks, ep: int, transport: str) -> ParallelPlan | None:
+    """The parallel plan of W ranks with expert-parallel groups of `ep` (D = W / ep data-parallel
+    replicas), applied to `model` in place; None for one rank.
+
+    Every rank creates every group in the same order (torch.distributed requires it)."""
+    W = ranks.world
+    if W % ep:
+        raise ValueError(
+            f"trainer.parallel.ep = {ep} does not divide the trainer's {W} ranks; set ep to a divisor of {W} "
+            "(or start a multiple of ep ranks)"
+        )
+    if W == 1:
+        return None
+    backend = "nccl" if ranks.device.type == "cuda" else "gloo"
+    world_group = dist.group.WORLD
+    if ep == 1:
+        return ParallelPlan(model, None, world_group, None)
+    ep_groups = [dist.new_group(list(range(d * ep, (d + 1) * ep)), backend=backend) for d in range(W // ep)]
+    replica_groups = [dist.new_group(list(range(e, W, ep)), backend=backend) for e in range(ep)] if W > ep else []
+    kind = "p2p" if transport == "auto" else transport
+    log.info("parallel plan: %d ranks = %d data-parallel replica(s) x expert-parallel %d (%s transport)",
+             W, W // ep, ep, kind)  # fmt: skip
+    ep_group = ep_groups[ranks.rank // ep]
+    replica_group = replica_groups[ranks.rank % ep] if replica_groups else None
+    return apply_expert_parallel(model, make_transport(kind, ep_group), world_group, replica_group)
+
+
+class TrainingCore:
+    """The model of one trainer rank with its plan and optimizer; every path trains through `step`."""
+
+    def __init__(self, cfg: Config, ranks: Ranks, model: Transformer) -> None:
+        """`model`: the full initial model on `ranks.device` (every rank holds the same weights); the
+        core shards its experts by trainer.parallel."""
+        tc = cfg.trainer
+        self.cfg, self.ranks, self.model = cfg, ranks, model
+        self.device = ranks.device
+        self.plan = build_plan(model, ranks, tc.parallel.ep, tc.parallel.transport)
+        self.optimizer = Optimizer(model, tc.optim, self.plan)  # the one optimizer of the trainer
+        self.aux_coef = tc.optim.seq_aux_loss_coef
+        model.set_aux_loss(self.aux_coef > 0)
+
+    # -- the step ------------------------------------------------------------------------------
+
+    def my_micro_batches(self, batch: Batch, rows_per_forward: int) -> list[Batch]:
+        """This rank's rows of the global batch, in the same number of micro-batches on every rank."""
+        n = _rows(batch)
+        if rows_per_forward < 1:
+            raise ValueError(f"rows_per_forward must be >= 1, got {rows_per_forward}")
+        W = self.ranks.world
+        if n < W:
+            raise ValueError(f"a step of {n} rows cannot feed {W} trainer ranks; give every step at least {W} rows")
+        # Same count everywhere, and no rank gets an empty micro-batch (a forward of nothing is still a
+        # collective under expert parallelism, and the model does not take empty batches).
+        largest, smallest = -(-n // W), n // W
+        count = min(max(1, math.ceil(largest / rows_per_forward)), smallest)
+        mine = rank_rows(n, W, self.ranks.rank)
+        return [
+            {k: v[mine][part].to(self.device, non_blocking=True) for k, v in batch.items()}
+            for part in split_rows(mine.stop - mine.start, count)
+        ]
+
+    def step(
+        self,
+        batch: Batch,
+        loss_fn: LossFn,
+        rows_per_forward: int,
+        tokens: int,
+        prepare: PrepareFn | None = None,
+        lr: float | None = None,
+    ) -> StepResult:
+        """One optimizer step on the global `batch` (row-aligned tensors, the same on every rank).
+
+        `tokens`: the step's trained tokens over all ranks (advances the WSD schedule). `lr`: a constant
+        learning rate for every group instead of the schedule (the supervised warm start)."""
+        t0 = time.perf_counter()
+        n = _rows(batch)
+        micro = self.my_micro_batches(batch, rows_per_forward)
+        dtype = self.cfg.trainer.dtype
+        if prepare is not None:
+            self.model.eval()
+            with torch.no_grad(), autocast(self.device, dtype):
+                micro = [{**mb, **prepare(self.model, mb)} for mb in micro]
+        self.model.train()
+        parts: list[dict[str, float]] = []
+        for mb in micro:
+            with autocast(self.device, dtype):
+                out = loss_fn(self.model, mb)
+            loss = out.loss
+            aux = self.model.aux_loss()
+            if aux is not None:
+                # The balance loss is a mean over sequences: weight each micro-batch by its share of the batch.
+                loss = loss + self.aux_coef * aux * (_rows(mb) / n)
+                out.stats["aux_loss"] = float(aux.detach()) * _rows(mb) / n
+            loss.backward()
+            parts.append(out.stats)
+        stats = self.optimizer.step(tokens, lr=lr)
+        figures = reduce_figures(self.ranks.all_gather(reduce_figures(parts)))
+        return StepResult(stats, figures, time.perf_counter() - t0)
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def save(self, root: Path, state: TrainState) -> Path:
+        """Checkpoint (every rank writes its shards; DCP, resharded on load)."""
+        state.tokens = self.optimizer.tokens
+        return save_checkpoint(root, self.model, self.optimizer, state, self.cfg, keep=self.cfg.trainer.checkpoint.keep)
+
+    def resume(self, root: Path) -> TrainState | None:
+        """Load the newest checkpoint under root (any world size and EP size wrote it), if resuming is on."""
+        found = list_checkpoints(root) if self.cfg.trainer.checkpoint.resume else []
+        # Every rank must agree on the checkpoint (one may see a directory another does not yet).
+        chosen = self.ranks.broadcast(str(found[-1]) if found else None)
+        if chosen is None:
+            return None
+        state = load_checkpoint(chosen, self.model, self.optimizer, self.cfg)
+        log.info("resumed from %s at step %d", chosen, state.step)
+        return state
+
+    # -- publishing ----------------------------------------------------------------------------
+
+    def hf_part(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """The HF-named tensors this rank writes into a published version, on the CPU: rank 0 the dense
+        part and its experts; the other ranks of the first expert-parallel group their experts; the
+        data-parallel copies nothing (they hold the same experts)."""
+        ep = self.cfg.trainer.parallel.ep if self.plan is not None and self.plan.transport is not None else 1
+        rank = self.ranks.rank
+        if self.ranks.world > 1 and rank >= ep:
+            return {}
+        part = hf_tensors(self.model, dtype, dense=rank == 0, experts=True)
+        return {name: t.detach().to("cpu") for name, t in part}
+
+
+def _rows(batch: Mapping[str, torch.Tensor]) -> int:
+    sizes = {k: v.shape[0] for k, v in batch.items()}
+    if len(set(sizes.values())) != 1:
+        raise ValueError(f"batch tensors disagree on the number of rows: {sizes}")
+    return next(iter(sizes.values()))
+
+
+def cross_entropy_loss(n_targets: int) -> LossFn:
+    """Next-token cross-entropy over micro-batches {"tokens": [B, L], "targets": [B, L]} (targets < 0 are
+    not trained), normalised by the step's global target count `n_targets`."""
+
+    def loss_fn(model: Transformer, mb: Batch) -> LossOutput:
+        logits = model(mb["tokens"])
+        targets = mb["targets"].reshape(-1)
+        ce = torch.nn.functional.cross_entropy(
+            logits.float().reshape(-1, logits.shape[-1]), targets.masked_fill(targets < 0, -100), reduction="sum"
+        )
+        return LossOutput(ce / n_targets, {"loss": float(ce.detach()) / n_targets})
+
+    return loss_fn

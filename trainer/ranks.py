@@ -1,0 +1,236 @@
+"""Trainer ranks: which of the W trainer processes this one is, the torch.distributed bootstrap, the
+control channel from rank 0 to the others, and the watch that ends every rank when one dies.
+
+Two ways to start W ranks, one code path (DESIGN section 9a). torchrun, Slurm and Kubernetes set
+RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT and the group forms through that address.
+Our launcher (`[launch.roles.trainer] replicas = W`) sets SLIPSTREAM_REPLICA and SLIPSTREAM_REPLICAS
+instead: rank 0 opens a TCPStore and publishes its address under the experiment's `trainer:store`
+key, the other ranks read it from Redis. The gradient group is gloo on CPUs and NCCL on GPUs; a gloo
+group beside it carries the small Python objects rank 0 sends the others (what to train, publish or
+save next), so the control messages never touch the GPUs. `RankWatch` polls the other ranks'
+liveness (pid on the same host, the role heartbeat otherwise) and names the rank that died.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import socket
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import psutil
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+# How long a rank waits for rank 0's store address and for the whole group to form.
+BOOTSTRAP_TIMEOUT_S = 120.0
+_POLL_S = 0.2
+
+
+class RankError(RuntimeError):
+    """The ranks could not form a group, or one of them died; the message names the rank and the cause."""
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """Where this process stands among the trainer ranks, read from the environment."""
+
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    source: str = "single"
+    """torchrun (RANK/WORLD_SIZE/...), launcher (SLIPSTREAM_REPLICA/REPLICAS) or single (one rank)."""
+
+
+def rank_info(environ: Mapping[str, str]) -> RankInfo:
+    """This process's rank from torchrun-style variables, else from the launcher's, else rank 0 of 1."""
+
+    def number(name: str) -> int:
+        raw = environ[name]
+        try:
+            return int(raw)
+        except ValueError:
+            raise RankError(f"environment variable {name}={raw!r} is not an integer") from None
+
+    if "RANK" in environ or "WORLD_SIZE" in environ:
+        missing = [n for n in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if n not in environ]
+        if missing:
+            raise RankError(
+                f"torchrun-style start without {', '.join(missing)}: set RANK, WORLD_SIZE, MASTER_ADDR and "
+                "MASTER_PORT together (torchrun does), or none of them to start through the launcher"
+            )
+        info = RankInfo(number("RANK"), number("WORLD_SIZE"), number("LOCAL_RANK") if "LOCAL_RANK" in environ else 0,
+                        "torchrun")  # fmt: skip
+    elif "SLIPSTREAM_REPLICAS" in environ:
+        rank = number("SLIPSTREAM_REPLICA") if "SLIPSTREAM_REPLICA" in environ else 0
+        info = RankInfo(rank, number("SLIPSTREAM_REPLICAS"), rank, "launcher")
+    else:
+        return RankInfo()
+    if not 0 <= info.rank < info.world:
+        raise RankError(f"rank {info.rank} is outside a world of {info.world} ranks ({info.source} variables)")
+    return info
+
+
+class Ranks:
+    """The formed group of this process (or a lone rank without torch.distributed)."""
+
+    def __init__(self, info: RankInfo, device: torch.device, control: dist.ProcessGroup | None) -> None:
+        self.rank, self.world, self.local_rank = info.rank, info.world, info.local_rank
+        self.info = info
+        self.device = device
+        self.control = control
+
+    @classmethod
+    def single(cls, device: torch.device) -> Ranks:
+        return cls(RankInfo(), device, None)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.control is not None
+
+    def broadcast(self, obj: Any = None) -> Any:
+        """Rank 0's `obj`, on every rank (pickled over the gloo control group)."""
+        if self.control is None:
+            return obj
+        box = [obj if self.is_main else None]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.control, 0), group=self.control)
+        return box[0]
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        """Every rank's `obj`, in rank order, on every rank."""
+        if self.control is None:
+            return [obj]
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, obj, group=self.control)
+        return out
+
+    def barrier(self) -> None:
+        if self.control is not None:
+            dist.barrier(group=self.control)
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _backend(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def form_group(
+    info: RankInfo,
+    device: torch.device,
+    store_address: Any = None,
+    timeout_s: float = BOOTSTRAP_TIMEOUT_S,
+    store_host: str = "127.0.0.1",
+) -> Ranks:
+    """Initialise torch.distributed for `info` (a group of one too: the same path at every size).
+
+    torchrun-style ranks use MASTER_ADDR/MASTER_PORT. Launcher ranks need `store_address`, an object
+    with `publish(addr: str)` (rank 0) and `wait(timeout_s) -> str` (the others): rank 0 opens a
+    TCPStore on `store_host` and publishes "host:port"; the others connect to what they read.
+    """
+    timeout = datetime.timedelta(seconds=timeout_s)
+    backend = _backend(device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if info.source == "torchrun":
+        dist.init_process_group(backend, init_method="env://", rank=info.rank, world_size=info.world, timeout=timeout)
+    else:
+        if info.rank == 0:
+            store = dist.TCPStore(store_host, 0, info.world, is_master=True, timeout=timeout, wait_for_workers=False)
+            if store_address is not None:
+                store_address.publish(f"{store_host}:{store.port}")
+        else:
+            if store_address is None:
+                raise RankError(f"rank {info.rank} of {info.world} has no way to find rank 0's store")
+            store = _connect_store(store_address, info, timeout_s)
+        dist.init_process_group(backend, store=store, rank=info.rank, world_size=info.world, timeout=timeout)
+    control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
+    log.info("trainer rank %d of %d formed its %s group (%s start)", info.rank, info.world, backend, info.source)
+    return Ranks(info, device, control)
+
+
+def _connect_store(store_address: Any, info: RankInfo, timeout_s: float) -> dist.TCPStore:
+    """Connect to rank 0's store; an address left by an earlier trainer is refused and read again."""
+    deadline = time.monotonic() + timeout_s
+    last = ""
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise RankError(
+                f"trainer rank {info.rank} could not reach rank 0's process-group store within {timeout_s:.0f}s "
+                f"(last address {last or 'none published'}); is rank 0 running?"
+            )
+        addr = store_address.wait(remaining)
+        host, _, port = addr.rpartition(":")
+        try:
+            return dist.TCPStore(host, int(port), info.world, is_master=False,
+                                 timeout=datetime.timedelta(seconds=max(1.0, min(10.0, remaining))))  # fmt: skip
+        except (RuntimeError, OSError) as exc:
+            last = f"{addr}: {exc}"
+            time.sleep(_POLL_S)
+
+
+class RedisStoreAddress:
+    """Rank 0's store address under `trainer:store` (synchronous Redis client)."""
+
+    def __init__(self, client: Any, key: str) -> None:
+        self.client, self.key = client, key
+
+    def publish(self, addr: str) -> None:
+        self.client.set(self.key, json.dumps({"addr": addr, "pid": os.getpid(), "ts": time.time()}))
+
+    def wait(self, timeout_s: float) -> str:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            raw = self.client.get(self.key)
+            if raw is not None:
+                return json.loads(raw)["addr"]
+            time.sleep(_POLL_S)
+        raise RankError(f"no trainer rank 0 published its store under {self.key} within {timeout_s:.0f}s")
+
+
+# ----------------------------------------------------------------------------------------------
+# Liveness of the other ranks
+# ----------------------------------------------------------------------------------------------
+
+
+def rank_record(rank: int, instance: str) -> str:
+    """What `trainer:ranks` holds for one rank: where it runs and which role heartbeat is its liveness."""
+    return json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "instance": instance, "state": "running"})
+
+
+def dead_ranks(records: Mapping[int, dict[str, Any]], alive: Mapping[int, bool], me: int) -> list[tuple[int, str]]:
+    """(rank, why) for every other rank that is gone: its process (same host) or its heartbeat (any host).
+
+    A rank that finished cleanly marks itself done and is not dead."""
+    host = socket.gethostname()
+    gone = []
+    for rank, rec in sorted(records.items()):
+        if rank == me or rec.get("state") == "done":
+            continue
+        if rec.get("host") == host and not _running(int(rec["pid"])):
+            gone.append((rank, f"process {rec['pid']} on {host} is gone"))
+        elif not alive.get(rank, False):
+            gone.append((rank, f"its heartbeat (pid {rec.get('pid')} on {rec.get('host')}) expired"))
+    return gone
+
+
+def _running(pid: int) -> bool:
+    """The process exists and is not a zombie (a killed child its parent has not reaped yet)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
