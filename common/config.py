@@ -388,6 +388,8 @@ class TrainerConfig:
     """Compute dtype (master weights and optimizer state stay fp32)."""
     init: str = identity("")
     """Initial weights: empty = fresh, or an HF checkpoint directory, or one of our checkpoints."""
+    compile: bool = False
+    """torch.compile each decoder block (GPUs: fuses the elementwise work around the GEMMs)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """Model shape."""
     experts: ExpertsConfig = field(default_factory=ExpertsConfig)

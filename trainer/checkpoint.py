@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
@@ -121,7 +122,8 @@ def save_checkpoint(
         },
         path,
     )
-    if keep > 0:
+    # One rank prunes: under several ranks each would race the others through the same directories.
+    if keep > 0 and (not dist.is_initialized() or dist.get_rank() == 0):
         for old in list_checkpoints(root)[:-keep]:
             shutil.rmtree(old)
     return path

@@ -33,7 +33,7 @@ from common.config import Config
 from trainer.checkpoint import TrainState, list_checkpoints, load_checkpoint, save_checkpoint
 from trainer.ep import ParallelPlan, apply_expert_parallel, make_transport
 from trainer.hf import hf_tensors
-from trainer.model import Transformer
+from trainer.model import Transformer, compile_blocks
 from trainer.optim import Optimizer, StepStats, autocast
 from trainer.ranks import Ranks
 from trainer.rl.loss import LossOutput
@@ -124,6 +124,8 @@ class TrainingCore:
         self.cfg, self.ranks, self.model = cfg, ranks, model
         self.device = ranks.device
         self.plan = build_plan(model, ranks, tc.parallel.ep, tc.parallel.transport)
+        if tc.compile:
+            compile_blocks(model)  # after the plan: the expert exchange runs eagerly inside compiled blocks
         self.optimizer = Optimizer(model, tc.optim, self.plan)  # the one optimizer of the trainer
         self.aux_coef = tc.optim.seq_aux_loss_coef
         model.set_aux_loss(self.aux_coef > 0)

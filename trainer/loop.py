@@ -182,7 +182,7 @@ class Command:
     """What rank 0 tells every rank to do next (broadcast over the control group; every rank executes it)."""
 
     op: str
-    """sft (a supervised step), rl (a PPO step), publish, save, or stop."""
+    """sft (a supervised step), reset_moments (the warm start ends), rl (a PPO step), publish, save, or stop."""
     batch: dict[str, torch.Tensor] | None = None
     """The step's global batch (the same rows on every rank; each trains its share)."""
     total: float = 0.0
@@ -264,6 +264,8 @@ class TrainerRank:
             return self.core.step(cmd.batch, loss_fn, rl.micro_batch_samples, tokens=cmd.tokens, prepare=prepare)
         if cmd.op == "publish":
             self.write_part(cmd.step)
+        elif cmd.op == "reset_moments":
+            self.core.optimizer.reset_moments()
         elif cmd.op == "save":
             assert cmd.state is not None
             self.core.save(self.ckpt_root, cmd.state)
@@ -371,6 +373,7 @@ class RLTrainer(TrainerRank):
             self.metrics.log("warmup/loss", step, loss)
             if step % 50 == 0 or step == w.steps - 1:
                 log.info("warm start step %d/%d loss %.4f", step + 1, w.steps, loss)
+        self.command(Command("reset_moments"))
 
     # -- flow callbacks (trainer thread) -------------------------------------------------------
 

@@ -213,7 +213,7 @@ def rank_record(rank: int, instance: str) -> str:
 
 
 def dead_ranks(records: Mapping[int, dict[str, Any]], alive: Mapping[int, bool], me: int) -> list[tuple[int, str]]:
-    """(rank, why) for every other rank that is gone: its process (same host) or its heartbeat (any host).
+    """(rank, why) for every other rank that is gone: its process (same host) or its heartbeat (other hosts).
 
     A rank that finished cleanly marks itself done and is not dead."""
     host = socket.gethostname()
@@ -221,8 +221,10 @@ def dead_ranks(records: Mapping[int, dict[str, Any]], alive: Mapping[int, bool],
     for rank, rec in sorted(records.items()):
         if rank == me or rec.get("state") == "done":
             continue
-        if rec.get("host") == host and not _running(int(rec["pid"])):
-            gone.append((rank, f"process {rec['pid']} on {host} is gone"))
+        if rec.get("host") == host:
+            # Same host: the process itself is the truth (a loaded machine can delay a heartbeat past its TTL).
+            if not _running(int(rec["pid"])):
+                gone.append((rank, f"process {rec['pid']} on {host} is gone"))
         elif not alive.get(rank, False):
             gone.append((rank, f"its heartbeat (pid {rec.get('pid')} on {rec.get('host')}) expired"))
     return gone
