@@ -118,3 +118,44 @@ def test_an_ep_size_that_does_not_divide_the_ranks_is_refused_naming_both():
     model = build_model(ModelConfig(), seed=0)
     with pytest.raises(ValueError, match="does not divide the trainer's 3 ranks"):
         build_plan(model, _Fake(0, 3), ep=2, transport="auto")
+
+
+def test_the_rl_step_on_the_core_is_the_decoupled_ppo_update_of_the_whole_batch():
+    """Proximal log-probs of every micro-batch first (no grad, eval mode), then the PPO loss of each
+    micro-batch normalised by the batch's token count, one optimizer step: written out by hand here."""
+    import copy
+
+    from trainer.loop import rl_loss_fns
+    from trainer.optim import Optimizer
+    from trainer.rl.loss import ppo_loss
+
+    cfg = Config()
+    by_hand = build_model(cfg.trainer.model, seed=0)
+    on_core = copy.deepcopy(by_hand)
+    g = torch.Generator().manual_seed(1)
+    N, L = 40, 12
+    tokens, targets = torch.randint(0, 128, (N, L), generator=g), torch.randint(0, 128, (N, L), generator=g)
+    targets[:, :5] = -1
+    mask = (targets >= 0).float()
+    behaviour, adv = -torch.rand(N, L, generator=g) * 3 * mask, torch.randn(N, generator=g)
+    rl, total, mb = cfg.trainer.rl, float(mask.sum()), cfg.trainer.rl.micro_batch_samples
+    chunks = [slice(i, i + mb) for i in range(0, N, mb)]
+    with torch.no_grad():
+        by_hand.eval()
+        proximal = torch.cat([by_hand.token_logprobs(tokens[c], targets[c]) for c in chunks])
+    by_hand.train()
+    for c in chunks:
+        logp = by_hand.token_logprobs(tokens[c], targets[c])
+        ppo_loss(logp, proximal[c], behaviour[c], adv[c], mask[c], rl, total=total).loss.backward()
+    Optimizer(by_hand, cfg.trainer.optim).step(int(total))
+
+    core = TrainingCore(cfg, Ranks.single(torch.device("cpu")), on_core)
+    prepare, loss_fn = rl_loss_fns(rl, total)
+    batch = {"tokens": tokens, "targets": targets, "behaviour": behaviour, "mask": mask, "advantages": adv,
+             "fresh": torch.zeros(N), "step_tokens": torch.full((N,), total)}  # fmt: skip
+    core.step(batch, loss_fn, mb, tokens=int(total), prepare=prepare)
+    a = torch.cat([p.detach().flatten() for p in by_hand.parameters()])
+    b = torch.cat([p.detach().flatten() for p in on_core.parameters()])
+    start = torch.cat([p.detach().flatten() for p in build_model(cfg.trainer.model, seed=0).parameters()])
+    assert float((a - start).norm()) > 0.1  # it moved
+    assert float((a - b).norm() / (a - start).norm()) < 1e-3
