@@ -29,3 +29,31 @@ async def register(r, keys: Keys, worker_id: str, url: str, alive: bool = True) 
     await r.hset(keys.workers, worker_id, json.dumps(entry))
     if alive:
         await r.set(keys.worker_alive(worker_id), "1", ex=30)
+
+
+async def reading_worker(
+    got: dict, on_update: Callable[[dict], None] | None = None
+) -> tuple[web.AppRunner, str]:
+    """A worker that answers the RL routes and, on /update_weights, reads the version into `got` with the real
+    reader (the `file` engine's); `on_update(update_info)` runs first. A failed read answers 500, as vLLM does."""
+    import asyncio
+
+    from rollout.vllm_plugin.file_engine import FileUpdateInfo
+
+    async def handle(request: web.Request) -> web.Response:
+        if request.path == "/update_weights":
+            info = (await request.json())["update_info"]
+            if on_update is not None:
+                on_update(info)
+
+            def read() -> None:
+                for name, t in FileUpdateInfo(**info).tensors():
+                    got[name] = t.clone()
+
+            try:
+                await asyncio.to_thread(read)
+            except (RuntimeError, TimeoutError, FileNotFoundError) as exc:
+                return web.json_response({"error": str(exc)}, status=500)
+        return web.json_response({"ok": True})
+
+    return await start_app(handle)

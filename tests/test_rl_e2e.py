@@ -153,7 +153,7 @@ def test_two_trainer_ranks_with_expert_parallelism_learn_and_their_checkpoint_re
     from rollout.vllm_plugin.file_engine import FileUpdateInfo
     from trainer.core import TrainingCore, cross_entropy_loss
     from trainer.hf import hf_tensors
-    from trainer.loop import initial_policy
+    from trainer.pretrain import initial_model
     from trainer.ranks import Ranks
 
     # The live trainer-vs-vLLM mismatch on fresh samples stays at the one-rank level (fp32: < 1e-3 nats).
@@ -165,7 +165,7 @@ def test_two_trainer_ranks_with_expert_parallelism_learn_and_their_checkpoint_re
     assert len(index["shards"]) >= 2
     published = dict(FileUpdateInfo(path=str(version)).tensors())
     cfg = load_config(run.run_dir / "config.toml")
-    core = TrainingCore(cfg, Ranks.single(torch.device("cpu")), initial_policy(cfg, torch.device("cpu"),
+    core = TrainingCore(cfg, Ranks.single(torch.device("cpu")), initial_model(cfg, torch.device("cpu"),
                         next((run.run_dir / "models").iterdir())))  # fmt: skip
     state = core.resume(run.run_dir / "checkpoints")
     assert state is not None and state.step == STEPS and state.flow_state

@@ -23,8 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from aiohttp import web
-from rl_routes import register, start_app
+from rl_routes import reading_worker, register
 
 from common.config import RolloutConfig
 from common.keys import Keys
@@ -158,28 +157,14 @@ class ThreadPeers:
         return reports  # type: ignore[return-value]
 
 
-async def _streaming_worker(
-    got: dict[str, torch.Tensor], seen: list[list[str]], loading: threading.Event
-) -> tuple[web.AppRunner, str]:
-    """A worker that, on /update_weights, notes which files exist, signals `loading` and reads the version."""
+def _streaming_worker(got: dict[str, torch.Tensor], seen: list[list[str]], loading: threading.Event):
+    """A reading worker that, on /update_weights, first notes which files exist and signals `loading`."""
 
-    async def handle(request: web.Request) -> web.Response:
-        if request.path == "/update_weights":
-            info = (await request.json())["update_info"]
-            seen.append(sorted(os.listdir(info["path"])))
-            loading.set()
+    def noted(info: dict) -> None:
+        seen.append(sorted(os.listdir(info["path"])))
+        loading.set()
 
-            def read() -> None:
-                for name, t in FileUpdateInfo(**info).tensors():
-                    got[name] = t.clone()
-
-            try:
-                await asyncio.to_thread(read)
-            except (RuntimeError, TimeoutError, FileNotFoundError) as exc:
-                return web.json_response({"error": str(exc)}, status=500)
-        return web.json_response({"ok": True})
-
-    return await start_app(handle)
+    return reading_worker(got, noted)
 
 
 def assert_same(got: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor]) -> None:

@@ -7,7 +7,6 @@ on disk. The workers are small aiohttp apps that read the files with that same r
 
 from __future__ import annotations
 
-import asyncio
 import json
 import threading
 import time
@@ -15,8 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from aiohttp import web
-from rl_routes import register, start_app
+from rl_routes import reading_worker, register
 
 from common.config import RolloutConfig
 from common.keys import Keys
@@ -75,31 +73,10 @@ def test_the_reader_stops_on_the_abort_marker_and_on_a_shard_that_never_comes(tm
     assert time.monotonic() - t0 < 5
 
 
-async def _reading_worker(updates: list[dict], got: dict[str, torch.Tensor]) -> tuple[web.AppRunner, str]:
-    """A worker that answers the RL routes and, on /update_weights, reads the version with the real reader."""
-
-    async def handle(request: web.Request) -> web.Response:
-        if request.path == "/update_weights":
-            info = (await request.json())["update_info"]
-            updates.append(info)
-
-            def read() -> None:
-                for name, t in FileUpdateInfo(**info).tensors():
-                    got[name] = t.clone()
-
-            try:
-                await asyncio.to_thread(read)
-            except (RuntimeError, TimeoutError, FileNotFoundError) as exc:
-                return web.json_response({"error": str(exc)}, status=500)
-        return web.json_response({"ok": True})
-
-    return await start_app(handle)
-
-
 @pytest.mark.timeout(60)
 async def test_a_streamed_publish_is_loaded_shard_by_shard_and_committed_whole(tmp_path: Path, redis_client):
     keys, updates, got = Keys("ws"), [], {}
-    runner, url = await _reading_worker(updates, got)
+    runner, url = await reading_worker(got, updates.append)
     tensors = {f"model.layers.{i}.w": mb_tensor(0.75, float(i)) for i in range(4)}
     try:
         await register(redis_client, keys, "w1", url)
@@ -132,7 +109,7 @@ async def test_a_write_failing_mid_stream_publishes_nothing_evicts_the_loading_w
 
     monkeypatch.setattr(safetensors.torch, "save", failing_save)
     keys, updates, got = Keys("wf"), [], {}
-    runner, url = await _reading_worker(updates, got)
+    runner, url = await reading_worker(got, updates.append)
     tensors = {f"model.layers.{i}.w": mb_tensor(0.75, float(i)) for i in range(4)}
     try:
         await register(redis_client, keys, "w1", url)

@@ -45,10 +45,8 @@ from rollout.tinykit import resolve_model
 from rollout.weights import PartReport, VersionPart, WeightPublisher, count_shards, current_version
 from trainer.checkpoint import TrainState
 from trainer.core import Batch, LossFn, PrepareFn, StepResult, TrainingCore, cross_entropy_loss
-from trainer.experts import select_backend
-from trainer.hf import load_hf_state
-from trainer.model.transformer import Transformer, build_model
-from trainer.pretrain import PretrainData, Pretrainer, resolve_device
+from trainer.model.transformer import Transformer
+from trainer.pretrain import PretrainData, Pretrainer, initial_model, resolve_device
 from trainer.ranks import (
     BOOTSTRAP_TIMEOUT_S,
     RankInfo,
@@ -248,7 +246,8 @@ class TrainerRank:
         self.ctx, self.cfg, self.ranks = ctx, ctx.cfg, ranks
         self.device = ranks.device
         self.model_dir = resolve_model(self.cfg, ctx.run_dir)
-        self.core = TrainingCore(self.cfg, ranks, initial_policy(self.cfg, self.device, self.model_dir))
+        # Version 0 must be the function the workers serve: start from their checkpoint unless told otherwise.
+        self.core = TrainingCore(self.cfg, ranks, initial_model(self.cfg, self.device, self.model_dir))
         self.ckpt_root = ctx.run_dir / "checkpoints"
         self.shard_bytes = self.cfg.rollout.weight_shard_mb << 20
 
@@ -296,15 +295,6 @@ class TrainerRank:
             if cmd.op == "stop":
                 return 0
         raise StopRequested("stopped while following rank 0")
-
-
-def initial_policy(cfg: Config, device: torch.device, model_dir: Path) -> Transformer:
-    """Version 0 must be the function the workers serve: start from their checkpoint unless told otherwise."""
-    tc = cfg.trainer
-    dtype = torch.bfloat16 if tc.dtype == "bfloat16" else torch.float32
-    model = build_model(tc.model, select_backend(tc.experts.backend, device, dtype), seed=None)
-    load_hf_state(model, Path(tc.init) if tc.init else model_dir)
-    return model.to(device)
 
 
 class RLTrainer(TrainerRank):
@@ -605,7 +595,7 @@ async def main(ctx: RunContext) -> int:
     store = RedisStoreAddress(client, ctx.keys.trainer_store)
     ranks = await asyncio.to_thread(form_group, info, device, store, BOOTSTRAP_TIMEOUT_S,
                                     ctx.cfg.trainer.parallel.store_host)  # fmt: skip
-    record = json.loads(rank_record(ranks.rank, ctx.instance))
+    record = rank_record(ctx.instance)
     client.hset(ctx.keys.trainer_ranks, str(ranks.rank), json.dumps(record))
     stopping = threading.Event()
     trainer: RLTrainer | None = None

@@ -151,20 +151,21 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def initial_model(cfg: Config, device: torch.device) -> Transformer:
-    """The model of `trainer.init`: fresh from run.seed, an HF directory, or one of our checkpoints."""
+def initial_model(cfg: Config, device: torch.device, default_init: Path | None = None) -> Transformer:
+    """The model of `trainer.init` (an HF directory or one of our checkpoints); without one, `default_init`
+    (an HF directory: the RL trainer passes the checkpoint its workers serve), else fresh from run.seed."""
     tc = cfg.trainer
     dtype = torch.bfloat16 if tc.dtype == "bfloat16" else torch.float32
     backend = select_backend(tc.experts.backend, device, dtype)
-    model = build_model(tc.model, backend, seed=cfg.run.seed if not tc.init else None)
-    init = Path(tc.init) if tc.init else None
+    init = Path(tc.init) if tc.init else default_init
+    model = build_model(tc.model, backend, seed=cfg.run.seed if init is None else None)
     if init is not None:
         if (init / "config.json").is_file():
             load_hf_state(model, init)
         elif (init / ".metadata").is_file():
             load_model_weights(init, model)
         else:
-            raise FileNotFoundError(f"trainer.init = {tc.init!r} is neither an HF directory nor a checkpoint")
+            raise FileNotFoundError(f"trainer.init = {str(init)!r} is neither an HF directory nor a checkpoint")
     return model.to(device)
 
 

@@ -207,9 +207,9 @@ class RedisStoreAddress:
 # ----------------------------------------------------------------------------------------------
 
 
-def rank_record(rank: int, instance: str) -> str:
-    """What `trainer:ranks` holds for one rank: where it runs and which role heartbeat is its liveness."""
-    return json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "instance": instance, "state": "running"})
+def rank_record(instance: str) -> dict[str, Any]:
+    """What `trainer:ranks` holds for this rank: where it runs and which role heartbeat is its liveness."""
+    return {"host": socket.gethostname(), "pid": os.getpid(), "instance": instance, "state": "running"}
 
 
 def dead_ranks(records: Mapping[int, dict[str, Any]], alive: Mapping[int, bool], me: int) -> list[tuple[int, str]]:
