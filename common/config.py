@@ -307,6 +307,11 @@ class OptimConfig:
     """Let the bias update step fall linearly to zero over the WSD decay phase (the bias is frozen at the end)."""
     seq_aux_loss_coef: float = 0.0
     """Coefficient of the sequence-wise balance loss (0 = off)."""
+    muon: bool = identity(False)
+    """Muon (orthogonalised momentum) for the 2-D dense matrices of the blocks; the rest stays on AdamW.
+    Its rate is `lr`, rescaled to AdamW's update size."""
+    muon_momentum: float = 0.95
+    """Muon's momentum (Nesterov)."""
 
 
 @dataclass

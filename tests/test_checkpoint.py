@@ -10,9 +10,11 @@ from trainer.optim import Optimizer
 from trainer.pretrain import PretrainData, Pretrainer
 
 
-def _cfg() -> Config:
+def _cfg(muon: bool = False) -> Config:
     cfg = Config()
-    cfg.trainer.steps = 6
+    cfg.trainer.optim.muon = muon
+    # With Muon the biases happen to be back at exactly 0 after step 6; at step 7 they are not.
+    cfg.trainer.steps = 7 if muon else 6
     cfg.trainer.optim.grad_accum = 2
     cfg.trainer.optim.seq_aux_loss_coef = 0.01
     cfg.trainer.optim.bias_update_rate = 0.01
@@ -27,12 +29,13 @@ def data(tmp_path) -> PretrainData:
     return PretrainData(str(tmp_path / "tokens.npy"), seq_len=16, batch_size=3)
 
 
-def test_resume_is_bitwise_exact(tmp_path, data):
-    straight = Pretrainer(_cfg(), data, tmp_path / "straight")
+@pytest.mark.parametrize("muon", [False, True])
+def test_resume_is_bitwise_exact(tmp_path, data, muon):
+    straight = Pretrainer(_cfg(muon), data, tmp_path / "straight")
     straight.run()
-    first = Pretrainer(_cfg(), data, tmp_path / "resumed")
+    first = Pretrainer(_cfg(muon), data, tmp_path / "resumed")
     first.run(3)
-    second = Pretrainer(_cfg(), data, tmp_path / "resumed")
+    second = Pretrainer(_cfg(muon), data, tmp_path / "resumed")
     assert second.state.step == 3 and second.state.data_cursor == {"epoch": 0, "position": 18}
     second.run()
     a, b = straight.model.state_dict(), second.model.state_dict()
@@ -42,6 +45,10 @@ def test_resume_is_bitwise_exact(tmp_path, data):
     assert any(m.gate.e_score_correction_bias.abs().sum() > 0 for m in second.model.moe_layers())
     sa, sb = straight.optimizer.adamw.state_dict()["state"], second.optimizer.adamw.state_dict()["state"]
     assert all(torch.equal(sa[i]["exp_avg_sq"], sb[i]["exp_avg_sq"]) for i in sa)
+    assert len(second.optimizer.optimizers) == (2 if muon else 1)
+    if muon:
+        ma, mb = (o.optimizer.optimizers[1].state_dict()["state"] for o in (straight, second))
+        assert ma and all(torch.equal(ma[i]["momentum_buffer"], mb[i]["momentum_buffer"]) for i in ma)
 
 
 def test_resume_refuses_a_different_identity(tmp_path, data):

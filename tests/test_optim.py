@@ -79,3 +79,30 @@ def test_accumulating_two_halves_equals_one_full_batch(tmp_path):
     assert loss_acc == pytest.approx(loss_full, rel=1e-6)
     assert acc.grad_norm == pytest.approx(full.grad_norm, rel=1e-5)
     assert acc.tokens == full.tokens == 64
+
+
+def test_muon_takes_the_blocks_dense_matrices_and_adamw_the_rest():
+    from trainer.optim import is_muon_matrix
+
+    cfg = Config()
+    cfg.trainer.optim.muon = True
+    model = build_model(cfg.trainer.model, seed=0)
+    opt = Optimizer(model, cfg.trainer.optim)
+    adamw_ids = {id(p) for g in opt.adamw.param_groups for p in g["params"]}
+    muon_ids = {id(p) for g in opt.optimizers[1].param_groups for p in g["params"]}
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert not adamw_ids & muon_ids and adamw_ids | muon_ids == set(names)
+    on_muon = sorted(names[i] for i in muon_ids)
+    assert "model.layers.0.self_attn.kv_b_proj.weight" in on_muon
+    assert "model.layers.1.mlp.shared_experts.down_proj.weight" in on_muon
+    assert all(is_muon_matrix(n, p) for n, p in model.named_parameters() if id(p) in muon_ids)
+    assert not any(("embed" in n or "lm_head" in n or ".gate." in n or "experts.gate_up" in n or "norm" in n)
+                   for n in on_muon)  # fmt: skip
+    # A Muon step of a matrix is orthogonalised: its singular values are (nearly) all equal, AdamW's are not.
+    w = model.model.layers[0].self_attn.o_proj.weight
+    before = w.detach().clone()
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step(1)
+    s = torch.linalg.svdvals(w.detach() - before)
+    assert float(s.min() / s.max()) > 0.5

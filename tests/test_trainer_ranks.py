@@ -44,7 +44,9 @@ max_seq_len = 32
 """
 
 
-def pretrain_config(tmp_path: Path, name: str, world: int, ep: int, steps: int = STEPS, run_dir: str = "") -> Path:
+def pretrain_config(
+    tmp_path: Path, name: str, world: int, ep: int, steps: int = STEPS, run_dir: str = "", muon: bool = False
+) -> Path:
     data = tmp_path / "tokens.npy"
     if not data.exists():
         # A learnable stream: mostly a fixed cycle, with some noise, so the loss visibly falls.
@@ -77,6 +79,7 @@ router_lr = 3e-3
 expert_lr = 3e-3
 bias_update_rate = 0.01
 seq_aux_loss_coef = 0.01
+muon = {str(muon).lower()}
 {MODEL}
 [launch]
 stop_timeout_s = 5.0
@@ -122,17 +125,22 @@ def single_rank(tmp_path_factory) -> tuple[list[float], dict[str, torch.Tensor]]
     return losses(run_dir), final_weights(cfg, run_dir)
 
 
-def assert_same_run(reference: tuple[list[float], dict[str, torch.Tensor]], run_dir: Path, cfg: Path) -> None:
+def assert_same_run(
+    reference: tuple[list[float], dict[str, torch.Tensor]], run_dir: Path, cfg: Path, steps: int = STEPS,
+    min_drop: float = 0.5,
+    max_weight_error: float = 1e-5,
+) -> None:
     ref_losses, ref_weights = reference
     got = losses(run_dir)
-    assert len(got) == len(ref_losses) == STEPS
+    assert len(got) == len(ref_losses) == steps
     np.testing.assert_allclose(got, ref_losses, rtol=1e-5, atol=0)
     weights = final_weights(cfg, run_dir)
-    assert ref_losses[-1] < ref_losses[0] - 0.5  # it trained
+    assert ref_losses[-1] < ref_losses[0] - min_drop  # it trained
     # Per tensor: the norm of the difference within 1e-5 of the norm (ranks sum partial gradients in another
     # order; Adam's normalisation magnifies rounding on elements whose gradients are near zero).
-    worst = max(float((weights[n] - ref).norm() / ref.norm().clamp_min(1e-12)) for n, ref in ref_weights.items())
-    assert worst < 1e-5, worst
+    errors = {n: float((weights[n] - ref).norm() / ref.norm().clamp_min(1e-12)) for n, ref in ref_weights.items()}
+    worst = max(errors, key=errors.__getitem__)
+    assert errors[worst] < max_weight_error, (worst, sorted(errors.values())[-5:])
 
 
 @pytest.mark.parametrize("world,ep", [(2, 2), (4, 2)])
@@ -142,6 +150,25 @@ def test_ranks_with_expert_parallelism_train_exactly_what_one_rank_trains(tmp_pa
     assert code == 0, out
     assert f"{world // ep} data-parallel replica(s) x expert-parallel {ep}" in out
     assert_same_run(single_rank, tmp_path / "runs" / f"pt-w{world}-ep{ep}", cfg)
+
+
+def test_muon_on_two_expert_parallel_ranks_trains_what_one_rank_trains(tmp_path):
+    """Muon orthogonalises each replicated matrix's momentum on every rank after the gradient all-reduce, so
+    the ranks take one rank's step, up to the rounding of the cross-rank gradient sum (~1e-8). torch's Muon
+    runs its Newton-Schulz iteration in bf16, which magnifies such differences: at ONE rank, a 1e-7 relative
+    perturbation of the gradients moves the weights by 5e-3 (relative norm) after 8 steps, against 4e-7 with
+    AdamW (measured with trainer/optim.py's Optimizer on the default model). So: the losses agree within
+    1e-5 over 8 steps (they drift apart later: 3e-5 at step 10), the weights within 1e-2."""
+    steps = 8
+    one = pretrain_config(tmp_path, "m1", 1, 1, steps=steps, muon=True)
+    code, out = launch(one, "pt-muon-w1")
+    assert code == 0, out
+    reference = losses(tmp_path / "runs" / "pt-muon-w1"), final_weights(one, tmp_path / "runs" / "pt-muon-w1")
+    two = pretrain_config(tmp_path, "m2", 2, 2, steps=steps, muon=True)
+    code, out = launch(two, "pt-muon-w2")
+    assert code == 0, out
+    assert_same_run(reference, tmp_path / "runs" / "pt-muon-w2", two, steps=steps, min_drop=0.3,
+                    max_weight_error=1e-2)
 
 
 def test_a_two_rank_checkpoint_resumes_on_one_rank_and_continues_the_same_run(tmp_path, single_rank):

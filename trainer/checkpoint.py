@@ -106,7 +106,7 @@ def save_checkpoint(
 ) -> Path:
     """Write checkpoint `root/step_<state.step>`; then keep only the newest `keep` (0 = all)."""
     path = checkpoint_dir(root, state.step)
-    model_sd, optim_sd = get_state_dict(model, optimizer.adamw)
+    model_sd, optim_sd = get_state_dict(model, optimizer.optimizers)
     _dcp_save(
         {
             "model": model_sd,
@@ -146,13 +146,13 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: Optimizer | N
         )
     full: dict[str, Any] = {"meta": {"state": None, "optimizer_steps": 0, "optimizer_tokens": 0}}
     if optimizer is not None:
-        full["model"], full["optim"] = get_state_dict(model, optimizer.adamw)
+        full["model"], full["optim"] = get_state_dict(model, optimizer.optimizers)
         full["rng"] = _rng_state()
     else:
         full["model"] = get_model_state_dict(model)
     _dcp_load(full, path)
     if optimizer is not None:
-        set_state_dict(model, optimizer.adamw, model_state_dict=full["model"], optim_state_dict=full["optim"])
+        set_state_dict(model, optimizer.optimizers, model_state_dict=full["model"], optim_state_dict=full["optim"])
         optimizer.steps = full["meta"]["optimizer_steps"]
         optimizer.tokens = full["meta"]["optimizer_tokens"]
         _set_rng_state(full["rng"])

@@ -5,7 +5,9 @@ AdamW's moments are fp32; `autocast` gives bf16 compute on top of them (weights 
 the forward, gradients land in fp32). Under data and expert parallelism the step first reduces the
 gradients and expert loads through the model's `ParallelPlan` (trainer/ep) and clips by the global
 norm. After writing the masters it refreshes the bf16 expert-weight copies itself. Gradient
-accumulation is the training core's loop of backward passes before one `Optimizer.step`."""
+accumulation is the training core's loop of backward passes before one `Optimizer.step`. With
+`trainer.optim.muon` the blocks' 2-D dense matrices are stepped by torch's Muon instead (nmoe's choice);
+both optimizers share the schedule, the clipping and the checkpoint."""
 
 from __future__ import annotations
 
@@ -31,6 +33,13 @@ def group_of(name: str) -> str:
     if name.endswith(".mlp.gate.weight"):
         return "router"
     return "dense"
+
+
+def is_muon_matrix(name: str, p: torch.Tensor) -> bool:
+    """Muon's parameters: 2-D dense matrices inside the blocks (attention and dense-MLP projections, shared
+    experts). Embeddings and the output head (lookup-like), norms, the router gate and the stacked routed
+    experts stay on AdamW."""
+    return p.ndim == 2 and group_of(name) == "dense" and name.startswith("model.layers.")
 
 
 @dataclass
@@ -87,8 +96,12 @@ class Optimizer:
         self.schedule = WSD.from_config(cfg)
         peak = {"dense": cfg.lr, "router": cfg.router_lr, "expert": cfg.expert_lr}
         buckets: dict[tuple[str, bool], list[nn.Parameter]] = {}
+        matrices: list[nn.Parameter] = []
         for name, p in model.named_parameters():
             if not p.requires_grad:
+                continue
+            if cfg.muon and is_muon_matrix(name, p):
+                matrices.append(p)
                 continue
             # Norm gains (1-D) are not decayed: shrinking them towards 0 only fights the normalisation.
             buckets.setdefault((group_of(name), p.ndim >= 2), []).append(p)
@@ -102,18 +115,29 @@ class Optimizer:
             }
             for (g, dec), ps in sorted(buckets.items())
         ]
-        self.params = [p for grp in groups for p in grp["params"]]
+        self.params = [p for grp in groups for p in grp["params"]] + matrices
         fused = bool(self.params) and all(p.is_cuda for p in self.params)
         self.adamw = torch.optim.AdamW(
             groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay, fused=fused or None
         )
+        self.optimizers: list[torch.optim.Optimizer] = [self.adamw]
+        if matrices:
+            # Replicated matrices with all-reduced gradients: every rank orthogonalises the same momentum, so
+            # W ranks take W = 1's step. The rate is rescaled to AdamW's update RMS, so `lr` means the same.
+            muon_group = {"params": matrices, "name": "dense", "peak_lr": cfg.lr, "lr": cfg.lr,
+                          "weight_decay": cfg.weight_decay}  # fmt: skip
+            self.optimizers.append(
+                torch.optim.Muon([muon_group], lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.muon_momentum,
+                                 adjust_lr_fn="match_rms_adamw")  # fmt: skip
+            )
         self.steps = 0
         self.tokens = 0
 
     def reset_moments(self) -> None:
         """Forget AdamW's moments and step counts (a new phase with another objective, e.g. RL after a
         supervised warm start: moments of the warm start's larger gradients would shrink the first RL steps)."""
-        self.adamw.state.clear()
+        for opt in self.optimizers:
+            opt.state.clear()
 
     def bias_rate(self, tokens: int) -> float:
         """The aux-loss-free bias step after `tokens` tokens (falls to 0 over the decay phase if configured)."""
@@ -136,12 +160,13 @@ class Optimizer:
             self.plan.reduce_expert_load()
         self.tokens += tokens
         factor = self.schedule.lr_factor(self.tokens)
-        for grp in self.adamw.param_groups:
+        for grp in (g for opt in self.optimizers for g in opt.param_groups):
             grp["lr"] = grp["peak_lr"] * factor if lr is None else lr
         max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
         grad_norm = self.clip_gradients(max_norm)
-        self.adamw.step()
-        self.adamw.zero_grad(set_to_none=True)
+        for opt in self.optimizers:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
         refresh_expert_weight_copies(self.model)
         telemetry = router_stats(self.model)
         rate = self.bias_rate(self.tokens)
