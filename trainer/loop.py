@@ -261,7 +261,7 @@ class TrainerRank:
             assert cmd.batch is not None
             prepare, loss_fn = rl_loss_fns(rl, cmd.total)
             return self.core.step(cmd.batch, loss_fn, rl.micro_batch_samples, tokens=cmd.tokens, prepare=prepare)
-        if cmd.op == "publish":
+        if cmd.op == "publish":  # rank 0's half is RLTrainer.publish: it drives the workers too
             self.write_part(cmd.step)
         elif cmd.op == "reset_moments":
             self.core.optimizer.reset_moments()
@@ -423,7 +423,7 @@ class RLTrainer(TrainerRank):
 
     def publish(self, version: int, force: bool = False) -> None:
         """Every rank writes its part of the version; this rank drives the workers."""
-        self.command(Command("publish", step=version))
+        self.ranks.broadcast(Command("publish", step=version))
         part = self.core.hf_part()
         counts = self.ranks.all_gather(count_shards(part, self.shard_bytes))
         peers = _RankPeers(self.ranks, counts[1:]) if self.ranks.world > 1 else None
@@ -434,9 +434,6 @@ class RLTrainer(TrainerRank):
                 peers.cancel()
         self.metrics.log_many(version, {"weights/publish_s": result.total_s, "weights/max_pause_s": result.max_pause_s,
                                         "weights/write_s": result.write_s, "weights/max_load_s": result.max_load_s})  # fmt: skip
-
-    def write_part(self, version: int) -> None:
-        pass  # rank 0 writes its part inside `publish`, beside driving the workers
 
     def checkpoint(self, next_step: int, flow_state: dict[str, Any]) -> None:
         interval = self.cfg.trainer.checkpoint.interval_steps
@@ -611,15 +608,16 @@ async def main(ctx: RunContext) -> int:
     watch = asyncio.ensure_future(_watch_ranks(ctx, ranks))
     try:
         done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-        if work in done and work.exception() is not None and watch not in done:
+        if work in done and work.exception() is None:
+            client.hset(ctx.keys.trainer_ranks, str(ranks.rank), json.dumps({**record, "state": "done"}))
+            return work.result()
+        if work in done:
             # A collective with a dead rank fails at once; the watch names the rank soon after.
             done, _ = await asyncio.wait({watch}, timeout=DEAD_RANK_GRACE_S)
         if watch in done:
             log.error("%s; stopping trainer rank %d", watch.result(), ranks.rank)
             return 1
-        code = work.result()
-        client.hset(ctx.keys.trainer_ranks, str(ranks.rank), json.dumps({**record, "state": "done"}))
-        return code
+        return work.result()  # raises the training thread's error
     except asyncio.CancelledError:
         stopping.set()
         if trainer is not None:
@@ -634,6 +632,7 @@ async def main(ctx: RunContext) -> int:
             await watch
         if work.done() and not work.cancelled() and work.exception() is None:
             ranks.close()
+        client.close()
 
 
 def _pretrain(ctx: RunContext, ranks: Ranks) -> int:
