@@ -1,7 +1,7 @@
 """The RL update through the training core on synthetic rollouts: tokens/s and MFU.
 
 Runs exactly what every trainer rank executes for op "rl" (trainer.loop.TrainerRank.execute): the
-decoupled PPO loss of trainer.loop.rl_loss_fns through trainer.core.TrainingCore.step, i.e. a no-grad
+decoupled PPO loss of trainer.rl.update through trainer.core.TrainingCore.step_updates, i.e. a no-grad
 proximal log-prob forward over every micro-batch (eval mode), then forward + backward per micro-batch,
 then the optimizer step (clipping, router-bias update, WSD). One rank (Ranks.single), no role path.
 
@@ -36,9 +36,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.config import load_config  # noqa: E402
 from trainer.core import TrainingCore  # noqa: E402
 from trainer.experts import select_backend  # noqa: E402
-from trainer.loop import rl_loss_fns  # noqa: E402
 from trainer.model import attention_flops_per_token, build_model, count_params  # noqa: E402
 from trainer.ranks import Ranks  # noqa: E402
+from trainer.rl.update import proximal_logprobs, rl_updates  # noqa: E402
 
 H200_PEAK = 989e12
 
@@ -101,7 +101,6 @@ def main() -> None:
     if args.batch_on == "device":
         batch = {k: v.to(device) for k, v in batch.items()}
     n_tokens = int(batch["mask"].sum())
-    total = float(n_tokens) if tc.rl.aggregation == "token_mean" else float(N)
     micro = len(core.my_micro_batches(batch, R))
     print(f"N {N} rows x L {L} tokens, prompt {P}, trained tokens {n_tokens}, R {R} rows per forward "
           f"-> {micro} micro-batches (+ {micro} proximal forwards); batch on {args.batch_on}", flush=True)  # fmt: skip
@@ -111,8 +110,8 @@ def main() -> None:
             torch.cuda.synchronize()
 
     def one_step():
-        prepare, loss_fn = rl_loss_fns(tc.rl, total=total)
-        return core.step(batch, loss_fn, rows_per_forward=R, tokens=n_tokens, prepare=prepare)
+        updates = rl_updates(batch, [slice(0, N)], tc.rl)
+        return core.step_updates(updates, rows_per_forward=R, prepare=proximal_logprobs)
 
     warm = []
     for i in range(args.warmup):

@@ -369,6 +369,10 @@ class RLConfig:
     """Loss aggregation: mean over all tokens of the batch, or mean over sequences of their token means."""
     micro_batch_samples: int = 16
     """Samples per forward/backward pass on each rank (memory knob; the gradient is the same)."""
+    mini_batches: int = identity(1)
+    """Optimizer updates per RL step (PPO mini-batches): the step's groups are cut, in order and whole, into
+    this many mini-batches, each an update against the proximal log-probs of the weights that began the
+    step (verl's ppo_mini_batch_size, AReaL's ppo_n_minibatches). Fewer when fewer groups carry a signal."""
 
 
 @dataclass
@@ -386,7 +390,8 @@ class TrainerConfig:
     mode: Literal["rl", "pretrain"] = "rl"
     """What ROLE=trainer runs: RL through the flow controller, or next-token pretraining on trainer.data."""
     steps: int = 20
-    """Optimizer steps of the run."""
+    """Steps of the run: optimizer steps when pretraining; RL steps (policy versions, each of
+    trainer.rl.mini_batches optimizer updates) in RL."""
     device: str = "auto"
     """cpu, cuda or auto."""
     dtype: Literal["float32", "bfloat16"] = identity("float32")
@@ -811,6 +816,11 @@ def validate(cfg: Config) -> None:
     _require(0 <= rl.clip_low < 1 and rl.clip_high >= 0, "trainer.rl.clip_low must be in [0, 1) and clip_high >= 0")
     _require(rl.tis_cap >= 1.0, f"trainer.rl.tis_cap ({rl.tis_cap}) must be >= 1 (1 = weights capped at one)")
     _require(rl.micro_batch_samples >= 1, "trainer.rl.micro_batch_samples must be >= 1")
+    _require(
+        1 <= rl.mini_batches <= cfg.flow.prompts_per_step,
+        f"trainer.rl.mini_batches = {rl.mini_batches}: a mini-batch holds whole prompt groups, so it must be within "
+        f"[1, flow.prompts_per_step = {cfg.flow.prompts_per_step}]",
+    )
     _require(
         rl.kl_coef == 0,
         f"trainer.rl.kl_coef = {rl.kl_coef}: a KL penalty needs a frozen reference policy, which the trainer does "

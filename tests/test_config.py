@@ -136,7 +136,7 @@ def test_show_prints_docstrings_and_values(capsys):
     assert cli.main(["show", str(DEMO), "--set", "trainer.steps=5"]) == 0
     out = capsys.readouterr().out
     assert "[trainer]\n" in out and "steps = 5" in out
-    assert "# Optimizer steps of the run." in out
+    assert "# Steps of the run: optimizer steps when pretraining" in out
     assert "(identity)" in out
 
 

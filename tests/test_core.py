@@ -120,14 +120,16 @@ def test_an_ep_size_that_does_not_divide_the_ranks_is_refused_naming_both():
         build_plan(model, _Fake(0, 3), ep=2, transport="auto")
 
 
-def test_the_rl_step_on_the_core_is_the_decoupled_ppo_update_of_the_whole_batch():
-    """Proximal log-probs of every micro-batch first (no grad, eval mode), then the PPO loss of each
-    micro-batch normalised by the batch's token count, one optimizer step: written out by hand here."""
+@pytest.mark.parametrize("mini_batches", [1, 3])
+def test_the_rl_step_on_the_core_is_the_decoupled_ppo_update_written_out_by_hand(mini_batches):
+    """Proximal log-probs of every micro-batch first (no grad, eval mode, the weights that began the step),
+    then per mini-batch of whole groups the PPO loss of each micro-batch normalised by the mini-batch's
+    token count and one optimizer step: written out by hand here."""
     import copy
 
-    from trainer.loop import rl_loss_fns
     from trainer.optim import Optimizer
     from trainer.rl.loss import ppo_loss
+    from trainer.rl.update import mini_batch_rows, proximal_logprobs, rl_updates
 
     cfg = Config()
     by_hand = build_model(cfg.trainer.model, seed=0)
@@ -136,26 +138,106 @@ def test_the_rl_step_on_the_core_is_the_decoupled_ppo_update_of_the_whole_batch(
     N, L = 40, 12
     tokens, targets = torch.randint(0, 128, (N, L), generator=g), torch.randint(0, 128, (N, L), generator=g)
     targets[:, :5] = -1
+    targets[::3, -2:] = -1  # completions of different lengths
     mask = (targets >= 0).float()
     behaviour, adv = -torch.rand(N, L, generator=g) * 3 * mask, torch.randn(N, generator=g)
-    rl, total, mb = cfg.trainer.rl, float(mask.sum()), cfg.trainer.rl.micro_batch_samples
-    chunks = [slice(i, i + mb) for i in range(0, N, mb)]
+    rl, mb = cfg.trainer.rl, cfg.trainer.rl.micro_batch_samples
+    groups = [8] * 5
+    rows = mini_batch_rows(groups, mini_batches)
+    assert len(rows) == mini_batches and rows[0].start == 0 and rows[-1].stop == N
+    assert all((r.stop - r.start) % 8 == 0 for r in rows)  # whole groups
     with torch.no_grad():
         by_hand.eval()
-        proximal = torch.cat([by_hand.token_logprobs(tokens[c], targets[c]) for c in chunks])
+        proximal = torch.cat([by_hand.token_logprobs(tokens[i : i + mb], targets[i : i + mb]) for i in range(0, N, mb)])
     by_hand.train()
-    for c in chunks:
-        logp = by_hand.token_logprobs(tokens[c], targets[c])
-        ppo_loss(logp, proximal[c], behaviour[c], adv[c], mask[c], rl, total=total).loss.backward()
-    Optimizer(by_hand, cfg.trainer.optim).step(int(total))
+    opt = Optimizer(by_hand, cfg.trainer.optim)
+    for r in rows:
+        total = float(mask[r].sum())
+        for i in range(r.start, r.stop, mb):
+            c = slice(i, min(i + mb, r.stop))
+            logp = by_hand.token_logprobs(tokens[c], targets[c])
+            ppo_loss(logp, proximal[c], behaviour[c], adv[c], mask[c], rl, total=total).loss.backward()
+        opt.step(int(total))
 
     core = TrainingCore(cfg, Ranks.single(torch.device("cpu")), on_core)
-    prepare, loss_fn = rl_loss_fns(rl, total)
     batch = {"tokens": tokens, "targets": targets, "behaviour": behaviour, "mask": mask, "advantages": adv,
-             "fresh": torch.zeros(N), "step_tokens": torch.full((N,), total)}  # fmt: skip
-    core.step(batch, loss_fn, mb, tokens=int(total), prepare=prepare)
+             "fresh": torch.zeros(N), "step_tokens": torch.full((N,), float(mask.sum()))}  # fmt: skip
+    result = core.step_updates(rl_updates(batch, rows, rl), mb, prepare=proximal_logprobs)
+    assert len(result.updates) == mini_batches and core.optimizer.steps == mini_batches
+    assert result.figures["tokens"] == float(mask.sum())
     a = torch.cat([p.detach().flatten() for p in by_hand.parameters()])
     b = torch.cat([p.detach().flatten() for p in on_core.parameters()])
     start = torch.cat([p.detach().flatten() for p in build_model(cfg.trainer.model, seed=0).parameters()])
     assert float((a - start).norm()) > 0.1  # it moved
     assert float((a - b).norm() / (a - start).norm()) < 1e-3
+
+
+def test_mini_batches_take_whole_groups_in_order_and_never_more_than_there_are_groups():
+    from trainer.rl.update import mini_batch_rows
+
+    assert mini_batch_rows([4, 4, 4, 4], 2) == [slice(0, 8), slice(8, 16)]
+    assert mini_batch_rows([2, 3, 4], 2) == [slice(0, 5), slice(5, 9)]
+    assert mini_batch_rows([4, 4], 4) == [slice(0, 4), slice(4, 8)]
+    with pytest.raises(ConfigError, match="mini_batches"):
+        load_config(None, ["trainer.rl.mini_batches=9", "flow.prompts_per_step=8"])
+
+
+def _rl_batch() -> tuple[dict[str, torch.Tensor], list[slice]]:
+    """An RL step of 6 groups of 4 samples (random tokens and advantages), cut into 3 mini-batches."""
+    from trainer.rl.update import mini_batch_rows
+
+    g = torch.Generator().manual_seed(7)
+    N, L = 24, 10
+    tokens, targets = torch.randint(0, 128, (N, L), generator=g), torch.randint(0, 128, (N, L), generator=g)
+    targets[:, :4] = -1
+    mask = (targets >= 0).float()
+    batch = {"tokens": tokens, "targets": targets, "behaviour": -torch.rand(N, L, generator=g) * mask,
+             "mask": mask, "advantages": torch.randn(N, generator=g), "fresh": torch.ones(N),
+             "step_tokens": torch.full((N,), float(mask.sum()))}  # fmt: skip
+    return batch, mini_batch_rows([4] * 6, 3)
+
+
+def _rl_step_on_ranks(rank: int, world: int, store: str, out: str) -> None:
+    import torch.distributed as dist
+
+    from trainer.rl.update import proximal_logprobs, rl_updates
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        cfg = Config()
+        cfg.trainer.parallel.ep = world
+        core = TrainingCore(cfg, Ranks(RankInfo(rank, world, rank, "launcher"), torch.device("cpu"), dist.group.WORLD),
+                            build_model(cfg.trainer.model, seed=0))  # fmt: skip
+        batch, rows = _rl_batch()
+        result = core.step_updates(rl_updates(batch, rows, cfg.trainer.rl), 3, prepare=proximal_logprobs)
+        torch.save({"part": core.hf_part(), "figures": result.figures}, f"{out}/rank{rank}.pt")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_an_rl_step_of_several_mini_batches_on_two_expert_parallel_ranks_is_the_one_rank_step(tmp_path):
+    """Each mini-batch is split over the ranks on its own, so 2 ranks (EP = 2, real gloo processes) make
+    the same three updates as one rank: same weights (1e-5) and the same step statistics."""
+    import torch.multiprocessing as mp
+
+    from trainer.hf import hf_tensors
+    from trainer.rl.update import proximal_logprobs, rl_updates
+
+    mp.spawn(_rl_step_on_ranks, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
+    parts = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    cfg = Config()
+    core = _core(cfg)
+    start = {name: t.clone() for name, t in hf_tensors(core.model)}
+    batch, rows = _rl_batch()
+    one = core.step_updates(rl_updates(batch, rows, cfg.trainer.rl), 3, prepare=proximal_logprobs)
+    assert len(one.updates) == 3
+    two = parts[0]["part"] | parts[1]["part"]
+    mine = dict(hf_tensors(core.model))
+    assert two.keys() == mine.keys()
+    for name, t in mine.items():
+        moved = float((t - start[name]).norm())
+        assert moved > 0 and float((two[name] - t).norm()) <= 1e-5 * moved, name
+    for k in ("loss", "tokens", "clip_fraction", "ratio_mean", "fresh_tokens"):
+        assert abs(parts[0]["figures"][k] - one.figures[k]) <= 1e-5 * max(1.0, abs(one.figures[k])), k

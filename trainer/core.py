@@ -12,9 +12,13 @@ the expert-parallel group), and sums the micro-batch losses, which the loss norm
 count (tokens or samples). Summed over ranks the gradient is then the one-rank gradient, so W ranks
 compute W = 1's update up to floating-point summation order.
 
+A step may be several optimizer updates (`step_updates`: the PPO mini-batches of an RL step); each
+update's rows are split over the ranks on their own, and `prepare` (the proximal log-probs) sees all
+of them with the weights that began the step.
+
 Left out on purpose: FSDP sharding of the dense weights (they are replicated and their gradients
 all-reduced in flat buckets; the dense part of the MoEs trained here is small next to the experts),
-Muon, and a frozen reference policy (trainer.rl.kl_coef > 0 is refused by config validation).
+and a frozen reference policy (trainer.rl.kl_coef > 0 is refused by config validation).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,13 +54,27 @@ eval mode); e.g. the proximal log-probs of the RL update."""
 
 
 @dataclass
-class StepResult:
-    """What one optimizer step did."""
+class Update:
+    """One optimizer update of a step: its global rows, its loss, and its trained tokens over all ranks."""
 
-    optim: StepStats
+    batch: Batch
+    loss_fn: LossFn
+    tokens: int
+
+
+@dataclass
+class StepResult:
+    """What one step (one or more optimizer updates) did."""
+
+    updates: list[StepStats]
     figures: dict[str, float]
-    """The loss function's statistics reduced over micro-batches and ranks."""
+    """The loss functions' statistics reduced over micro-batches, updates and ranks."""
     seconds: float
+
+    @property
+    def optim(self) -> StepStats:
+        """The last update's statistics."""
+        return self.updates[-1]
 
 
 def rank_rows(n: int, world: int, rank: int) -> slice:
@@ -159,34 +177,48 @@ class TrainingCore:
         prepare: PrepareFn | None = None,
         lr: float | None = None,
     ) -> StepResult:
-        """One optimizer step on the global `batch` (row-aligned tensors, the same on every rank).
+        """One optimizer update on the global `batch` (row-aligned tensors, the same on every rank).
 
         `tokens`: the step's trained tokens over all ranks (advances the WSD schedule). `lr`: a constant
         learning rate for every group instead of the schedule (the supervised warm start)."""
+        return self.step_updates([Update(batch, loss_fn, tokens)], rows_per_forward, prepare, lr)
+
+    def step_updates(
+        self,
+        updates: Sequence[Update],
+        rows_per_forward: int,
+        prepare: PrepareFn | None = None,
+        lr: float | None = None,
+    ) -> StepResult:
+        """Consecutive optimizer updates, one per `Update` (the PPO mini-batches of an RL step). `prepare`
+        sees every update's micro-batches with the weights that began the step, before the first update.
+        Each update's rows are split over the ranks on their own, so W ranks make W = 1's updates."""
         t0 = time.perf_counter()
-        n = _rows(batch)
-        micro = self.my_micro_batches(batch, rows_per_forward)
         dtype = self.cfg.trainer.dtype
+        micro = [self.my_micro_batches(u.batch, rows_per_forward) for u in updates]
         if prepare is not None:
             self.model.eval()
             with torch.no_grad(), autocast(self.device, dtype):
-                micro = [{**mb, **prepare(self.model, mb)} for mb in micro]
+                micro = [[{**mb, **prepare(self.model, mb)} for mb in mbs] for mbs in micro]
         self.model.train()
         parts: list[dict[str, float]] = []
-        for mb in micro:
-            with autocast(self.device, dtype):
-                out = loss_fn(self.model, mb)
-            loss = out.loss
-            aux = self.model.aux_loss()
-            if aux is not None:
-                # The balance loss is a mean over sequences: weight each micro-batch by its share of the batch.
-                loss = loss + self.aux_coef * aux * (_rows(mb) / n)
-                out.stats["aux_loss"] = float(aux.detach()) * _rows(mb) / n
-            loss.backward()
-            parts.append(out.stats)
-        stats = self.optimizer.step(tokens, lr=lr)
+        done: list[StepStats] = []
+        for update, mbs in zip(updates, micro, strict=True):
+            n = _rows(update.batch)
+            for mb in mbs:
+                with autocast(self.device, dtype):
+                    out = update.loss_fn(self.model, mb)
+                loss = out.loss
+                aux = self.model.aux_loss()
+                if aux is not None:
+                    # The balance loss is a mean over sequences: weight each micro-batch by its share of the batch.
+                    loss = loss + self.aux_coef * aux * (_rows(mb) / n)
+                    out.stats["aux_loss"] = float(aux.detach()) * _rows(mb) / n / len(updates)
+                loss.backward()
+                parts.append(out.stats)
+            done.append(self.optimizer.step(update.tokens, lr=lr))
         figures = reduce_figures(self.ranks.all_gather(reduce_figures(parts)))
-        return StepResult(stats, figures, time.perf_counter() - t0)
+        return StepResult(done, figures, time.perf_counter() - t0)
 
     # -- checkpoints ---------------------------------------------------------------------------
 

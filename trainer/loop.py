@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 import aiohttp
 import torch
 
-from common.config import Config, RLConfig
+from common.config import Config
 from common.metrics import MetricsWriter
 from common.roles import RunContext
 from rollout.client import NoRouterError, RolloutClient, RolloutError, Sample
@@ -44,8 +44,7 @@ from rollout.tasks import Problem, Task, load_task
 from rollout.tinykit import resolve_model
 from rollout.weights import PartReport, VersionPart, WeightPublisher, count_shards, current_version
 from trainer.checkpoint import TrainState
-from trainer.core import Batch, LossFn, PrepareFn, StepResult, TrainingCore, cross_entropy_loss
-from trainer.model.transformer import Transformer
+from trainer.core import StepResult, TrainingCore, cross_entropy_loss
 from trainer.pretrain import PretrainData, Pretrainer, initial_model, resolve_device
 from trainer.ranks import (
     BOOTSTRAP_TIMEOUT_S,
@@ -59,7 +58,7 @@ from trainer.ranks import (
 )
 from trainer.report import build_rows, format_table, held_out_scores, save_png, wait_for_eval, wait_for_evals
 from trainer.rl.advantages import group_advantages, zero_variance_groups
-from trainer.rl.loss import LossOutput, ppo_loss
+from trainer.rl.update import mini_batch_rows, proximal_logprobs, rl_updates
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -184,38 +183,15 @@ class Command:
     batch: dict[str, torch.Tensor] | None = None
     """The step's global batch (the same rows on every rank; each trains its share)."""
     total: float = 0.0
-    """Global normaliser of the loss: target tokens (sft, rl token_mean) or samples (rl seq_mean)."""
+    """Global normaliser of the supervised loss: its target tokens."""
     tokens: int = 0
-    """Trained tokens over all ranks (advances the schedule)."""
+    """Trained tokens over all ranks (advances the schedule; sft)."""
+    mini_batches: list[slice] | None = None
+    """The rows of each optimizer update of an RL step (whole groups)."""
     lr: float | None = None
     step: int = 0
     """The RL step (its samples made entirely by version `step` are fresh)."""
     state: TrainState | None = None
-
-
-def rl_loss_fns(rl: RLConfig, total: float) -> tuple[PrepareFn, LossFn]:
-    """The RL update's two passes: the proximal log-probs of every micro-batch before any update, then the
-    decoupled PPO loss normalised by the global `total`. Per-token statistics are weighted by the
-    micro-batch's share of the step's tokens, so that summed over micro-batches and ranks they are means."""
-
-    def prepare(model: Transformer, mb: Batch) -> Batch:
-        return {"proximal": model.token_logprobs(mb["tokens"], mb["targets"])}
-
-    def loss_fn(model: Transformer, mb: Batch) -> LossOutput:
-        mask = mb["mask"]
-        logp = model.token_logprobs(mb["tokens"], mb["targets"])
-        out = ppo_loss(logp, mb["proximal"], mb["behaviour"], mb["advantages"], mask, rl, total=total)
-        weight = float(mask.sum()) / float(mb["step_tokens"][0])
-        additive = ("loss", "pg_loss", "kl", "tokens")
-        stats = {k: v if k in additive or k.endswith(("_max", "_min")) else v * weight for k, v in out.stats.items()}
-        # On samples made entirely by the current weights, behaviour and proximal log-probs come from the
-        # same function: their gap is the trainer-vs-vLLM numerical mismatch.
-        fresh = mask * mb["fresh"].unsqueeze(1)
-        stats["fresh_abs_diff_sum"] = float(((mb["proximal"] - mb["behaviour"]).abs() * fresh).sum())
-        stats["fresh_tokens"] = float(fresh.sum())
-        return LossOutput(out.loss, stats)
-
-    return prepare, loss_fn
 
 
 class _RankPeers:
@@ -258,9 +234,9 @@ class TrainerRank:
             return self.core.step(cmd.batch, cross_entropy_loss(int(cmd.total)), self.cfg.trainer.warmup.batch_size,
                                   tokens=cmd.tokens, lr=cmd.lr)  # fmt: skip
         if cmd.op == "rl":
-            assert cmd.batch is not None
-            prepare, loss_fn = rl_loss_fns(rl, cmd.total)
-            return self.core.step(cmd.batch, loss_fn, rl.micro_batch_samples, tokens=cmd.tokens, prepare=prepare)
+            assert cmd.batch is not None and cmd.mini_batches is not None
+            updates = rl_updates(cmd.batch, cmd.mini_batches, rl)
+            return self.core.step_updates(updates, rl.micro_batch_samples, prepare=proximal_logprobs)
         if cmd.op == "publish":  # rank 0's half is RLTrainer.publish: it drives the workers too
             self.write_part(cmd.step)
         elif cmd.op == "reset_moments":
@@ -376,7 +352,8 @@ class RLTrainer(TrainerRank):
         used = [(g, advantages[i]) for i, g in enumerate(groups) if keep[i]]
         rollouts = [r for g, _ in used for r in g.samples]
         # With no group carrying a signal the step trains nothing: version step + 1 has the same weights.
-        stats = self._update(step, rollouts, torch.cat([a for _, a in used])) if rollouts else {}
+        sizes = [len(g.samples) for g, _ in used]
+        stats = self._update(step, rollouts, torch.cat([a for _, a in used]), sizes) if rollouts else {}
         self.state.step = step + 1
         all_rollouts = [r for g in groups for r in g.samples]
         accuracy = sum(r.reward >= 1.0 for r in all_rollouts) / len(all_rollouts)
@@ -403,22 +380,23 @@ class RLTrainer(TrainerRank):
             " ".join(f"{k}={v:.4g}" for k, v in stats.items() if k in ("loss", "clip_fraction", "iw_mean")),
         )  # fmt: skip
 
-    def _update(self, step: int, rollouts: list[Rollout], advantages: torch.Tensor) -> dict[str, float]:
-        """One optimizer step on the decoupled PPO loss over every rank; returns the loss statistics."""
-        rl = self.cfg.trainer.rl
+    def _update(self, step: int, rollouts: list[Rollout], advantages: torch.Tensor, group_sizes: list[int]) -> dict[str, float]:
+        """The step's optimizer updates (trainer.rl.mini_batches of whole groups) on the decoupled PPO loss
+        over every rank; returns the loss statistics."""
         tokens, targets, behaviour, mask = padded_batch(rollouts, self.tokenizer.pad_token_id)
         n_tokens = int(mask.sum())
         fresh = torch.tensor([float(all(v == step for v in r.weight_versions)) for r in rollouts])
         batch = {"tokens": tokens, "targets": targets, "behaviour": behaviour, "mask": mask, "advantages": advantages,
                  "fresh": fresh, "step_tokens": torch.full((len(rollouts),), float(n_tokens))}  # fmt: skip
-        total = float(n_tokens) if rl.aggregation == "token_mean" else float(len(rollouts))
-        result = self.command(Command("rl", batch, total=total, tokens=n_tokens, step=step))
+        rows = mini_batch_rows(group_sizes, self.cfg.trainer.rl.mini_batches)
+        result = self.command(Command("rl", batch, step=step, mini_batches=rows))
         assert result is not None
         figures = dict(result.figures)
+        figures["updates"] = len(result.updates)
         abs_sum, fresh_tokens = figures.pop("fresh_abs_diff_sum", 0.0), figures.pop("fresh_tokens", 0.0)
         if fresh_tokens > 0:
             figures["fresh_logprob_mismatch"] = abs_sum / fresh_tokens
-        figures["grad_norm"] = result.optim.grad_norm
+        figures["grad_norm"] = sum(u.grad_norm for u in result.updates) / len(result.updates)
         return figures
 
     def publish(self, version: int, force: bool = False) -> None:
