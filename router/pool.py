@@ -16,7 +16,8 @@ import logging
 import math
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import aiohttp
 import redis
@@ -80,6 +81,17 @@ class Worker:
     requests: int = 0
     last_error: str = ""
     checked_at: float = 0.0
+    gone: str = ""
+    """Why the worker left the pool (empty while it is in it)."""
+    attempts: set[asyncio.Task[Any]] = field(default_factory=set, repr=False)
+    """The proxy's requests waiting on this worker's answer."""
+
+    def abandon(self, reason: str) -> None:
+        """The worker left the pool: give up on the requests waiting for its answer (the proxy retries them
+        elsewhere). A killed worker role can leave a server that accepted a request and never answers."""
+        self.gone = reason
+        for task in list(self.attempts):
+            task.cancel()
 
     def as_json(self) -> dict[str, object]:
         return {
@@ -237,7 +249,10 @@ class PoolSync:
             if self._running:  # check it now instead of at the next health round
                 self._spawn(self.check(worker), f"health {worker.id}")
         for worker, reason in changes.removed:
-            log.info("worker %s at %s removed: %s", worker.id, worker.url, reason)
+            waiting = len(worker.attempts)
+            worker.abandon(reason)
+            log.info("worker %s at %s removed: %s%s", worker.id, worker.url, reason,
+                     f" ({waiting} request(s) waiting on it go to another worker)" if waiting else "")  # fmt: skip
             await announce(self.client, self.keys, "router", "worker_removed", worker=worker.id, reason=reason)
         return changes
 

@@ -3,7 +3,8 @@ be sent again), picks a worker with the policy, relays the answer (buffered when
 Content-Length, chunk by chunk otherwise, e.g. SSE), and retries on a different worker only while no
 byte has reached the client and only after a transport error or a 408/425/429/5xx answer. It adds no
 timeout to a generation (only connecting is bounded); a client that disconnects cancels the handler
-and with it the upstream request. Bodies are never parsed, except to find an affinity key that the
+and with it the upstream request. A worker removed from the pool (its heartbeat expired) gives up the
+requests still waiting for its answer, which are retried elsewhere. Bodies are never parsed, except to find an affinity key that the
 client put in the body instead of the header.
 """
 
@@ -164,9 +165,18 @@ class Proxy:
             tried.append(worker)
             worker.outstanding += 1
             worker.requests += 1
+            attempt_task = asyncio.ensure_future(self._attempt(request, worker, url_path, headers, body))
+            worker.attempts.add(attempt_task)
             try:
-                result = await self._attempt(request, worker, url_path, headers, body)
+                result = await attempt_task
+            except asyncio.CancelledError:
+                current = asyncio.current_task()
+                if not worker.gone or (current is not None and current.cancelling()):
+                    raise  # the client went away (or the router stops): not a worker failure
+                self.metrics.error("worker_gone")
+                result = Failure(worker, f"the worker left the pool while answering ({worker.gone})")
             finally:
+                worker.attempts.discard(attempt_task)
                 worker.outstanding -= 1
             if not isinstance(result, Failure):
                 return result
@@ -229,7 +239,11 @@ class Proxy:
             if upstream.content_length is not None:
                 done = True
                 return web.Response(status=status, body=data, headers=response_headers)  # type: ignore[arg-type]
-            # Streaming from here on: bytes reach the client, so nothing below is retried.
+            # Streaming from here on: bytes reach the client, so nothing below is retried (nor abandoned: a
+            # worker that dies mid-stream ends it with a transport error).
+            current = asyncio.current_task()
+            if current is not None:
+                worker.attempts.discard(current)
             response = web.StreamResponse(status=status, headers=response_headers)  # type: ignore[arg-type]
             await response.prepare(request)
             chunk = data

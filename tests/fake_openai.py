@@ -5,7 +5,8 @@ way a rollout worker does (workers hash + heartbeat-refreshed alive key), so `ki
 expire. Its answers are deterministic functions of the request, so a test can compare bytes through
 the router with bytes from the backend directly; request fields steer it: `stream`, `max_tokens`
 (number of SSE chunks), `delay_s` (before answering), `chunk_delay_s`, `status` (always answer it),
-`fail_on` + `fail_status` (answer fail_status when this worker's id is listed). GET /_stats reports
+`fail_on` + `fail_status` (answer fail_status when this worker's id is listed), `hang_on` (never
+answer when this worker's id is listed). GET /_stats reports
 what it served and how many requests were cancelled by a disconnect; POST /_control sets health.
 
 `Backend` (below) starts and stops such a process, and `start_router_process` the router role
@@ -78,6 +79,8 @@ def make_app(state: State) -> web.Application:
         headers = {"X-Worker": state.worker_id}
         if body.get("delay_s"):
             await asyncio.sleep(float(body["delay_s"]))
+        if state.worker_id in body.get("hang_on", ()):
+            await asyncio.sleep(3600)  # accepted and never answered, as a server whose engine died
         status = body.get("status")
         if state.worker_id in body.get("fail_on", ()):
             status = body.get("fail_status", 503)
