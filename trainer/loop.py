@@ -292,6 +292,7 @@ class RLTrainer(TrainerRank):
         self.controller: GenerationController | None = None
         self._t0 = time.monotonic()
         self._samples_trained = 0
+        self._mismatch: list[float] = []  # trainer-vs-vLLM log-prob gap on fresh samples, per step
 
     def stop(self) -> None:
         """Ask the run to end (from another thread): warm start checks the flag, the flow runtime's
@@ -355,6 +356,8 @@ class RLTrainer(TrainerRank):
         sizes = [len(g.samples) for g, _ in used]
         stats = self._update(step, rollouts, torch.cat([a for _, a in used]), sizes) if rollouts else {}
         self.state.step = step + 1
+        if "fresh_logprob_mismatch" in stats:
+            self._mismatch.append(stats["fresh_logprob_mismatch"])
         all_rollouts = [r for g in groups for r in g.samples]
         accuracy = sum(r.reward >= 1.0 for r in all_rollouts) / len(all_rollouts)
         staleness = [step - min(r.weight_versions) for r in all_rollouts]
@@ -507,6 +510,9 @@ class RLTrainer(TrainerRank):
             first, final = min(heldout), max(heldout)
             log.info("held-out %s: %.3f at version %d -> %.3f at version %d (%+.1f points)", benchmark,
                      heldout[first], first, heldout[final], final, 100 * (heldout[final] - heldout[first]))  # fmt: skip
+        if self._mismatch:
+            log.info("trainer-vs-vLLM log-prob mismatch on fresh samples: mean %.3g, max %.3g nats per token (%d steps)",
+                     sum(self._mismatch) / len(self._mismatch), max(self._mismatch), len(self._mismatch))  # fmt: skip
         log.info("report: %s; metrics: %s", png, self.ctx.run_dir / "metrics")
 
 
