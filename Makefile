@@ -24,7 +24,7 @@ demo: $(STAMP)
 	$(VENV)/bin/slipstream launch configs/demo.toml
 
 test: $(STAMP)
-	$(VENV)/bin/pytest -q -ra
+	$(VENV)/bin/pytest -q -ra --durations=15
 
 test-fast: $(STAMP)
 	$(VENV)/bin/pytest -q -ra -m "not slow"
