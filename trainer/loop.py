@@ -383,7 +383,9 @@ class RLTrainer(TrainerRank):
             " ".join(f"{k}={v:.4g}" for k, v in stats.items() if k in ("loss", "clip_fraction", "iw_mean")),
         )  # fmt: skip
 
-    def _update(self, step: int, rollouts: list[Rollout], advantages: torch.Tensor, group_sizes: list[int]) -> dict[str, float]:
+    def _update(
+        self, step: int, rollouts: list[Rollout], advantages: torch.Tensor, group_sizes: list[int]
+    ) -> dict[str, float]:
         """The step's optimizer updates (trainer.rl.mini_batches of whole groups) on the decoupled PPO loss
         over every rank; returns the loss statistics."""
         tokens, targets, behaviour, mask = padded_batch(rollouts, self.tokenizer.pad_token_id)

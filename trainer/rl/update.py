@@ -22,10 +22,11 @@ def proximal_logprobs(model: Transformer, mb: Batch) -> Batch:
 
 def rl_loss_fn(rl: RLConfig, total: float, step_total: float | None = None) -> LossFn:
     """The RL update's second pass: the decoupled PPO loss against the proximal log-probs, normalised by
-    `total`, the token (token_mean) or sample (seq_mean) count of the update's rows over all ranks. `step_total`: the same count for the whole step when it is cut into
-    several updates (mini-batches; default `total`). Statistics are weighted so that, summed over
-    micro-batches, updates and ranks, they are the step's means: per-token ones by the micro-batch's share
-    of the step's tokens (`step_tokens`), the loss terms by the update's share of `step_total`."""
+    `total`, the token (token_mean) or sample (seq_mean) count of the update's rows over all ranks.
+    `step_total`: the same count for the whole step when it is cut into several updates (mini-batches;
+    default `total`). Statistics are weighted so that, summed over micro-batches, updates and ranks, they
+    are the step's means: per-token ones by the micro-batch's share of the step's tokens (`step_tokens`),
+    the loss terms by the update's share of `step_total`."""
     share = total / (step_total or total)
 
     def loss_fn(model: Transformer, mb: Batch) -> LossOutput:
