@@ -21,7 +21,7 @@ ERROR_CLASSES = (
     "transport",  # connecting to or reading from a worker failed before the client saw a byte
     "upstream_status",  # a worker answered 408/425/429/5xx
     "stream_broken",  # a worker failed after bytes reached the client; the client connection is cut
-    "worker_gone",  # a worker left the pool (heartbeat expired) while a request waited on it; retried elsewhere
+    "worker_gone",  # a request waited on a worker that left the pool and stopped answering; retried elsewhere
     "no_worker",  # no healthy worker (503)
     "unauthorized",  # missing or wrong bearer token (401)
     "body_too_large",  # request body over router.max_body_bytes (413)

@@ -87,8 +87,8 @@ class Worker:
     """The proxy's requests waiting on this worker's answer."""
 
     def abandon(self, reason: str) -> None:
-        """The worker left the pool: give up on the requests waiting for its answer (the proxy retries them
-        elsewhere). A killed worker role can leave a server that accepted a request and never answers."""
+        """The worker left the pool and its server does not answer: give up on the requests waiting for its
+        answer (the proxy retries them elsewhere)."""
         self.gone = reason
         for task in list(self.attempts):
             task.cancel()
@@ -249,22 +249,40 @@ class PoolSync:
             if self._running:  # check it now instead of at the next health round
                 self._spawn(self.check(worker), f"health {worker.id}")
         for worker, reason in changes.removed:
-            waiting = len(worker.attempts)
-            worker.abandon(reason)
-            log.info("worker %s at %s removed: %s%s", worker.id, worker.url, reason,
-                     f" ({waiting} request(s) waiting on it go to another worker)" if waiting else "")  # fmt: skip
+            log.info("worker %s at %s removed: %s", worker.id, worker.url, reason)
+            if worker.attempts:
+                self._spawn(self._abandon_if_unreachable(worker, reason), f"abandon {worker.id}")
             await announce(self.client, self.keys, "router", "worker_removed", worker=worker.id, reason=reason)
         return changes
 
-    async def check(self, worker: Worker) -> None:
-        """One GET /health of one worker, with the short health timeout; the verdict goes to the pool."""
+    async def _health(self, worker: Worker) -> tuple[bool, str]:
+        """One GET /health of one worker, with the short health timeout: (ok, why not)."""
         try:
             async with self.session.get(worker.url + "/health", timeout=self.health_timeout) as resp:
                 await resp.read()
-                ok, error = resp.status == 200, "" if resp.status == 200 else f"GET /health answered {resp.status}"
+                return resp.status == 200, "" if resp.status == 200 else f"GET /health answered {resp.status}"
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-            ok, error = False, f"GET /health failed: {describe(exc)}"
-        await self.verdict(worker, ok, error)
+            return False, f"GET /health failed: {describe(exc)}"
+
+    async def check(self, worker: Worker) -> None:
+        """Health-check one worker; the verdict goes to the pool."""
+        await self.verdict(worker, *(await self._health(worker)))
+
+    async def _abandon_if_unreachable(self, worker: Worker, reason: str) -> None:
+        """A removed worker with requests waiting on it: when its server fails a health check too (a killed
+        worker role can leave a server that accepted requests and will never answer them), give them up so
+        the proxy retries them elsewhere. A server that still answers keeps them: a heartbeat can lapse
+        under load while the server is fine."""
+        if worker.healthy:
+            ok, error = await self._health(worker)
+            if ok:
+                return
+        else:
+            error = worker.last_error or "its last health check failed"
+        waiting = len(worker.attempts)
+        worker.abandon(f"{reason}; {error}")
+        log.warning("worker %s at %s removed and unreachable (%s): %d request(s) waiting on it go to another worker",
+                    worker.id, worker.url, worker.gone, waiting)  # fmt: skip
 
     async def verdict(self, worker: Worker, ok: bool, error: str) -> None:
         """Apply a health verdict (from a check, or a refused connection seen by the proxy) and log changes."""

@@ -279,27 +279,57 @@ async def test_worker_whose_heartbeat_expires_is_removed(rz, backends, http):
         await client.aclose()
 
 
-async def test_a_request_waiting_on_a_removed_worker_is_retried_on_another(rz, backends, http):
+async def _ghost_and_live(client, keys: Keys, backends) -> None:
+    """Two workers of experiment `keys`: a-ghost (w0's server; its heartbeat beats once, 1.5 s) and b-live (w1)."""
+    for worker_id, backend, ttl_ms in (("a-ghost", backends[0], 1500), ("b-live", backends[1], 30_000)):
+        record = {"url": backend.url, "model": "policy", "weight_version": 0, "started_at": time.time()}
+        await client.hset(keys.workers, worker_id, json.dumps(record))
+        await client.set(keys.worker_alive(worker_id), "1", px=ttl_ms)
+
+
+async def test_a_request_waiting_on_a_removed_unreachable_worker_is_retried_on_another(rz, backends, http):
     """A killed worker role can leave a server that accepted a request and never answers. When the
-    worker's heartbeat expires, the router gives the request up and retries it elsewhere."""
+    worker's heartbeat expires and its server fails its health check, the router gives the request up
+    and retries it elsewhere."""
     keys = Keys("orphans")
     client = rz.async_client()
     try:
-        for worker_id, backend, ttl_ms in (("a-ghost", backends[0], 1500), ("b-live", backends[1], 30_000)):
-            record = {"url": backend.url, "model": "policy", "weight_version": 0, "started_at": time.time()}
-            await client.hset(keys.workers, worker_id, json.dumps(record))
-            await client.set(keys.worker_alive(worker_id), "1", px=ttl_ms)  # the ghost beats once
+        await _ghost_and_live(client, keys, backends)
         async with router(rz, exp="orphans", policy="round_robin") as r:
             await wait_for(lambda: _routable(http, r.url, 2), 3.0, "both workers routable")
             start = time.monotonic()
             # w0 (the ghost's server) accepts and never answers; the live worker answers at once.
-            answers = await asyncio.gather(*(post(http, r.url + "/v1/completions", {"prompt": f"p{i}", "hang_on": ["w0"]})
-                                             for i in range(4)))  # fmt: skip
+            asked = asyncio.gather(*(post(http, r.url + "/v1/completions", {"prompt": f"p{i}", "hang_on": ["w0"]})
+                                     for i in range(4)))  # fmt: skip
+            await asyncio.sleep(0.3)
+            await post(http, backends[0].url + "/_control", {"healthy": False})  # its engine died
+            answers = await asyncio.wait_for(asked, 10)
             assert [status for status, _, _ in answers] == [200] * 4
             assert {h["X-Worker"] for _, h, _ in answers} == {"w1"}
             assert time.monotonic() - start < 1.5 + 1.0  # within the ghost's TTL, not a timeout
             async with http.get(r.url + "/metrics") as resp:
                 assert 'slipstream_router_errors_total{class="worker_gone"} 2' in await resp.text()
+    finally:
+        await post(http, backends[0].url + "/_control", {"healthy": True})
+        await client.delete(keys.workers)
+        await client.aclose()
+
+
+async def test_a_removed_worker_whose_server_still_answers_finishes_its_requests(rz, backends, http):
+    """A heartbeat can lapse under load while the server is fine: its requests are not given up."""
+    keys = Keys("lapsed")
+    client = rz.async_client()
+    try:
+        await _ghost_and_live(client, keys, backends)
+        async with router(rz, exp="lapsed", policy="round_robin") as r:
+            await wait_for(lambda: _routable(http, r.url, 2), 3.0, "both workers routable")
+            answers = await asyncio.gather(*(post(http, r.url + "/v1/completions", {"prompt": f"p{i}", "delay_s": 2.5})
+                                             for i in range(2)))  # fmt: skip
+            assert [status for status, _, _ in answers] == [200] * 2
+            assert sorted(h["X-Worker"] for _, h, _ in answers) == ["w0", "w1"]  # w0 answered after removal
+            assert "a-ghost" not in await workers_of(http, r.url)
+            async with http.get(r.url + "/metrics") as resp:
+                assert 'slipstream_router_errors_total{class="worker_gone"} 0' in await resp.text()
     finally:
         await client.delete(keys.workers)
         await client.aclose()
