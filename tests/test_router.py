@@ -279,9 +279,9 @@ async def test_worker_whose_heartbeat_expires_is_removed(rz, backends, http):
         await client.aclose()
 
 
-async def _ghost_and_live(client, keys: Keys, backends) -> None:
-    """Two workers of experiment `keys`: a-ghost (w0's server; its heartbeat beats once, 1.5 s) and b-live (w1)."""
-    for worker_id, backend, ttl_ms in (("a-ghost", backends[0], 1500), ("b-live", backends[1], 30_000)):
+async def _ghost_and_live(client, keys: Keys, backends, ghost_ttl_ms: int = 1500) -> None:
+    """Two workers of experiment `keys`: a-ghost (w0's server; its heartbeat beats once) and b-live (w1)."""
+    for worker_id, backend, ttl_ms in (("a-ghost", backends[0], ghost_ttl_ms), ("b-live", backends[1], 30_000)):
         record = {"url": backend.url, "model": "policy", "weight_version": 0, "started_at": time.time()}
         await client.hset(keys.workers, worker_id, json.dumps(record))
         await client.set(keys.worker_alive(worker_id), "1", px=ttl_ms)
@@ -320,11 +320,14 @@ async def test_a_removed_worker_whose_server_still_answers_finishes_its_requests
     keys = Keys("lapsed")
     client = rz.async_client()
     try:
-        await _ghost_and_live(client, keys, backends)
+        await _ghost_and_live(client, keys, backends, ghost_ttl_ms=30_000)
         async with router(rz, exp="lapsed", policy="round_robin") as r:
             await wait_for(lambda: _routable(http, r.url, 2), 3.0, "both workers routable")
-            answers = await asyncio.gather(*(post(http, r.url + "/v1/completions", {"prompt": f"p{i}", "delay_s": 2.5})
-                                             for i in range(2)))  # fmt: skip
+            asked = asyncio.gather(*(post(http, r.url + "/v1/completions", {"prompt": f"p{i}", "delay_s": 2.5})
+                                     for i in range(2)))  # fmt: skip
+            await asyncio.sleep(0.3)
+            await client.delete(keys.worker_alive("a-ghost"))  # the heartbeat lapses while w0 works
+            answers = await asyncio.wait_for(asked, 10)
             assert [status for status, _, _ in answers] == [200] * 2
             assert sorted(h["X-Worker"] for _, h, _ in answers) == ["w0", "w1"]  # w0 answered after removal
             assert "a-ghost" not in await workers_of(http, r.url)
