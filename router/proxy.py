@@ -4,8 +4,9 @@ Content-Length, chunk by chunk otherwise, e.g. SSE), and retries on a different 
 byte has reached the client and only after a transport error or a 408/425/429/5xx answer. It adds no
 timeout to a generation (only connecting is bounded); a client that disconnects cancels the handler
 and with it the upstream request. A worker removed from the pool (its heartbeat expired) whose server
-fails a health check too gives up the requests still waiting for its answer; they are retried elsewhere. Bodies are never parsed, except to
-find an affinity key that the client put in the body instead of the header.
+fails a health check too gives up the requests still waiting for its answer; they are retried
+elsewhere. Bodies are never parsed, except to find an affinity key that the client put in the body
+instead of the header.
 """
 
 from __future__ import annotations
