@@ -82,6 +82,10 @@ class RendezvousConfig:
     """Period at which every role refreshes its liveness key."""
     heartbeat_ttl_s: float = 10.0
     """Lifetime of a liveness key: a role whose key expired is considered dead."""
+    leader_linger_s: float = 30.0
+    """When the process that started Redis ends, how long it waits for the experiment's other processes
+    to disconnect before stopping the server (torchrun-started trainer ranks end together, and the rank
+    that won the election must not take Redis from a peer still writing its last state)."""
 
 
 @dataclass

@@ -179,11 +179,13 @@ class Rendezvous:
         return self.info.async_client()
 
     def close(self) -> None:
-        """Stop the Redis server if this process started it (idempotent)."""
+        """Stop the Redis server if this process started it (idempotent), once the other processes
+        connected to it have gone or `leader_linger_s` has passed."""
         server, self._server = self._server, None
         if server is None:
             return
         if self.info is not None:
+            self._wait_for_other_clients(self.info, self.cfg.leader_linger_s)
             with contextlib.suppress(OSError):
                 _write_atomic(self.meet / "redis.json", json.dumps(asdict(self.info) | {"stopped": True}))
         server.terminate()
@@ -195,6 +197,37 @@ class Rendezvous:
         log.info("stopped redis-server pid %d", server.pid)
 
     # -- internals ---------------------------------------------------------------------------
+
+    @staticmethod
+    def _wait_for_other_clients(info: RedisInfo, timeout_s: float) -> None:
+        """Wait until every connection to Redis comes from this process (its own sockets, matched by
+        address), so a peer that is still ending (announcing `down`, deleting its heartbeat) keeps
+        its Redis; give up after timeout_s with a warning naming who is still connected."""
+        deadline = time.monotonic() + timeout_s
+        said = False
+        client = info.client()
+        try:
+            client.ping()  # open this connection first, so it counts among this process's own
+            while True:
+                mine = {f"{c.laddr.ip}:{c.laddr.port}" for c in psutil.Process().net_connections("tcp") if c.laddr}
+                others = sorted(c["addr"] for c in client.client_list() if c["addr"] not in mine)
+                if not others:
+                    return
+                if time.monotonic() > deadline:
+                    log.warning(
+                        "stopping redis-server although %d client(s) are still connected after %.1fs: %s",
+                        len(others), timeout_s, ", ".join(others),
+                    )  # fmt: skip
+                    return
+                if not said:
+                    log.info("waiting up to %.1fs for %d other client(s) to leave Redis before stopping it",
+                             timeout_s, len(others))  # fmt: skip
+                    said = True
+                time.sleep(_POLL_S)
+        except redis.RedisError as exc:
+            log.warning("cannot list Redis clients before stopping the server (%s); stopping it now", exc)
+        finally:
+            client.close()
 
     def _prepare_meet_dir(self) -> None:
         self.meet.mkdir(parents=True, exist_ok=True, mode=0o700)

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -176,3 +177,61 @@ def test_clean_shutdown_lets_a_later_process_start_a_new_server(tmp_path):
         assert second.is_leader and second.info is not None and second.info.generation == 2
     finally:
         second.close()
+
+
+PEER = r"""
+import sys
+import threading
+from common.rendezvous import Rendezvous
+client = Rendezvous(sys.argv[1]).connect(timeout_s=30)
+client.ping()  # a client connects lazily: make the connection now
+print("connected", flush=True)
+sys.stdin.read()  # the test says when this peer ends
+client.set("last-words", "written")  # a peer's last write, after the leader was asked to stop
+"""
+
+
+@pytest.mark.timeout(60)
+def test_the_leader_keeps_redis_until_a_peer_still_ending_has_disconnected(tmp_path):
+    """torchrun starts trainer ranks together and any of them may win the election; the winner can
+    end first and must not take Redis away from a peer that still writes its last state."""
+    meet = tmp_path / "meet"
+    leader = Rendezvous(meet, RendezvousConfig(leader_linger_s=30))
+    probe = leader.connect()
+    peer = subprocess.Popen([sys.executable, "-c", PEER, str(meet)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True)  # fmt: skip
+    try:
+        assert peer.stdout is not None and peer.stdout.readline() == "connected\n"
+        closing = threading.Thread(target=leader.close)
+        closing.start()
+        closing.join(timeout=1.0)
+        assert closing.is_alive(), "the leader stopped Redis while a peer was still connected"
+        assert peer.stdin is not None
+        peer.stdin.close()
+        assert peer.wait(timeout=20) == 0, "the peer's last write failed"
+        closing.join(timeout=10)
+        assert not closing.is_alive(), "the leader still waits after its peer left"
+        assert redis_servers_of(meet) == []
+    finally:
+        if peer.poll() is None:
+            peer.kill()
+        probe.close()
+
+
+@pytest.mark.timeout(60)
+def test_the_leader_stops_redis_after_leader_linger_s_when_a_peer_stays(tmp_path):
+    meet = tmp_path / "meet"
+    leader = Rendezvous(meet, RendezvousConfig(leader_linger_s=0.5))
+    leader.connect()
+    peer = subprocess.Popen([sys.executable, "-c", PEER, str(meet)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True)  # fmt: skip
+    try:
+        assert peer.stdout is not None and peer.stdout.readline() == "connected\n"
+        started = time.monotonic()
+        leader.close()
+        took = time.monotonic() - started
+        assert 0.5 <= took < 10, f"close took {took:.2f} s with leader_linger_s = 0.5"
+        assert redis_servers_of(meet) == []
+    finally:
+        peer.kill()
+        peer.wait()

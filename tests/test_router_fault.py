@@ -90,7 +90,7 @@ async def test_kill_9_of_one_backend_under_64_clients_fails_only_requests_that_h
             await asyncio.sleep(1.5)
             victim = backends[1]
             victim.kill()
-            killed_at = time.monotonic()
+            killed_at, killed_wall = time.monotonic(), time.time()
             served_before_kill = Counter(o.worker for o in outcomes)
             while True:
                 async with http.get(url + "/workers") as resp:
@@ -99,7 +99,11 @@ async def test_kill_9_of_one_backend_under_64_clients_fails_only_requests_that_h
                     break
                 assert time.monotonic() - killed_at < TTL_S + 3.0, "the killed backend is still listed"
                 await asyncio.sleep(0.02)
-            removed_after = time.monotonic() - killed_at
+            listed_after = time.monotonic() - killed_at
+            # When the router itself removed it (its event's clock), apart from this loaded test loop's delay.
+            removal = next(f for _, f in redis.xrange(Keys(EXP).events)
+                           if f["event"] == "worker_removed" and json.loads(f["detail"])["worker"] == "f1")  # fmt: skip
+            removed_after = float(removal["ts"]) - killed_wall
             await asyncio.sleep(0.5)  # keep the load on the remaining two for a while
             stop.set()
             await asyncio.gather(*tasks)
@@ -116,7 +120,7 @@ async def test_kill_9_of_one_backend_under_64_clients_fails_only_requests_that_h
     failed = [o for o in outcomes if not o.ok]
     print(
         f"{len(outcomes)} requests, {len(failed)} failed after bytes, {transport} transport errors, "
-        f"removed from /workers {removed_after:.2f} s after the kill"
+        f"removed by the router {removed_after:.2f} s after the kill, gone from /workers after {listed_after:.2f} s"
     )
     failed_before_bytes = [o for o in failed if o.received == 0 or "truncated" in o.error]
     assert served_before_kill["f1"] > 0, "the victim served nothing before the kill: the test proves nothing"
@@ -125,5 +129,6 @@ async def test_kill_9_of_one_backend_under_64_clients_fails_only_requests_that_h
     assert failed_before_bytes == [], f"{len(failed_before_bytes)} failed before any byte: {failed_before_bytes[:3]}"
     assert all(o.received > 0 for o in failed)
     # The last beat came at most one period before the kill, so the key expires within TTL_S of it;
-    # the margin is for scheduling on a loaded two-core machine.
-    assert removed_after <= TTL_S + 0.3, f"dead backend left /workers {removed_after:.2f} s after the kill"
+    # the margin is for scheduling on a loaded two-core machine (a router that noticed only at its next
+    # refresh_s poll would take up to TTL_S + 0.5 s).
+    assert removed_after <= TTL_S + 0.3, f"the router removed the dead backend {removed_after:.2f} s after the kill"
