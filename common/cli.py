@@ -94,9 +94,18 @@ def _cmd_launch(args: argparse.Namespace) -> int:
 
 def _cmd_scripts(args: argparse.Namespace) -> int:
     from common.launch import write_scripts
+    from common.net import is_loopback
 
     for path in write_scripts(args.config, args.overrides, args.outdir):
         print(path)
+    cfg = load_config(args.config, args.overrides)
+    binds = {"rendezvous.bind_host": cfg.rendezvous.bind_host, "router.bind_host": cfg.router.bind_host,
+             "rollout.bind_host": cfg.rollout.bind_host}  # fmt: skip
+    local = [f"{name} = {host!r}" for name, host in binds.items() if is_loopback(host)]
+    if local:
+        print(f"slipstream: note: {', '.join(local)}: fine for the role scripts on one host, but the Slurm batch "
+              "and the Kubernetes manifest put roles on other nodes, which cannot reach a loopback address; "
+              "set them to 0.0.0.0 (with router.auth_token and rollout.api_key)", file=sys.stderr)  # fmt: skip
     return 0
 
 

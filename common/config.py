@@ -17,7 +17,6 @@ import difflib
 import functools
 import hashlib
 import inspect
-import ipaddress
 import json
 import os
 import textwrap
@@ -28,6 +27,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
+
+from common.net import is_loopback
 
 ENV_PREFIX = "SLIPSTREAM__"
 
@@ -70,8 +71,12 @@ class RendezvousConfig:
     """Shared directory where the roles find Redis; empty means <run dir>/meet. SLIPSTREAM_MEET_DIR wins."""
     redis_server: str = "redis-server"
     """The redis-server binary the elected leader starts."""
-    redis_bind: str = "127.0.0.1"
-    """Address Redis listens on; use a routable address for multi-node runs (a password is always set)."""
+    bind_host: str = "127.0.0.1"
+    """Address Redis listens on; a routable address (or 0.0.0.0) for runs over several hosts (Redis always
+    has a password, in the meet dir's 0600 redis.json)."""
+    advertise_host: str = "auto"
+    """Address written to redis.json for the others; auto = bind_host, or for a wildcard bind the host's
+    one non-loopback address."""
     redis_port: int = 0
     """Port of Redis; 0 picks a free port."""
     redis_persistence: bool = False
@@ -92,8 +97,11 @@ class RendezvousConfig:
 class RouterConfig:
     name: str = "default"
     """Router name; a second router with the same name in one experiment refuses to start."""
-    host: str = "127.0.0.1"
+    bind_host: str = "127.0.0.1"
     """Address the router binds; a non-loopback address requires auth_token."""
+    advertise_host: str = "auto"
+    """Address in the URL the router publishes; auto = bind_host, or for a wildcard bind the address of the
+    interface that routes to Redis."""
     port: int = 0
     """Port the router binds; 0 picks a free port (the URL is published in Redis)."""
     policy: Literal["least_outstanding", "round_robin", "affinity"] = "affinity"
@@ -154,6 +162,15 @@ class RolloutConfig:
     """KV-cache size in bytes on CPU (vLLM's default would ask for most of the machine's memory)."""
     gpu_memory_utilization: float = 0.9
     """Fraction of GPU memory vLLM may use (GPU only)."""
+    bind_host: str = "127.0.0.1"
+    """Address each vLLM worker's server binds; a non-loopback address requires rollout.api_key."""
+    advertise_host: str = "auto"
+    """Address in the URL a worker registers; auto = bind_host, or for a wildcard bind the address of the
+    interface that routes to Redis."""
+    api_key: str = ""
+    """Bearer token every request to a vLLM worker must carry (every path but /health, the weight-update
+    routes included); the router, publisher and evaluator send it. Set it through the environment
+    (SLIPSTREAM__rollout__api_key) rather than a committed file."""
     tensor_parallel_size: int = 1
     """vLLM tensor parallel size."""
     enforce_eager: bool = True
@@ -326,9 +343,11 @@ class ParallelConfig:
     transport: Literal["auto", "p2p", "symm_mem"] = "auto"
     """How expert rows travel between ranks: p2p (torch.distributed point-to-point, CPU and GPU) or
     symm_mem (NVLink symmetric memory, GPUs); auto = p2p."""
-    store_host: str = "127.0.0.1"
-    """Address rank 0's process-group store binds and advertises when the launcher starts the ranks (use
-    one the other hosts reach for ranks on several hosts; torchrun starts use MASTER_ADDR instead)."""
+    store_advertise_host: str = "auto"
+    """Address of rank 0's process-group store that the other ranks are told when they bootstrap through
+    Redis; auto = the address of rank 0's interface that routes to Redis (loopback when Redis is). torch's
+    TCPStore listens on every interface, so there is no bind host to set. torchrun-style starts use
+    MASTER_ADDR/MASTER_PORT instead."""
 
 
 @dataclass
@@ -469,6 +488,12 @@ class RoleSpec:
     """Restart a replica that exits non-zero (up to max_restarts) instead of failing the run."""
     max_restarts: int = 3
     """Restarts allowed per replica when restart = on-failure."""
+    node_group: str = ""
+    """Entries with the same node group share nodes in `slipstream scripts` output (one Slurm hetjob component
+    per group, pod affinity on Kubernetes); empty means the entry is a group of its own."""
+    gpus_per_replica: int = 0
+    """GPUs one replica uses on its node: 1 for a trainer rank, rollout.tensor_parallel_size for a vLLM
+    worker, 0 for a process without GPUs. `slipstream scripts` packs replicas onto nodes by this count."""
 
 
 @dataclass
@@ -477,6 +502,18 @@ class LaunchConfig:
     """Process entries started by `slipstream launch` / written by `slipstream scripts`."""
     stop_timeout_s: float = 10.0
     """Grace period between SIGTERM and SIGKILL when the launcher tears the run down."""
+    gpus_per_node: int = 8
+    """GPUs of one node of the cluster that `slipstream scripts` writes for; a node group takes as many
+    nodes as its replicas need when packed by gpus_per_replica (a group without GPUs takes one)."""
+    master_port: int = 29500
+    """Port trainer rank 0 listens on for the process group when `slipstream scripts` starts the ranks
+    torchrun-style (MASTER_PORT under Slurm and Kubernetes)."""
+    image: str = "slipstream:latest"
+    """Container image of every pod in the Kubernetes manifest; it must hold this checkout at the path
+    `slipstream scripts` ran from, with the same Python."""
+    shared_volume_size: str = "100Gi"
+    """Size requested by the manifest's ReadWriteMany volume, mounted at the run dir in every pod (meet
+    dir, published weights and checkpoints live there)."""
 
 
 @dataclass
@@ -730,15 +767,6 @@ def load_config(
 # ----------------------------------------------------------------------------------------------
 
 
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
@@ -755,8 +783,13 @@ def validate(cfg: Config) -> None:
     _require(0 <= rz.redis_port < 65536, f"rendezvous.redis_port {rz.redis_port} is not a port (0 = any free)")
     r = cfg.router
     _require(
-        is_loopback(r.host) or bool(r.auth_token),
-        f"router.host = {r.host!r} is not loopback: set router.auth_token (or bind 127.0.0.1)",
+        is_loopback(r.bind_host) or bool(r.auth_token),
+        f"router.bind_host = {r.bind_host!r} is not loopback: set router.auth_token (or bind 127.0.0.1)",
+    )
+    _require(
+        is_loopback(cfg.rollout.bind_host) or bool(cfg.rollout.api_key),
+        f"rollout.bind_host = {cfg.rollout.bind_host!r} is not loopback: set rollout.api_key (vLLM then refuses "
+        "requests without it), or bind 127.0.0.1",
     )
     _require(r.max_retries >= 0, f"router.max_retries must be >= 0, got {r.max_retries}")
     _require(r.affinity_overload_factor >= 1.0, "router.affinity_overload_factor must be >= 1.0")
@@ -842,6 +875,8 @@ def validate(cfg: Config) -> None:
     _require(cfg.trainer.mode != "pretrain" or bool(d.path), 'trainer.mode = "pretrain" needs trainer.data.path')
     _require(cfg.evaluator.every_n_versions >= 1, "evaluator.every_n_versions must be >= 1")
     _require(cfg.evaluator.chunk_cases >= 1, "evaluator.chunk_cases must be >= 1")
+    _require(cfg.launch.gpus_per_node >= 1, f"launch.gpus_per_node must be >= 1, got {cfg.launch.gpus_per_node}")
+    _require(0 < cfg.launch.master_port < 65536, f"launch.master_port {cfg.launch.master_port} is not a port")
     for name, spec in cfg.launch.roles.items():
         role = spec.role or name
         _require(
@@ -849,6 +884,27 @@ def validate(cfg: Config) -> None:
             f"launch.roles.{name}: unknown role {role!r}; use one of {', '.join(ROLES)} or give a command",
         )
         _require(spec.replicas >= 0, f"launch.roles.{name}.replicas must be >= 0")
+        gpus, key = spec.gpus_per_replica, f"launch.roles.{name}.gpus_per_replica"
+        _require(gpus >= 0, f"{key} must be >= 0 (0 = no GPU), got {gpus}")
+        _require(
+            gpus <= cfg.launch.gpus_per_node,
+            f"{key} = {gpus} exceeds launch.gpus_per_node = {cfg.launch.gpus_per_node}: a replica runs on one "
+            "node; lower it or raise launch.gpus_per_node",
+        )
+        _require(
+            role != "trainer" or gpus <= 1,
+            f"{key} = {gpus}: a trainer rank drives one GPU; set 1 and raise launch.roles.{name}.replicas instead",
+        )
+        tp_var = ENV_PREFIX + "rollout__tensor_parallel_size"  # an entry may run its workers at another size
+        tp_raw = spec.env.get(tp_var)
+        tp = cfg.rollout.tensor_parallel_size
+        if tp_raw is not None:
+            tp = parse_value(tp_raw, int, f"launch.roles.{name}.env.{tp_var}")
+        _require(
+            role != "vllm" or gpus in (0, tp),
+            f"{key} = {gpus} but the workers' rollout.tensor_parallel_size = {tp}: a vLLM worker uses one GPU per "
+            f"tensor-parallel rank; set {key} = {tp} (or 0 for a worker without GPUs)",
+        )
     if cfg.launch.roles:
         _require(
             any(spec.critical for spec in cfg.launch.roles.values()),

@@ -31,6 +31,7 @@ import redis
 import redis.asyncio
 
 from common.config import RendezvousConfig
+from common.net import AddressError, advertised, free_port
 from common.proc import die_with_parent
 
 log = logging.getLogger(__name__)
@@ -100,12 +101,6 @@ def _read_json(path: Path) -> dict | None:
         return None
     except json.JSONDecodeError:
         return None  # a lock file being written right now; redis.json is always replaced atomically
-
-
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _refuses(host: str, port: int) -> bool:
@@ -274,10 +269,14 @@ class Rendezvous:
         binary = shutil.which(self.cfg.redis_server)
         if binary is None:
             raise RendezvousError(f"redis-server binary {self.cfg.redis_server!r} not found on PATH; {INSTALL_HINT}")
-        host = self.cfg.redis_bind
+        host = self.cfg.bind_host
+        try:
+            advertise = advertised(host, self.cfg.advertise_host, None, "rendezvous.advertise_host")
+        except AddressError as exc:
+            raise RendezvousError(str(exc)) from None
         password = secrets.token_hex(24)
         for attempt in range(3):
-            port = self.cfg.redis_port or _free_port(host)
+            port = self.cfg.redis_port or free_port(host)
             conf = self.meet / "redis.conf"
             lines = [
                 f"bind {host}",
@@ -302,7 +301,7 @@ class Rendezvous:
                 preexec_fn=die_with_parent,
             )
             info = RedisInfo(
-                host=host,
+                host=advertise,
                 port=port,
                 password=password,
                 pid=server.pid,
@@ -314,7 +313,8 @@ class Rendezvous:
                 self._server, self.info = server, info
                 atexit.register(self.close)
                 _write_atomic(self.meet / "redis.json", json.dumps(asdict(info)))
-                log.info("started redis-server pid %d on %s:%d (generation %d)", server.pid, host, port, generation)
+                log.info("started redis-server pid %d on %s:%d, advertised as %s (generation %d)", server.pid, host,
+                         port, advertise, generation)  # fmt: skip
                 return
             server.kill()
             server.wait()

@@ -24,6 +24,7 @@ import redis.asyncio
 
 from common.keys import Keys
 from common.metrics import MetricsWriter
+from common.net import bearer
 from common.roles import RunContext, announce
 from evaluator.backend import Backend, RequestError, RetryPolicy
 from evaluator.benchmark import Benchmark, EvalOptions, load_benchmark
@@ -491,7 +492,8 @@ async def main(ctx: RunContext) -> int:
     metrics = MetricsWriter(ctx.run_dir, ctx.exp, "evaluator", 0)
     cache = ResultCache(ctx.run_dir / "evals" / "cache.jsonl")
     try:
-        async with aiohttp.ClientSession() as session:
+        # Requests to workers carry their key; the router's Backend sends the router's token instead.
+        async with aiohttp.ClientSession(headers=bearer(cfg.rollout.api_key)) as session:
             mode = "pin"
             if ev.pin != "always":
                 try:

@@ -20,6 +20,7 @@ import aiohttp
 import redis.asyncio
 
 from common.keys import Keys
+from common.net import bearer
 
 GENERATE_PATH = "/inference/v1/generate"
 
@@ -110,13 +111,16 @@ class RolloutClient:
         router_name: str = "default",
         affinity_header: str = "X-Slipstream-Group",
         session: aiohttp.ClientSession | None = None,
+        token: str = "",
     ) -> None:
+        """`token` is the bearer token of whatever `url` (or the router) is: router.auth_token."""
         if url is None and (redis_client is None or keys is None):
             raise ValueError("RolloutClient needs a url, or redis_client and keys to find the router")
         self.model, self._url = model, url.rstrip("/") if url else None
         self.redis, self.keys, self.router_name = redis_client, keys, router_name
         self.affinity_header = affinity_header
         self._session, self._own_session = session, session is None
+        self.headers = bearer(token)
 
     async def __aenter__(self) -> RolloutClient:
         return self
@@ -164,7 +168,7 @@ class RolloutClient:
             params["stop_token_ids"] = list(stop_token_ids)
         body = {"model": self.model, "token_ids": list(prompt_token_ids), "sampling_params": params,
                 "request_id": f"ss-{uuid.uuid4().hex}"}  # fmt: skip
-        headers = {self.affinity_header: group} if group else {}
+        headers = {self.affinity_header: group, **self.headers} if group else dict(self.headers)
         if self._session is None:
             self._session = aiohttp.ClientSession()
         url = f"{await self.base_url()}{GENERATE_PATH}"

@@ -56,6 +56,7 @@ import torch
 
 from common.config import RolloutConfig
 from common.keys import Keys
+from common.net import bearer
 from common.roles import announce
 from rollout.weight_files import ABORT_MARKER, PartReport, ShardRecord, shard_name, write_index
 
@@ -538,7 +539,7 @@ class WeightPublisher:
 
     def _sess(self) -> aiohttp.ClientSession:
         if self._session is None:
-            self._session = aiohttp.ClientSession()
+            self._session = aiohttp.ClientSession(headers=bearer(self.cfg.api_key))
         return self._session
 
     async def publish(

@@ -25,7 +25,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -34,11 +33,13 @@ from pathlib import Path
 import aiohttp
 
 from common.config import Config, RolloutConfig
+from common.net import advertised, bearer, free_port, url_host
 from common.proc import die_with_parent
 from common.rendezvous import Heartbeat
 from common.roles import RunContext, announce
 from rollout.tinykit import TINY_MODELS, resolve_model
 from rollout.vllm_plugin import FILE_BACKEND
+from rollout.vllm_plugin.auth import KEY_ENV, MIDDLEWARE
 from rollout.weights import (
     WorkerError,
     apply_version,
@@ -76,12 +77,6 @@ class WorkerRecord:
     def from_json(cls, text: str) -> WorkerRecord:
         d = json.loads(text)
         return cls(d["url"], d["model"], int(d["weight_version"]), float(d["started_at"]))
-
-
-def free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def is_deepseek(model_dir: Path) -> bool:
@@ -127,12 +122,17 @@ def vllm_command(ro: RolloutConfig, model_dir: Path, host: str, port: int, cpu: 
         cmd += ["--gpu-memory-utilization", str(ro.gpu_memory_utilization)]
     if ro.enforce_eager:
         cmd.append("--enforce-eager")
+    if ro.api_key:
+        cmd += ["--middleware", MIDDLEWARE]  # the key itself travels in the environment (vllm_env)
     return cmd + list(ro.extra_args)
 
 
-def vllm_env(run_dir: Path, base: dict[str, str] | None = None) -> dict[str, str]:
-    """vLLM's environment: RL endpoints on, offline, caches and temp files under the run dir."""
+def vllm_env(run_dir: Path, base: dict[str, str] | None = None, api_key: str = "") -> dict[str, str]:
+    """vLLM's environment: RL endpoints on, offline, caches and temp files under the run dir, and the
+    bearer token of the auth middleware when `api_key` is set."""
     env = dict(os.environ if base is None else base)
+    if api_key:
+        env[KEY_ENV] = api_key
     cache = Path(run_dir) / "cache"
     dirs = {
         "VLLM_CACHE_ROOT": cache / "vllm",
@@ -332,24 +332,25 @@ async def main(ctx: RunContext) -> int:
     worker_id = ctx.instance
     registry = ctx.keys.workers if ro.pool == "train" else ctx.keys.eval_workers
     model_dir = await asyncio.to_thread(resolve_model, cfg, ctx.run_dir)
-    host = "127.0.0.1"
-    port = free_port(host)
-    url = f"http://{host}:{port}"
+    port = free_port(ro.bind_host)
+    assert ctx.rendezvous.info is not None
+    host = advertised(ro.bind_host, ro.advertise_host, ctx.rendezvous.info.host, "rollout.advertise_host")
+    url = f"http://{url_host(host)}:{port}"
     try:
         import torch
 
         cpu = not torch.cuda.is_available()
     except ImportError:
         cpu = True
-    cmd = vllm_command(ro, model_dir, host, port, cpu)
-    vllm = VllmProcess(cmd, vllm_env(ctx.run_dir), url, ctx.run_dir / "logs" / f"vllm-{worker_id}.log",
+    cmd = vllm_command(ro, model_dir, ro.bind_host, port, cpu)
+    vllm = VllmProcess(cmd, vllm_env(ctx.run_dir, api_key=ro.api_key), url, ctx.run_dir / "logs" / f"vllm-{worker_id}.log",
                        f"[vllm {worker_id}]")  # fmt: skip
     client = ctx.async_redis()
     rz = cfg.rendezvous
     beat = Heartbeat(client, ctx.keys.worker_alive(worker_id), url, rz.heartbeat_period_s, rz.heartbeat_ttl_s)
     registered = False
     try:
-        async with aiohttp.ClientSession() as session:
+        async with aiohttp.ClientSession(headers=bearer(ro.api_key)) as session:
             await vllm.start()
             took = await wait_ready(session, vllm, ro.served_model_name, ro.startup_timeout_s)
             log.info("vLLM ready after %.1fs (model %s)", took, model_dir)

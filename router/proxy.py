@@ -21,6 +21,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from common.config import RouterConfig
+from common.net import bearer
 from router.metrics import Metrics
 from router.policy import Policy
 from router.pool import PoolSync, Worker, WorkerPool
@@ -111,15 +112,18 @@ class Proxy:
         upstream: UpstreamPool,
         metrics: Metrics,
         sync: PoolSync | None = None,
+        worker_api_key: str = "",
     ) -> None:
         self.pool, self.upstream, self.metrics, self.sync = pool, upstream, metrics, sync
         self.policy = Policy(cfg.policy, cfg.affinity_overload_factor)
         self.max_retries = cfg.max_retries
         self.max_body_bytes = cfg.max_body_bytes
         self.affinity_header = cfg.affinity_header if cfg.policy == "affinity" else ""
-        # The router answered any Expect: 100-continue itself; its bearer token is for it alone.
+        # The router answered any Expect: 100-continue itself; its bearer token is for it alone, and the
+        # workers' token (rollout.api_key) replaces whatever the client sent.
         drop = HOP_BY_HOP | {"expect"}
-        self.drop_request_headers = drop | {"authorization"} if cfg.auth_token else drop
+        self.drop_request_headers = drop | {"authorization"} if cfg.auth_token or worker_api_key else drop
+        self.worker_headers = list(bearer(worker_api_key).items())
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         started = time.perf_counter()
@@ -149,7 +153,7 @@ class Proxy:
             if key is None and body:
                 key = body_affinity_key(body)
         drop = self.drop_request_headers
-        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in drop]
+        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in drop] + self.worker_headers
         url_path = request.raw_path  # path and query string, exactly as the client sent them
 
         tried: list[Worker] = []

@@ -11,15 +11,15 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-import socket
 from collections.abc import Awaitable, Callable
 
 import aiohttp
 import redis.asyncio
 from aiohttp import web
 
-from common.config import RouterConfig, is_loopback
+from common.config import RouterConfig
 from common.keys import Keys
+from common.net import AddressError, advertised, bearer, is_loopback, url_host
 from common.rendezvous import Heartbeat
 from common.roles import RunContext
 from router.metrics import Metrics
@@ -52,27 +52,22 @@ class RouterError(RuntimeError):
     """The router cannot start: its name is taken, or its address needs a token; the message says which."""
 
 
-def published_url(host: str, port: int) -> str:
-    """The URL other processes use to reach a router bound to host:port."""
-    if host in ("0.0.0.0", "::", ""):
-        host = socket.gethostname()  # bound to every interface: publish a name others can resolve
-    if ":" in host:
-        host = f"[{host}]"
-    return f"http://{host}:{port}"
-
-
 def make_app(
     cfg: RouterConfig,
     pool: WorkerPool,
     upstream: UpstreamPool,
     metrics: Metrics | None = None,
     sync: PoolSync | None = None,
+    worker_api_key: str = "",
 ) -> web.Application:
-    """The router's aiohttp application over `pool`, forwarding through `upstream`."""
-    if not is_loopback(cfg.host) and not cfg.auth_token:
-        raise RouterError(f"router.host = {cfg.host!r} is not loopback: set router.auth_token (or bind 127.0.0.1)")
+    """The router's aiohttp application over `pool`, forwarding through `upstream` (with
+    `worker_api_key` as the workers' bearer token when set)."""
+    if not is_loopback(cfg.bind_host) and not cfg.auth_token:
+        raise RouterError(
+            f"router.bind_host = {cfg.bind_host!r} is not loopback: set router.auth_token (or bind 127.0.0.1)"
+        )
     metrics = metrics or Metrics()
-    proxy = Proxy(cfg, pool, upstream, metrics, sync)
+    proxy = Proxy(cfg, pool, upstream, metrics, sync, worker_api_key)
     expected = f"Bearer {cfg.auth_token}".encode()
 
     def guarded(handler: Handler) -> Handler:
@@ -122,8 +117,11 @@ class Router:
         keys: Keys,
         heartbeat_period_s: float = 2.0,
         heartbeat_ttl_s: float = 10.0,
+        redis_host: str = "127.0.0.1",
+        worker_api_key: str = "",
     ) -> None:
         self.cfg, self.client, self.keys = cfg, client, keys
+        self.redis_host, self.worker_api_key = redis_host, worker_api_key
         self.heartbeat_period_s, self.heartbeat_ttl_s = heartbeat_period_s, heartbeat_ttl_s
         self.pool = WorkerPool()
         self.metrics = Metrics()
@@ -138,20 +136,26 @@ class Router:
         """Bind, load the pool, claim the name in Redis and return the published URL."""
         cfg = self.cfg
         try:
-            self._session = aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar())
+            self._session = aiohttp.ClientSession(
+                cookie_jar=aiohttp.DummyCookieJar(), headers=bearer(self.worker_api_key)
+            )
             self._upstream = UpstreamPool(CONNECT_TIMEOUT_S, UPSTREAM_KEEPALIVE_S)
             self._sync = PoolSync(
                 self.pool, self.client, self.keys, self._session, cfg.health_interval_s, cfg.health_timeout_s
             )
-            app = make_app(cfg, self.pool, self._upstream, self.metrics, self._sync)
+            app = make_app(cfg, self.pool, self._upstream, self.metrics, self._sync, self.worker_api_key)
             # handler_cancellation: a client that disconnects cancels its handler, and so the upstream request.
             self._runner = web.AppRunner(
                 app, access_log=None, handler_cancellation=True, shutdown_timeout=SHUTDOWN_GRACE_S
             )
             await self._runner.setup()
-            site = web.TCPSite(self._runner, cfg.host, cfg.port, backlog=1024)
+            site = web.TCPSite(self._runner, cfg.bind_host, cfg.port, backlog=1024)
             await site.start()
-            self.url = published_url(cfg.host, self._runner.addresses[0][1])
+            try:
+                host = advertised(cfg.bind_host, cfg.advertise_host, self.redis_host, "router.advertise_host")
+            except AddressError as exc:
+                raise RouterError(str(exc)) from None
+            self.url = f"http://{url_host(host)}:{self._runner.addresses[0][1]}"
             await self._sync.start()
             await self._claim_name()
         except BaseException:
@@ -215,7 +219,9 @@ async def main(ctx: RunContext) -> int:
     """`ROLE=router slipstream run CFG`: serve until SIGTERM/SIGINT cancels this task."""
     rz = ctx.cfg.rendezvous
     client = ctx.async_redis()
-    router = Router(ctx.cfg.router, client, ctx.keys, rz.heartbeat_period_s, rz.heartbeat_ttl_s)
+    assert ctx.rendezvous.info is not None
+    router = Router(ctx.cfg.router, client, ctx.keys, rz.heartbeat_period_s, rz.heartbeat_ttl_s,
+                    ctx.rendezvous.info.host, ctx.cfg.rollout.api_key)  # fmt: skip
     try:
         try:
             await router.start()

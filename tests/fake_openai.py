@@ -60,7 +60,17 @@ def stream_chunks(body: dict, n: int) -> list[bytes]:
     return events
 
 
-def make_app(state: State) -> web.Application:
+def make_app(state: State, api_key: str = "") -> web.Application:
+    """The fake's routes; with `api_key`, every route but /health and the test-only /_ routes answers 401
+    without `Authorization: Bearer <api_key>`, as a worker's vLLM does (rollout/vllm_plugin/auth.py)."""
+
+    @web.middleware
+    async def require_key(request: web.Request, handler: Any) -> web.StreamResponse:
+        open_path = request.path == "/health" or request.path.startswith("/_")
+        if api_key and not open_path and request.headers.get("Authorization") != f"Bearer {api_key}":
+            return web.json_response({"error": {"message": "missing or wrong bearer token"}}, status=401)
+        return await handler(request)
+
     async def generate(request: web.Request) -> web.StreamResponse:
         state.requests += 1
         state.paths[request.path] += 1
@@ -133,7 +143,7 @@ def make_app(state: State) -> web.Application:
             }
         )
 
-    app = web.Application()
+    app = web.Application(middlewares=[require_key])
     app.router.add_post("/v1/completions", generate)
     app.router.add_post("/v1/chat/completions", generate)
     app.router.add_post("/inference/v1/generate", generate)
@@ -146,7 +156,7 @@ def make_app(state: State) -> web.Application:
 
 async def serve(args: argparse.Namespace) -> None:
     state = State(args.id, args.model)
-    runner = web.AppRunner(make_app(state), access_log=None, handler_cancellation=True)
+    runner = web.AppRunner(make_app(state, args.api_key), access_log=None, handler_cancellation=True)
     await runner.setup()
     await web.TCPSite(runner, args.host, args.port, backlog=1024).start()
     url = f"http://{args.host}:{runner.addresses[0][1]}"
@@ -186,6 +196,7 @@ class Backend:
     exp: str = ""
     period_s: float = 0.2
     ttl_s: float = 1.0
+    api_key: str = ""
     proc: subprocess.Popen[str] | None = None
     url: str = ""
 
@@ -202,6 +213,8 @@ class Backend:
                 "--ttl",
                 str(self.ttl_s),
             ]
+        if self.api_key:
+            cmd += ["--api-key", self.api_key]
         env = os.environ | {"PYTHONPATH": str(ROOT)}
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
         return self
@@ -231,7 +244,7 @@ class Backend:
             self.kill()
 
 
-def start_backends(ids: list[str], meet: Path | None = None, exp: str = "", **kw: float) -> list[Backend]:
+def start_backends(ids: list[str], meet: Path | None = None, exp: str = "", **kw: Any) -> list[Backend]:
     """Start several backends at once (their interpreters boot in parallel) and wait for all."""
     backends = [Backend(i, meet, exp, **kw).start() for i in ids]
     try:
@@ -273,6 +286,7 @@ def main() -> None:
     parser.add_argument("--exp", default="test")
     parser.add_argument("--period", type=float, default=0.2, help="heartbeat period, seconds")
     parser.add_argument("--ttl", type=float, default=1.0, help="alive-key TTL, seconds")
+    parser.add_argument("--api-key", default="", help="bearer token required on every route but /health")
     args = parser.parse_args()
     import uvloop
 

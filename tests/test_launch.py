@@ -173,8 +173,10 @@ def test_scripts_export_meet_dir_and_experiment_for_every_replica(tmp_path, monk
     assert "export VLLM_CPU_KVCACHE_SPACE=1" in vllm1
     assert "-m common.cli run" in vllm1 and str(tmp_path / "runs" / "lt-scripts" / "config.toml") in vllm1
     assert os.access(out / "vllm-1.sh", os.X_OK)
+    # No placement given: each entry is its own node group, and CPU-only replicas share that group's node.
     slurm = (out / "slurm.sbatch").read_text()
-    assert "#SBATCH --nodes=3" in slurm and slurm.count("srun ") == 3
+    assert slurm.count("#SBATCH hetjob") == 1 and slurm.count("#SBATCH --nodes=1\n") == 2
+    assert slurm.count("srun ") == 3 and f"bash {out / 'vllm-1.sh'} &" in slurm
     k8s = (out / "k8s.yaml").read_text()
-    assert k8s.count("kind: Job") == 3
-    assert "{name: SLIPSTREAM_MEET_DIR, value: " in k8s and "lt-scripts-vllm-1" in k8s
+    assert k8s.count("kind: Job") == 1 and k8s.count("kind: Deployment") == 1  # the critical trainer; the workers
+    assert f"- name: SLIPSTREAM_MEET_DIR\n          value: {meet}" in k8s and "name: lt-scripts-vllm" in k8s

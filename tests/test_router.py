@@ -45,11 +45,13 @@ def backends(rz: Rendezvous) -> Iterator[list[Backend]]:
 
 
 @contextlib.asynccontextmanager
-async def router(rz: Rendezvous, exp: str = EXP, **overrides: object) -> AsyncIterator[Router]:
+async def router(
+    rz: Rendezvous, exp: str = EXP, worker_api_key: str = "", **overrides: object
+) -> AsyncIterator[Router]:
     settings: dict[str, object] = {"health_interval_s": 0.2, "health_timeout_s": 0.5, "policy": "least_outstanding"}
     cfg = RouterConfig(**(settings | overrides))  # type: ignore[arg-type]
     client = rz.async_client()
-    r = Router(cfg, client, Keys(exp), PERIOD_S, TTL_S)
+    r = Router(cfg, client, Keys(exp), PERIOD_S, TTL_S, worker_api_key=worker_api_key)
     try:
         await r.start()
         yield r
@@ -203,9 +205,26 @@ async def test_bearer_token_is_required_and_not_forwarded(rz, backends, http):
             assert resp.status == 200
 
 
+async def test_the_workers_key_replaces_the_clients_authorization_on_the_hop_to_a_worker(rz, http):
+    """A worker bound beyond loopback wants rollout.api_key (the fake refuses like vLLM's middleware)."""
+    keyed = start_backends(["k0"], rz.meet, "keyed", period_s=PERIOD_S, ttl_s=TTL_S, api_key="worker-key")
+    try:
+        async with router(rz, "keyed", auth_token="router-key") as r:
+            assert [w.id for w in r.pool.healthy] == ["k0"]  # its /health needs no key
+            sent = {"Authorization": "Bearer router-key"}
+            status, _, raw = await post(http, r.url + "/v1/completions", {"prompt": "p"}, headers=sent)
+            assert status == 401, "the fake let a request without the workers' key through"
+        async with router(rz, "keyed", auth_token="router-key", worker_api_key="worker-key") as r:
+            status, _, raw = await post(http, r.url + "/v1/completions", {"prompt": "p"}, headers=sent)
+            assert status == 200 and json.loads(raw)["worker"] == "k0", raw
+    finally:
+        for b in keyed:
+            b.stop()
+
+
 async def test_non_loopback_without_token_refuses_to_start(rz):
     with pytest.raises(RouterError, match="0.0.0.0.*auth_token"):
-        async with router(rz, host="0.0.0.0"):
+        async with router(rz, bind_host="0.0.0.0"):
             pass
 
 

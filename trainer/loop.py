@@ -35,6 +35,7 @@ import torch
 
 from common.config import Config
 from common.metrics import MetricsWriter
+from common.net import advertised
 from common.roles import RunContext
 from rollout.client import NoRouterError, RolloutClient, RolloutError, Sample
 from rollout.controller import ControllerClosed, GenerationController
@@ -117,6 +118,7 @@ class _Generator:
                 keys=self.ctx.keys,
                 router_name=self.cfg.router.name,
                 affinity_header=self.cfg.router.affinity_header,
+                token=self.cfg.router.auth_token,
             )
         problem: Problem = req.prompt
         ro = self.cfg.rollout
@@ -557,6 +559,13 @@ async def _watch_ranks(ctx: RunContext, ranks: Ranks) -> str:
         await client.aclose()
 
 
+def _store_host(ctx: RunContext) -> str:
+    """The address of rank 0's process-group store that the other ranks are told."""
+    assert ctx.rendezvous.info is not None
+    setting = ctx.cfg.trainer.parallel.store_advertise_host
+    return advertised("0.0.0.0", setting, ctx.rendezvous.info.host, "trainer.parallel.store_advertise_host")
+
+
 def _device(cfg: Config, info: RankInfo) -> torch.device:
     device = resolve_device(cfg.trainer.device)
     if device.type == "cuda" and device.index is None:
@@ -577,7 +586,7 @@ async def main(ctx: RunContext) -> int:
     client = ctx.redis
     store = RedisStoreAddress(client, ctx.keys.trainer_store)
     ranks = await asyncio.to_thread(form_group, info, device, store, BOOTSTRAP_TIMEOUT_S,
-                                    ctx.cfg.trainer.parallel.store_host)  # fmt: skip
+                                    _store_host(ctx))  # fmt: skip
     record = rank_record(ctx.instance)
     client.hset(ctx.keys.trainer_ranks, str(ranks.rank), json.dumps(record))
     stopping = threading.Event()

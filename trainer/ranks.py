@@ -139,7 +139,8 @@ def form_group(
 
     torchrun-style ranks use MASTER_ADDR/MASTER_PORT. Launcher ranks need `store_address`, an object
     with `publish(addr: str)` (rank 0) and `wait(timeout_s) -> str` (the others): rank 0 opens a
-    TCPStore on `store_host` and publishes "host:port"; the others connect to what they read.
+    TCPStore (torch listens on every interface) and publishes "store_host:port"; the others connect to
+    what they read.
     """
     timeout = datetime.timedelta(seconds=timeout_s)
     backend = _backend(device)
