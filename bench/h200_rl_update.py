@@ -17,6 +17,7 @@ that attention figure), over the H200's 989 TFLOP/s dense bf16 peak (bench/moe_b
 
     python bench/h200_rl_update.py                      # configs/moonlet.toml, N 32, R 16, L 4096 on cuda
     python bench/h200_rl_update.py --smoke              # configs/tiny.toml on the CPU, 1 step (plumbing)
+    python bench/h200_rl_update.py --mini-batches 2     # two PPO updates per step (trainer.rl.mini_batches)
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=512, help="P prompt positions per rollout (not trained)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--mini-batches", type=int, default=1, help="K PPO updates per step (trainer.rl.mini_batches)")
     ap.add_argument("--batch-on", choices=("cpu", "device"), default="cpu")
     ap.add_argument("--profile", action="store_true", help="profile one more step (torch.profiler)")
     ap.add_argument("--profile-below", type=float, default=0.0, help="profile one more step if MFU is below this")
@@ -109,8 +111,13 @@ def main() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize()
 
+    K = args.mini_batches
+    if not 1 <= K <= N:
+        raise SystemExit(f"--mini-batches {K} must be in 1..--rows {N}")
+    rows_of = [slice(i * N // K, (i + 1) * N // K) for i in range(K)]  # the synthetic rows are groups of one
+
     def one_step():
-        updates = rl_updates(batch, [slice(0, N)], tc.rl)
+        updates = rl_updates(batch, rows_of, tc.rl)
         return core.step_updates(updates, rows_per_forward=R, prepare=proximal_logprobs)
 
     warm = []
@@ -143,7 +150,7 @@ def main() -> None:
     out = {
         "config": args.config, "overrides": overrides, "device": str(device),
         "gpu": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
-        "N": N, "R": R, "L": L, "P": P, "micro_batches": micro, "batch_on": args.batch_on,
+        "N": N, "R": R, "L": L, "P": P, "mini_batches": K, "micro_batches": micro, "batch_on": args.batch_on,
         "trained_tokens": n_tokens, "params_total": total_params, "params_active": active,
         "warmup_s": warm, "step_s": per_step, "step_ms_mean": dt * 1e3,
         "step_ms_median": sorted(per_step)[len(per_step) // 2] * 1e3,

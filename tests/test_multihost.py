@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import pytest
+from test_rl_e2e import demo_prompts_per_step
 
 REPO = Path(__file__).resolve().parent.parent
 STEPS = 10
@@ -199,7 +200,7 @@ def test_three_hosts_train_the_demo_from_the_scripts_and_the_router_evicts_a_dea
         steps_done = [json.loads(x) for x in (run_dir / "trained_prompts.jsonl").read_text().splitlines()]
         assert [s["step"] for s in steps_done] == list(range(STEPS))
         trained = [p for s in steps_done for p in s["prompt_ids"]]
-        assert len(trained) == len(set(trained)), "a prompt was trained twice"
+        assert len(trained) == len(set(trained)) == STEPS * demo_prompts_per_step(), "a prompt was trained twice"
 
         # Host B goes away as a whole (vLLM's server included): the router on host A evicts its worker.
         assert hosts.pids("b"), "host B has no process left to kill"
