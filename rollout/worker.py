@@ -40,6 +40,7 @@ from common.roles import RunContext, announce
 from rollout.tinykit import TINY_MODELS, resolve_model
 from rollout.vllm_plugin import FILE_BACKEND
 from rollout.vllm_plugin.auth import KEY_ENV, MIDDLEWARE
+from rollout.vllm_plugin.watchdog import PARENT_ENV
 from rollout.weights import (
     WorkerError,
     apply_version,
@@ -131,6 +132,7 @@ def vllm_env(run_dir: Path, base: dict[str, str] | None = None, api_key: str = "
     """vLLM's environment: RL endpoints on, offline, caches and temp files under the run dir, and the
     bearer token of the auth middleware when `api_key` is set."""
     env = dict(os.environ if base is None else base)
+    env[PARENT_ENV] = str(os.getpid())  # vLLM's watchdog ends the server when this process dies
     if api_key:
         env[KEY_ENV] = api_key
     cache = Path(run_dir) / "cache"

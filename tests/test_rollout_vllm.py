@@ -23,6 +23,7 @@ from conftest import MAX_MODEL_LEN
 
 from common.config import load_config
 from rollout.client import RolloutClient
+from rollout.vllm_plugin import watchdog
 from rollout.weights import WeightPublisher, served_version
 
 pytestmark = [pytest.mark.slow]
@@ -256,6 +257,8 @@ async def test_late_worker_serves_the_current_version_before_registering_and_kil
                 await asyncio.sleep(0.1)
             log = (run.run_dir / "worker-late.log").read_text()
             vllm_pid = int(re.search(r"started vLLM pid (\d+)", log)[1])
+            server = psutil.Process(vllm_pid)
+            group = [server, *server.children(recursive=True)]  # API server, engine core, workers
 
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait()
@@ -265,12 +268,10 @@ async def test_late_worker_serves_the_current_version_before_registering_and_kil
                 assert time.monotonic() - killed < ttl + 1.0, "killed worker still routed after the heartbeat TTL"
                 await asyncio.sleep(0.05)
             gone_after = time.monotonic() - killed
-            # The orphaned vLLM server dies with its worker (PR_SET_PDEATHSIG), leaving nothing running.
-            try:
-                _, alive = await asyncio.to_thread(psutil.wait_procs, [psutil.Process(vllm_pid)], 60)
-                assert not alive, f"vLLM pid {vllm_pid} outlived its killed worker"
-            except psutil.NoSuchProcess:
-                pass  # already gone, as it should be
+            # The orphaned vLLM server dies with its worker (PR_SET_PDEATHSIG, and the plugin's watchdog
+            # within watchdog.GRACE_S), its engine processes with it: nothing is left running.
+            _, alive = await asyncio.to_thread(psutil.wait_procs, group, watchdog.GRACE_S + 10)
+            assert not alive, f"{[(p.pid, p.name()) for p in alive]} outlived their killed worker role"
         finally:
             await restore(run, r, pub)
     await r.aclose()

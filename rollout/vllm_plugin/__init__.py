@@ -3,7 +3,8 @@
 vLLM runs `register` (entry point group `vllm.general_plugins`, see pyproject.toml) in every vLLM
 process. It registers the `file` engine, which loads a published weight version from safetensors
 files (rollout/weights.py writes them) and works on any machine that sees the files, and, on the CPU
-platform of vLLM 0.32, makes weight reloads re-run the CPU expert pre-packing that vLLM skips.
+platform of vLLM 0.32, makes weight reloads re-run the CPU expert pre-packing that vLLM skips, and
+in the server a worker role started, watches that role and ends the server when it dies (watchdog.py).
 vLLM's own engines (nccl, ipc, ...) stay registered and selectable with
 `--weight-transfer-config '{"backend": "nccl"}'` on GPUs.
 """
@@ -27,6 +28,8 @@ def register() -> None:
         WeightTransferEngineFactory.register_engine(
             FILE_BACKEND, "rollout.vllm_plugin.file_engine", "FileWeightTransferEngine"
         )
+    from rollout.vllm_plugin import watchdog
     from rollout.vllm_plugin.cpu_moe_fix import install
 
     install()
+    watchdog.start()
