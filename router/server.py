@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import urllib.parse
 from collections.abc import Awaitable, Callable
 
 import aiohttp
@@ -50,6 +51,24 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 class RouterError(RuntimeError):
     """The router cannot start: its name is taken, or its address needs a token; the message says which."""
+
+
+_DELETE_IF_EQUAL = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
+
+
+async def _refuses(url: str) -> bool:
+    """True when nothing listens at the URL's host and port (connection refused); a timeout proves nothing."""
+    parsed = urllib.parse.urlsplit(url)
+    if parsed.hostname is None or parsed.port is None:
+        return False
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(parsed.hostname, parsed.port), CONNECT_TIMEOUT_S)
+    except ConnectionRefusedError:
+        return True
+    except (OSError, TimeoutError):
+        return False
+    writer.close()
+    return False
 
 
 def make_app(
@@ -172,14 +191,23 @@ class Router:
         return self.url
 
     async def _claim_name(self) -> None:
+        """Claim the router's name (its URL under Keys.router(name)). A holder whose address refuses
+        connections is provably dead (a router killed moments ago and restarted, whose key has not
+        expired yet): its claim is taken over at once. A live holder makes this router refuse to start."""
         key = self.keys.router(self.cfg.name)
         ttl_ms = int(self.heartbeat_ttl_s * 1000)
-        for _ in range(2):  # the holder's key may expire between our SET NX and our GET
+        for _ in range(3):  # the holder's key may expire or be replaced between our SET NX and our GET
             if await self.client.set(key, self.url, nx=True, px=ttl_ms):
                 self._heartbeat = Heartbeat(self.client, key, self.url, self.heartbeat_period_s, self.heartbeat_ttl_s)
                 await self._heartbeat.start()
                 return
             holder = await self.client.get(key)
+            if holder is not None and holder != self.url and await _refuses(holder):
+                # Compare-and-delete: a router that claimed the name meanwhile keeps it.
+                if await self.client.eval(_DELETE_IF_EQUAL, 1, key, holder):
+                    log.warning("router %r: the previous holder at %s refuses connections (dead); taking over its "
+                                "name", self.cfg.name, holder)  # fmt: skip
+                continue
             if holder is not None:
                 raise RouterError(
                     f"router {self.cfg.name!r} of experiment {self.keys.exp} is already running at {holder} "
