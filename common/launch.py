@@ -43,6 +43,7 @@ import yaml
 
 from common import log as logsetup
 from common.config import ENV_PREFIX, Config, RoleSpec, load_config, to_toml
+from common.proc import die_with_parent
 from common.registry import Registry
 from common.rendezvous import Rendezvous
 from common.roles import new_exp_id, resolve_meet_dir, resolve_run_dir
@@ -161,6 +162,9 @@ class Launcher:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # own process group: a terminal's Ctrl-C reaches only the launcher
+            # SIGTERM from the kernel if the launcher dies, even by SIGKILL: roles stop as on a teardown.
+            # (Started from the main thread only, which lives as long as the launcher.)
+            preexec_fn=die_with_parent,
         )
         log.info("started %s (role %s, pid %d)", rep.label, rep.role, rep.proc.pid)
         threading.Thread(target=self._pump, args=(rep, rep.proc), daemon=True, name=f"pump {rep.label}").start()

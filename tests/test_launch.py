@@ -114,6 +114,23 @@ def test_sigint_tears_the_whole_tree_down_within_ten_seconds(tmp_path):
                    for p in psutil.process_iter(["name"]))
 
 
+@pytest.mark.timeout(120)
+def test_kill_9_of_the_launcher_ends_every_role_and_its_redis(tmp_path):
+    """A SIGKILLed launcher cannot tear anything down: the kernel sends each role SIGTERM for it."""
+    cfg = make_config(tmp_path, role("server", "sleep", critical=True), role("helper", "sleep", extra="replicas = 2\n"))
+    launcher = start_launch(cfg, "lt-kill")
+    run_dir = tmp_path / "runs" / "lt-kill"
+    wait_for(lambda: len(list((run_dir / "pids").glob("ready-*"))) == 3 if (run_dir / "pids").exists() else False,
+             60, "three replicas to be ready")  # fmt: skip
+    pids = recorded_pids(run_dir)
+    redis = [p.pid for p in psutil.process_iter(["name"]) if "redis" in (p.info["name"] or "")
+             and _cwd(p) == run_dir / "meet"]  # fmt: skip
+    assert len(pids) == 3 and len(redis) == 1
+    launcher.kill()
+    launcher.communicate(timeout=10)
+    wait_for(lambda: not survivors(pids + redis), 10, "every role and Redis to be gone after the launcher's death")
+
+
 def _cwd(p: psutil.Process) -> Path | None:
     try:
         return Path(p.cwd())
