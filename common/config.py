@@ -484,10 +484,15 @@ class RoleSpec:
     """Extra environment variables of these processes."""
     command: str = ""
     """Command template; empty runs `slipstream run`. Fields: {python} {config} {role} {replica}."""
-    restart: Literal["never", "on-failure"] = "never"
-    """Restart a replica that exits non-zero (up to max_restarts) instead of failing the run."""
+    restart: Literal["auto", "never", "on-failure"] = "auto"
+    """on-failure: restart a replica that exits non-zero (up to max_restarts, after restart_backoff_s,
+    doubling) instead of failing the run. auto: on-failure for the router, vLLM workers and the evaluator,
+    which rejoin a running experiment by themselves; never for the trainer (a restarted trainer does not
+    yet resume an RL run exactly) and for other commands."""
     max_restarts: int = 3
-    """Restarts allowed per replica when restart = on-failure."""
+    """Restarts allowed per replica when it restarts on failure."""
+    restart_backoff_s: float = 1.0
+    """Wait before a replica's first restart; each further restart of it waits twice as long."""
     node_group: str = ""
     """Entries with the same node group share nodes in `slipstream scripts` output (one Slurm hetjob component
     per group, pod affinity on Kubernetes); empty means the entry is a group of its own."""
@@ -884,6 +889,8 @@ def validate(cfg: Config) -> None:
             f"launch.roles.{name}: unknown role {role!r}; use one of {', '.join(ROLES)} or give a command",
         )
         _require(spec.replicas >= 0, f"launch.roles.{name}.replicas must be >= 0")
+        _require(spec.max_restarts >= 0, f"launch.roles.{name}.max_restarts must be >= 0")
+        _require(spec.restart_backoff_s >= 0, f"launch.roles.{name}.restart_backoff_s must be >= 0 (seconds)")
         gpus, key = spec.gpus_per_replica, f"launch.roles.{name}.gpus_per_replica"
         _require(gpus >= 0, f"{key} must be >= 0 (0 = no GPU), got {gpus}")
         _require(

@@ -5,9 +5,12 @@ run dir, records the run in the registry, becomes the rendezvous leader (so Redi
 restart), and starts every replica of every `launch.roles` entry as a child process with ROLE,
 SLIPSTREAM_EXP, SLIPSTREAM_MEET_DIR, SLIPSTREAM_REPLICA and SLIPSTREAM_REPLICAS set (trainer replicas are
 its ranks). Child output is prefixed with
-`role/replica`. The run ends when every critical entry exited 0, or at the first failure (whose
-exit code the launcher returns), or on SIGINT/SIGTERM; in every case the whole process tree is torn
-down: SIGTERM to each child's process group and every descendant, then SIGKILL after the grace period.
+`role/replica`. A replica that fails is restarted when its entry says so (by default the router, vLLM
+workers and the evaluator, which rejoin the experiment by themselves), after a doubling backoff and up
+to max_restarts. The run ends when every critical entry exited 0, or at the first failure not
+restarted (whose exit code the launcher returns), or on SIGINT/SIGTERM; in every case the whole process
+tree is torn down: SIGTERM to each child's process group and every descendant, then SIGKILL after the
+grace period. Children also get SIGTERM from the kernel if the launcher itself is killed.
 
 The script builder writes the same processes as shell scripts, one per replica, plus a Slurm batch
 file and a Kubernetes manifest for multi-node runs. Placement comes from the config: entries with the same
@@ -142,6 +145,18 @@ def env_of(rep: Replica, prep: Prepared) -> dict[str, str]:
     }
 
 
+# Put into the exit queue by a restart timer: start that replica again.
+RESTART = -(10**6)
+RESTARTING_ROLES = ("router", "vllm", "evaluator")
+
+
+def restarts_on_failure(rep: Replica) -> bool:
+    """Whether a replica that failed is restarted: its restart setting, with `auto` decided by role."""
+    if rep.spec.restart == "auto":
+        return rep.role in RESTARTING_ROLES and not rep.spec.command
+    return rep.spec.restart == "on-failure"
+
+
 class Launcher:
     """Runs the replicas of a prepared run as children and tears them all down at the end."""
 
@@ -154,6 +169,7 @@ class Launcher:
         self._signal: int | None = None
 
     def _start(self, rep: Replica) -> None:
+        """Start one replica; call it from the main thread only (see `preexec_fn`)."""
         env = {**os.environ, **env_of(rep, self.prep)}
         rep.proc = subprocess.Popen(
             command_of(rep, self.prep),
@@ -199,6 +215,9 @@ class Launcher:
         critical = {rep.label for rep in self.replicas if rep.spec.critical}
         while True:
             rep, code = self._exits.get()
+            if rep is not None and code == RESTART:
+                self._start(rep)
+                continue
             if rep is None:
                 log.info("received %s: stopping the run", signal.Signals(code - 128).name)
                 return code
@@ -211,14 +230,20 @@ class Launcher:
                     log.info("all critical roles finished: run succeeded")
                     return 0
                 continue
-            if rep.spec.restart == "on-failure" and rep.restarts < rep.spec.max_restarts:
+            if restarts_on_failure(rep) and rep.restarts < rep.spec.max_restarts:
+                delay = rep.spec.restart_backoff_s * 2**rep.restarts
                 rep.restarts += 1
-                log.warning(
-                    "%s exited with code %d: restarting (%d/%d)", rep.label, code, rep.restarts, rep.spec.max_restarts
-                )
-                self._start(rep)
+                log.warning("%s exited with code %d: restarting (%d/%d) in %.1fs", rep.label, code, rep.restarts,
+                            rep.spec.max_restarts, delay)  # fmt: skip
+                # Started by this (main) thread when the timer says so: the parent-death signal of a child is
+                # tied to the thread that forked it.
+                timer = threading.Timer(delay, self._exits.put, args=((rep, RESTART),))
+                timer.daemon = True
+                timer.start()
                 continue
-            log.error("%s failed with exit code %d: stopping the run", rep.label, code)
+            spent = f" after {rep.restarts} restart(s), the most launch.roles.{rep.entry}.max_restarts allows" if (
+                restarts_on_failure(rep)) else ""  # fmt: skip
+            log.error("%s failed with exit code %d%s: stopping the run", rep.label, code, spent)
             return code
 
     def teardown(self) -> None:

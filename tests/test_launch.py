@@ -159,13 +159,28 @@ def test_success_of_the_critical_roles_ends_the_run_with_zero(tmp_path):
 def test_on_failure_restarts_a_replica_up_to_its_limit(tmp_path):
     cfg = make_config(
         tmp_path,
-        role("flaky", "exit3", critical=True, extra='restart = "on-failure"\nmax_restarts = 2\nenv = {EXIT_AFTER_S = "0.1"}\n'),
-    )
+        role("flaky", "exit3", critical=True, extra='restart = "on-failure"\nmax_restarts = 2\nrestart_backoff_s = 0.3\n'
+             'env = {EXIT_AFTER_S = "0.1"}\n'),
+    )  # fmt: skip
     launcher = start_launch(cfg, "lt-restart")
     out, _ = launcher.communicate(timeout=60)
     assert launcher.returncode == 3, out
-    assert out.count("restarting") == 2
+    assert "restarting (1/2) in 0.3s" in out and "restarting (2/2) in 0.6s" in out, out
+    assert "failed with exit code 3 after 2 restart(s), the most launch.roles.flaky.max_restarts allows" in out
     assert len(recorded_pids(tmp_path / "runs" / "lt-restart")) == 3
+
+
+def test_restart_auto_restarts_the_roles_that_rejoin_a_run_and_not_the_trainer():
+    from common.config import RoleSpec
+    from common.launch import Replica, restarts_on_failure
+
+    def rep(role: str, **kw: object) -> Replica:
+        return Replica(entry=role, role=role, index=0, spec=RoleSpec(**kw))  # type: ignore[arg-type]
+
+    assert [restarts_on_failure(rep(r)) for r in ("router", "vllm", "evaluator", "trainer")] == [True] * 3 + [False]
+    assert not restarts_on_failure(rep("router", command="{python} my_router.py"))  # a command of one's own
+    assert not restarts_on_failure(rep("vllm", restart="never"))
+    assert restarts_on_failure(rep("trainer", restart="on-failure"))
 
 
 def test_scripts_export_meet_dir_and_experiment_for_every_replica(tmp_path, monkeypatch):
