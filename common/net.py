@@ -90,6 +90,18 @@ def free_port(host: str) -> int:
         return int(s.getsockname()[1])
 
 
+def refuses(host: str, port: int, timeout_s: float = 1.0) -> bool:
+    """True when nothing listens at host:port (connection refused): proof that a server there is gone.
+    A timeout or an unreachable network proves nothing and gives False."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return False
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False
+
+
 def bearer(token: str) -> dict[str, str]:
     """The Authorization header carrying `token`; none when the token is empty."""
     return {"Authorization": f"Bearer {token}"} if token else {}

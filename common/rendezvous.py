@@ -31,7 +31,7 @@ import redis
 import redis.asyncio
 
 from common.config import RendezvousConfig
-from common.net import AddressError, advertised, free_port
+from common.net import AddressError, advertised, free_port, refuses
 from common.proc import die_with_parent
 
 log = logging.getLogger(__name__)
@@ -101,17 +101,6 @@ def _read_json(path: Path) -> dict | None:
         return None
     except json.JSONDecodeError:
         return None  # a lock file being written right now; redis.json is always replaced atomically
-
-
-def _refuses(host: str, port: int) -> bool:
-    """True when nothing listens at host:port (connection refused), False when something answers."""
-    try:
-        with socket.create_connection((host, port), timeout=1.0):
-            return False
-    except ConnectionRefusedError:
-        return True
-    except OSError:
-        return False  # a timeout or an unreachable network is not proof of death
 
 
 def _pid_dead(pid: int) -> bool:
@@ -244,7 +233,7 @@ class Rendezvous:
             ) from None
         except (redis.ConnectionError, redis.TimeoutError):
             pass
-        if not _refuses(info.host, info.port):
+        if not refuses(info.host, info.port):
             return "unreachable"
         if info.hostname == socket.gethostname() and not _pid_dead(info.pid):
             return "unreachable"

@@ -20,7 +20,7 @@ from aiohttp import web
 
 from common.config import RouterConfig
 from common.keys import Keys
-from common.net import AddressError, advertised, bearer, is_loopback, url_host
+from common.net import AddressError, advertised, bearer, is_loopback, refuses, url_host
 from common.rendezvous import Heartbeat
 from common.roles import RunContext
 from router.metrics import Metrics
@@ -56,19 +56,12 @@ class RouterError(RuntimeError):
 _DELETE_IF_EQUAL = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
 
 
-async def _refuses(url: str) -> bool:
-    """True when nothing listens at the URL's host and port (connection refused); a timeout proves nothing."""
+async def _dead(url: str) -> bool:
+    """True when nothing listens at the URL's address any more (connection refused)."""
     parsed = urllib.parse.urlsplit(url)
     if parsed.hostname is None or parsed.port is None:
         return False
-    try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(parsed.hostname, parsed.port), CONNECT_TIMEOUT_S)
-    except ConnectionRefusedError:
-        return True
-    except (OSError, TimeoutError):
-        return False
-    writer.close()
-    return False
+    return await asyncio.to_thread(refuses, parsed.hostname, parsed.port, CONNECT_TIMEOUT_S)
 
 
 def make_app(
@@ -202,7 +195,7 @@ class Router:
                 await self._heartbeat.start()
                 return
             holder = await self.client.get(key)
-            if holder is not None and holder != self.url and await _refuses(holder):
+            if holder is not None and holder != self.url and await _dead(holder):
                 # Compare-and-delete: a router that claimed the name meanwhile keeps it.
                 if await self.client.eval(_DELETE_IF_EQUAL, 1, key, holder):
                     log.warning("router %r: the previous holder at %s refuses connections (dead); taking over its "
