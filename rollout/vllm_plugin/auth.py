@@ -1,10 +1,10 @@
 """A bearer-token guard over every route of a vLLM server, loaded with vLLM's own `--middleware` option.
 
 vLLM's `--api-key` guards only /v1, /v2, /inference and /cohere: the weight-update routes (/pause,
-/update_weights, /collective_rpc, ...) stay open to anyone who reaches the port. A worker bound beyond
-loopback therefore starts vLLM with this middleware, which asks every request except GET /health (the
-router's liveness probe) for `Authorization: Bearer <rollout.api_key>`. The key comes from the
-environment (KEY_ENV), never from the command line where `ps` would show it.
+/update_weights, /collective_rpc, ...) stay open to anyone who reaches the port. A worker with
+rollout.api_key set (required for a bind beyond loopback) starts vLLM with this middleware, which asks
+every request except GET /health (the router's liveness probe) for `Authorization: Bearer <key>`. The
+key comes from the environment (KEY_ENV), never from the command line where `ps` would show it.
 """
 
 from __future__ import annotations
