@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_rl_e2e import demo_prompts_per_step
+from test_rl_e2e import demo_prompts_per_step, end_of_run_rise
 
 REPO = Path(__file__).resolve().parent.parent
 STEPS = 10
@@ -32,7 +32,8 @@ HOSTS = {"a": "192.0.2.1", "b": "192.0.2.2", "c": "192.0.2.3"}
 ROUTER_TOKEN = "router-secret"
 VLLM_KEY = "vllm-secret"
 TTL_S = 2.0
-# Measured over 10 steps: held-out +0.155 (fully-async) and +0.125 (on-policy) from the first version evaluated.
+# Measured over 10 steps, the first version evaluated against the mean of versions 8-10: +0.143 and +0.127
+# (fully-async), +0.120 and +0.158 (on-policy).
 MIN_RISE = 0.08
 
 
@@ -194,9 +195,9 @@ def test_three_hosts_train_the_demo_from_the_scripts_and_the_router_evicts_a_dea
         # too, by ~0.02-0.03 in 10 steps, but its step-to-step noise is as large: not a sound check.)
         scores = {int(v): float(a) for v, a in
                   re.findall(r"version (\d+) arithmetic: accuracy/mean = ([0-9.]+)", log_of("evaluator"))}  # fmt: skip
-        assert scores and min(scores) <= 3 and STEPS in scores, f"held-out results for versions {sorted(scores)}"
-        rise = scores[STEPS] - scores[min(scores)]
-        assert rise >= MIN_RISE, f"held-out accuracy {scores[min(scores)]:.3f} -> {scores[STEPS]:.3f} ({rise:+.3f})"
+        assert scores and min(scores) <= 3, f"held-out results for versions {sorted(scores)}"
+        rise, what = end_of_run_rise(scores, min(scores), STEPS)
+        assert rise >= MIN_RISE, f"held-out accuracy {what}: {rise:+.3f}"
         steps_done = [json.loads(x) for x in (run_dir / "trained_prompts.jsonl").read_text().splitlines()]
         assert [s["step"] for s in steps_done] == list(range(STEPS))
         trained = [p for s in steps_done for p in s["prompt_ids"]]

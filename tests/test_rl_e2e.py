@@ -25,6 +25,10 @@ REPO = Path(__file__).resolve().parent.parent
 STEPS = 15
 # A clear rise in 15 steps (the acceptance of the demo).
 MIN_RISE = 0.10
+# The end of a run is judged on its last LAST versions: one version's score on the 200 held-out problems
+# moves by 4-6 points between neighbouring versions (a W=2 run measured 0.745, 0.735, 0.735, 0.680 for
+# versions 12-15), a mean of three by less.
+LAST = 3
 
 
 def demo_prompts_per_step() -> int:
@@ -85,11 +89,19 @@ def short_root(tmp_path):
     shutil.rmtree(path, ignore_errors=True)
 
 
+def end_of_run_rise(scores: dict[int, float], first: int, last: int) -> tuple[float, str]:
+    """The held-out rise from version `first` to the mean of the LAST versions ending at `last`, and a
+    description of it for the failure message."""
+    tail = list(range(last - LAST + 1, last + 1))
+    assert first in scores and all(v in scores for v in tail), f"held-out results for versions {sorted(scores)}"
+    end = sum(scores[v] for v in tail) / LAST
+    return end - scores[first], f"{scores[first]:.3f} at version {first} -> {end:.3f} over versions {tail} " + (
+        f"({', '.join(f'{scores[v]:.3f}' for v in tail)})")  # fmt: skip
+
+
 def assert_clear_rise(run: Launch) -> None:
-    scores = run.heldout()
-    assert 0 in scores and STEPS in scores, f"held-out results for versions {sorted(scores)}"
-    rise = scores[STEPS] - scores[0]
-    assert rise >= MIN_RISE, f"held-out accuracy {scores[0]:.3f} -> {scores[STEPS]:.3f} ({rise:+.3f})"
+    rise, what = end_of_run_rise(run.heldout(), 0, STEPS)
+    assert rise >= MIN_RISE, f"held-out accuracy {what}: {rise:+.3f}"
 
 
 @pytest.mark.slow
