@@ -125,8 +125,9 @@ class Rendezvous:
 
     # -- public ------------------------------------------------------------------------------
 
-    def connect(self, timeout_s: float | None = None) -> redis.Redis:
-        """Return a client of the experiment's Redis, starting it if this process wins the election."""
+    def connect(self, timeout_s: float | None = None, elect: bool = True) -> redis.Redis:
+        """Return a client of the experiment's Redis, starting it if this process wins the election
+        (`elect=False`: never start it, only wait for one)."""
         self._prepare_meet_dir()
         deadline = time.monotonic() + (self.cfg.wait_timeout_s if timeout_s is None else timeout_s)
         generation = 1
@@ -142,7 +143,7 @@ class Rendezvous:
                 last_state = f"redis.json generation {info.generation} points at a {state} server"
                 if state == "dead":
                     generation = max(generation, info.generation + 1)
-            if data is None or generation > data.get("generation", 0):
+            if elect and (data is None or generation > data.get("generation", 0)):
                 outcome = self._try_elect(generation)
                 if outcome == "won":
                     assert self.info is not None

@@ -103,7 +103,9 @@ def context_for(
     instance = f"{socket.gethostname()}-{os.getpid()}-{replica}"
     rz = Rendezvous(meet, cfg.rendezvous)
     if connect:
-        rz.connect()
+        # Trainer ranks started torchrun-style start together, and the one holding Redis stops it when it
+        # ends: rank 0, which ends last (it reports the run), must be the one. The other ranks only wait.
+        rz.connect(elect=not (role == "trainer" and env.get("RANK", "0") != "0"))
     return RunContext(cfg, role, exp, run_dir, meet, instance, rz, Keys(exp), config_path)
 
 

@@ -235,3 +235,18 @@ def test_the_leader_stops_redis_after_leader_linger_s_when_a_peer_stays(tmp_path
     finally:
         peer.kill()
         peer.wait()
+
+
+def test_a_process_that_may_not_elect_waits_for_a_leader_and_never_starts_redis(tmp_path):
+    """Trainer ranks other than 0 started torchrun-style connect with elect=False (rank 0 holds Redis)."""
+    meet = tmp_path / "meet"
+    with pytest.raises(RendezvousError, match="no Redis in meet dir"):
+        Rendezvous(meet).connect(timeout_s=1.0, elect=False)
+    assert redis_servers_of(meet) == [] and not (meet / "redis.json").exists()
+    leader = Rendezvous(meet)
+    leader.connect()
+    try:
+        follower = Rendezvous(meet)
+        assert follower.connect(timeout_s=10, elect=False).ping() and not follower.is_leader
+    finally:
+        leader.close()
