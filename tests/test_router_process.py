@@ -31,6 +31,17 @@ def rz(tmp_path: Path) -> Iterator[Rendezvous]:
     rz.close()
 
 
+def router_config(tmp_path: Path, period_s: float, ttl_s: float) -> Path:
+    """The config of router 'main' with the given heartbeat period and TTL."""
+    config = tmp_path / "router.toml"
+    config.write_text(
+        f'[run]\nname = "rp"\nroot = "{tmp_path / "runs"}"\n'
+        f"[rendezvous]\nheartbeat_period_s = {period_s}\nheartbeat_ttl_s = {ttl_s}\n"
+        '[router]\nname = "main"\nhealth_interval_s = 0.2\npolicy = "least_outstanding"\n'
+    )
+    return config
+
+
 def start_router(config: Path, meet: Path) -> subprocess.Popen[str]:
     return start_router_process(config, meet, EXP, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
@@ -38,12 +49,7 @@ def start_router(config: Path, meet: Path) -> subprocess.Popen[str]:
 @pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_router_role_publishes_serves_refuses_a_duplicate_and_withdraws(rz: Rendezvous, tmp_path: Path):
-    config = tmp_path / "router.toml"
-    config.write_text(
-        f'[run]\nname = "rp"\nroot = "{tmp_path / "runs"}"\n'
-        "[rendezvous]\nheartbeat_period_s = 0.2\nheartbeat_ttl_s = 1.0\n"
-        '[router]\nname = "main"\nhealth_interval_s = 0.2\npolicy = "least_outstanding"\n'
-    )
+    config = router_config(tmp_path, period_s=0.2, ttl_s=1.0)
     (backend,) = start_backends(["w0"], rz.meet, EXP)
     redis = rz.info.client()  # type: ignore[union-attr]
     key = Keys(EXP).router("main")
