@@ -19,8 +19,8 @@ DELEGATED = {
 }
 
 
-def _add_config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("config", help="TOML config file, e.g. configs/demo.toml")
+def _add_config_args(p: argparse.ArgumentParser, required: bool = True) -> None:
+    p.add_argument("config", nargs=None if required else "?", help="TOML config file, e.g. configs/demo.toml")
     p.add_argument(
         "--set",
         dest="overrides",
@@ -40,7 +40,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help=f"run the role named by the ROLE environment variable ({'|'.join(ROLES)})")
     _add_config_args(p)
     p = sub.add_parser("launch", help="start every role of the config on this machine and wait for the run")
-    _add_config_args(p)
+    _add_config_args(p, required=False)
+    p.add_argument(
+        "--resume",
+        metavar="RUN_DIR",
+        help="continue the experiment of this run dir from its newest checkpoint (CONFIG defaults to its "
+        "config.toml); the run must not be running",
+    )
     p = sub.add_parser("scripts", help="write one script per role replica plus Slurm and Kubernetes files")
     _add_config_args(p)
     p.add_argument("outdir", help="directory to write the scripts into")
@@ -89,7 +95,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def _cmd_launch(args: argparse.Namespace) -> int:
     from common.launch import launch
 
-    return launch(args.config, args.overrides)
+    if args.config is None and args.resume is None:
+        raise ConfigError("slipstream launch needs a CONFIG (e.g. configs/demo.toml) or --resume RUN_DIR")
+    return launch(args.config, args.overrides, resume=args.resume)
 
 
 def _cmd_scripts(args: argparse.Namespace) -> int:
@@ -123,10 +131,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"slipstream: config error: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:
+        from common.launch import LaunchError
         from common.rendezvous import RendezvousError
         from common.roles import RoleError
 
-        if isinstance(exc, (RoleError, RendezvousError)):
+        if isinstance(exc, (RoleError, RendezvousError, LaunchError)):
             print(f"slipstream: {exc}", file=sys.stderr)
             return 2
         raise

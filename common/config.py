@@ -79,8 +79,9 @@ class RendezvousConfig:
     one non-loopback address."""
     redis_port: int = 0
     """Port of Redis; 0 picks a free port."""
-    redis_persistence: bool = False
-    """Let Redis write RDB/AOF files (into the meet dir); off by default since run state lives elsewhere."""
+    redis_persistence: bool = True
+    """Redis keeps an append-only file in the meet dir: a server restarted after its death (by the leader,
+    or by a relaunch with --resume) has the run's state back. Off: the state lives only in memory."""
     wait_timeout_s: float = 60.0
     """How long a follower waits for the leader's redis.json before giving up with an error."""
     heartbeat_period_s: float = 2.0
@@ -366,8 +367,10 @@ class DataConfig:
 
 @dataclass
 class CheckpointConfig:
-    interval_steps: int = 0
-    """Save a checkpoint every N optimizer steps (0 = only at the end)."""
+    interval_steps: int = 10
+    """Save a checkpoint every N optimizer steps (0 = not by steps); a run always saves at its end."""
+    interval_minutes: float = 30.0
+    """Also save when this many minutes passed since the last checkpoint (0 = not by time)."""
     keep: int = 2
     """Checkpoints kept on disk."""
     resume: bool = True
@@ -486,9 +489,9 @@ class RoleSpec:
     """Command template; empty runs `slipstream run`. Fields: {python} {config} {role} {replica}."""
     restart: Literal["auto", "never", "on-failure"] = "auto"
     """on-failure: restart a replica that exits non-zero (up to max_restarts, after restart_backoff_s,
-    doubling) instead of failing the run. auto: on-failure for the router, vLLM workers and the evaluator,
-    which rejoin a running experiment by themselves; never for the trainer (a restarted trainer does not
-    yet resume an RL run exactly) and for other commands."""
+    doubling) instead of failing the run. auto: on-failure for every role (the router, vLLM workers and the
+    evaluator rejoin a running experiment by themselves; the trainer resumes from its newest checkpoint, all
+    of its ranks together); never for entries with their own command."""
     max_restarts: int = 3
     """Restarts allowed per replica when it restarts on failure."""
     restart_backoff_s: float = 1.0
@@ -603,9 +606,7 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
     if origin is Literal:
         options = typing.get_args(tp)
         if value not in options:
-            raise ConfigError(
-                f"{path}: {value!r} is not one of {', '.join(repr(o) for o in options)}"
-            )
+            raise ConfigError(f"{path}: {value!r} is not one of {', '.join(repr(o) for o in options)}")
         return value
     if origin is list:
         if not isinstance(value, list):
@@ -808,7 +809,7 @@ def validate(cfg: Config) -> None:
     t = ro.task
     _require(
         bool(t.operators) and set(t.operators) <= set("+-*"),
-        f"rollout.task.operators {t.operators!r} must be a non-empty subset of \"+-*\"",
+        f'rollout.task.operators {t.operators!r} must be a non-empty subset of "+-*"',
     )
     _require(
         1 <= t.min_operands <= t.max_operands,

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import os
 import queue
@@ -84,12 +85,37 @@ class Prepared:
     config_file: Path
 
 
-def prepare(config_path: str | None, overrides: Sequence[str], environ: Mapping[str, str] | None = None) -> Prepared:
-    """Resolve ids and directories and freeze the config (overrides applied, paths absolute)."""
+class LaunchError(RuntimeError):
+    """A run cannot be launched as asked (names the run and the remedy)."""
+
+
+# The experiment id of a run dir, written by the first launch; `--resume RUN_DIR` reads it.
+RUN_FILE = "run.json"
+
+
+def prepare(
+    config_path: str | None,
+    overrides: Sequence[str],
+    environ: Mapping[str, str] | None = None,
+    resume: str | os.PathLike[str] | None = None,
+) -> Prepared:
+    """Resolve ids and directories and freeze the config (overrides applied, paths absolute). With `resume`,
+    the experiment and run dir are those of that run dir (and the config its config.toml unless given)."""
     env = os.environ if environ is None else environ
-    cfg = load_config(config_path, overrides, env)
-    exp = env.get("SLIPSTREAM_EXP") or new_exp_id(cfg.run.name)
-    run_dir = resolve_run_dir(cfg, exp).resolve()
+    if resume is not None:
+        run_dir = Path(resume).resolve()
+        record = run_dir / RUN_FILE
+        if not record.is_file():
+            raise LaunchError(f"--resume {resume}: no {RUN_FILE} there; give the run dir a launch created")
+        exp = json.loads(record.read_text())["exp"]
+        if env.get("SLIPSTREAM_EXP", exp) != exp:
+            raise LaunchError(f"--resume {resume} is experiment {exp}, but SLIPSTREAM_EXP={env['SLIPSTREAM_EXP']}; "
+                              "unset SLIPSTREAM_EXP")  # fmt: skip
+        cfg = load_config(config_path or run_dir / "config.toml", [*overrides, f"run.dir={run_dir}"], env)
+    else:
+        cfg = load_config(config_path, overrides, env)
+        exp = env.get("SLIPSTREAM_EXP") or new_exp_id(cfg.run.name)
+        run_dir = resolve_run_dir(cfg, exp).resolve()
     meet_dir = resolve_meet_dir(cfg, run_dir, env).resolve()
     # Children read this file and nothing else, so they all see exactly the launcher's config.
     cfg = dataclasses.replace(
@@ -102,6 +128,8 @@ def prepare(config_path: str | None, overrides: Sequence[str], environ: Mapping[
     config_file.touch(mode=0o600)  # it may hold router.auth_token and rollout.api_key
     config_file.chmod(0o600)
     config_file.write_text(to_toml(cfg))
+    if not (run_dir / RUN_FILE).exists():
+        (run_dir / RUN_FILE).write_text(json.dumps({"exp": exp, "name": cfg.run.name}) + "\n")
     return Prepared(cfg, exp, run_dir, meet_dir, config_file)
 
 
@@ -147,14 +175,19 @@ def env_of(rep: Replica, prep: Prepared) -> dict[str, str]:
 
 # Put into the exit queue by a restart timer: start that replica again.
 RESTART = -(10**6)
-RESTARTING_ROLES = ("router", "vllm", "evaluator")
 
 
 def restarts_on_failure(rep: Replica) -> bool:
-    """Whether a replica that failed is restarted: its restart setting, with `auto` decided by role."""
+    """Whether a replica that failed is restarted: its restart setting; `auto` restarts every role started
+    by `slipstream run` (not an entry with a command of its own, whose behaviour the launcher cannot know)."""
     if rep.spec.restart == "auto":
-        return rep.role in RESTARTING_ROLES and not rep.spec.command
+        return not rep.spec.command
     return rep.spec.restart == "on-failure"
+
+
+def restarts_together(rep: Replica) -> bool:
+    """Trainer ranks form one process group: when one fails, all of them restart (and resume) together."""
+    return rep.role == "trainer" and rep.spec.replicas > 1
 
 
 class Launcher:
@@ -167,9 +200,13 @@ class Launcher:
         self._exits: queue.Queue[tuple[Replica | None, int]] = queue.Queue()
         self._print_lock = threading.Lock()
         self._signal: int | None = None
+        self._stopped: set[str] = set()  # replicas this launcher stopped for a restart: their exit is no failure
 
     def _start(self, rep: Replica) -> None:
         """Start one replica; call it from the main thread only (see `preexec_fn`)."""
+        if rep.proc is not None and rep.proc.poll() is None:
+            # A rank stopped for its group's restart that has not ended yet: it must not meet its successor.
+            _stop_group([rep.proc], self.prep.cfg.launch.stop_timeout_s)
         env = {**os.environ, **env_of(rep, self.prep)}
         rep.proc = subprocess.Popen(
             command_of(rep, self.prep),
@@ -221,6 +258,10 @@ class Launcher:
             if rep is None:
                 log.info("received %s: stopping the run", signal.Signals(code - 128).name)
                 return code
+            if rep.label in self._stopped:
+                self._stopped.discard(rep.label)
+                log.info("%s stopped (exit code %d) for its group's restart", rep.label, code)
+                continue
             if code < 0:
                 code = 128 - code  # killed by a signal: report it the way a shell does
             if code == 0:
@@ -232,14 +273,22 @@ class Launcher:
                 continue
             if restarts_on_failure(rep) and rep.restarts < rep.spec.max_restarts:
                 delay = rep.spec.restart_backoff_s * 2**rep.restarts
-                rep.restarts += 1
-                log.warning("%s exited with code %d: restarting (%d/%d) in %.1fs", rep.label, code, rep.restarts,
+                group = [r for r in self.replicas if r.entry == rep.entry] if restarts_together(rep) else [rep]
+                for member in group:
+                    member.restarts = rep.restarts + 1
+                    if member is not rep and member.proc is not None and member.proc.poll() is None:
+                        self._stopped.add(member.label)
+                        with contextlib.suppress(ProcessLookupError):
+                            os.killpg(member.proc.pid, signal.SIGTERM)
+                log.warning("%s exited with code %d: restarting%s (%d/%d) in %.1fs", rep.label, code,
+                            "" if len(group) == 1 else f" all {len(group)} replicas of {rep.entry}", rep.restarts,
                             rep.spec.max_restarts, delay)  # fmt: skip
                 # Started by this (main) thread when the timer says so: the parent-death signal of a child is
                 # tied to the thread that forked it.
-                timer = threading.Timer(delay, self._exits.put, args=((rep, RESTART),))
-                timer.daemon = True
-                timer.start()
+                for member in group:
+                    timer = threading.Timer(delay, self._exits.put, args=((member, RESTART),))
+                    timer.daemon = True
+                    timer.start()
                 continue
             spent = f" after {rep.restarts} restart(s), the most launch.roles.{rep.entry}.max_restarts allows" if (
                 restarts_on_failure(rep)) else ""  # fmt: skip
@@ -248,45 +297,64 @@ class Launcher:
 
     def teardown(self) -> None:
         """SIGTERM every child's group and descendants, SIGKILL what survives the grace period."""
-        live = [rep.proc for rep in self.replicas if rep.proc is not None and rep.proc.poll() is None]
-        family: list[psutil.Process] = []
-        for proc in live:
-            # Descendants are collected first: a child that set up its own session (vLLM does)
-            # is outside the group and would otherwise be orphaned.
-            with contextlib.suppress(psutil.NoSuchProcess):
-                family += psutil.Process(proc.pid).children(recursive=True)
+        _stop_group([rep.proc for rep in self.replicas if rep.proc is not None], self.prep.cfg.launch.stop_timeout_s)
+
+
+def _stop_group(procs: Sequence[subprocess.Popen[bytes]], grace_s: float) -> None:
+    """SIGTERM each process's group and descendants, SIGKILL what survives `grace_s`; returns when all are gone."""
+    live = [proc for proc in procs if proc.poll() is None]
+    family: list[psutil.Process] = []
+    for proc in live:
+        # Descendants are collected first: a child that set up its own session (vLLM does)
+        # is outside the group and would otherwise be orphaned.
+        with contextlib.suppress(psutil.NoSuchProcess):
+            family += psutil.Process(proc.pid).children(recursive=True)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+    for p in family:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.terminate()
+    deadline = time.monotonic() + grace_s
+    for proc in live:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+    _, alive = psutil.wait_procs(family, timeout=max(0.0, deadline - time.monotonic()))
+    for proc in live:
+        if proc.poll() is None:
+            log.warning("pid %d ignored SIGTERM for %.0fs: killing", proc.pid, grace_s)
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-        for p in family:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                p.terminate()
-        deadline = time.monotonic() + self.prep.cfg.launch.stop_timeout_s
-        for proc in live:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        _, alive = psutil.wait_procs(family, timeout=max(0.0, deadline - time.monotonic()))
-        for proc in live:
-            if proc.poll() is None:
-                log.warning("pid %d ignored SIGTERM for %.0fs: killing", proc.pid, self.prep.cfg.launch.stop_timeout_s)
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        for p in alive:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                p.kill()
-        psutil.wait_procs(alive, timeout=5)
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    for p in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    psutil.wait_procs(alive, timeout=5)
 
 
-def launch(config_path: str | None, overrides: Sequence[str] = ()) -> int:
-    """`slipstream launch`: run every role of the config on this machine; returns the exit code."""
-    prep = prepare(config_path, overrides)
+def launch(config_path: str | None, overrides: Sequence[str] = (), resume: str | None = None) -> int:
+    """`slipstream launch`: run every role of the config on this machine (or continue the run of the run dir
+    `resume`); returns the exit code."""
+    prep = prepare(config_path, overrides, resume=resume)
     logsetup.setup("launch", prep.exp, prep.cfg.run.log_level)
     if not prep.cfg.launch.roles:
         raise ValueError(f"{config_path}: [launch.roles] is empty; add e.g. [launch.roles.trainer] critical = true")
     registry = Registry.for_root(prep.cfg.run.root)
-    registry.start(prep.exp, prep.cfg.run.name, to_toml(prep.cfg))
-    log.info("experiment %s, run dir %s", prep.exp, prep.run_dir)
     rendezvous = Rendezvous(prep.meet_dir, prep.cfg.rendezvous)
+    if resume is not None:
+        if (live := rendezvous.live_server()) is not None:
+            raise LaunchError(f"--resume {resume}: experiment {prep.exp} is still running (its Redis answers at "
+                              f"{live.host}:{live.port}, pid {live.pid}); stop that launch first")  # fmt: skip
+        registry.resume(prep.exp, to_toml(prep.cfg))
+        log.info("resuming experiment %s in %s", prep.exp, prep.run_dir)
+    else:
+        try:
+            registry.start(prep.exp, prep.cfg.run.name, to_toml(prep.cfg))
+        except ValueError:
+            raise LaunchError(
+                f"experiment {prep.exp} (SLIPSTREAM_EXP) exists already in {registry.path}; continue it with "
+                f"`slipstream launch --resume {prep.run_dir}`, or unset SLIPSTREAM_EXP for a new one"
+            ) from None
+        log.info("experiment %s, run dir %s", prep.exp, prep.run_dir)
     code = 1
     try:
         rendezvous.connect()

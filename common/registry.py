@@ -103,6 +103,16 @@ class Registry:
             raise ValueError(f"run id {run_id!r} is already in {self.path}; choose another SLIPSTREAM_EXP") from None
         return self.get(run_id)
 
+    def resume(self, run_id: str, config_toml: str) -> RunRecord:
+        """Mark a run that exists running again (a relaunch continues it); its config becomes `config_toml`."""
+        with self._connect() as con:
+            cur = con.execute(
+                "UPDATE runs SET status = 'running', ended_at = NULL, config = ? WHERE id = ?", (config_toml, run_id)
+            )
+        if cur.rowcount != 1:
+            raise KeyError(f"run id {run_id!r} is not in {self.path}; it cannot be resumed")
+        return self.get(run_id)
+
     def finish(self, run_id: str, status: str) -> None:
         if status not in STATUSES:
             raise ValueError(f"run status {status!r} is not one of {STATUSES}")

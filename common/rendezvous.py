@@ -1,11 +1,16 @@
 """Rendezvous: every process of an experiment finds the one Redis through the shared meet directory.
 
 The first process to create the generation's lock file with O_EXCL is the leader: it starts
-`redis-server` (loopback by default, a free port, a random password, no persistence) and writes
-`redis.json` atomically (mode 0600). Everyone else waits for that file and connects. A file that
-points at a dead server (connection refused and, on the same host, a dead pid) starts the next
-generation's election, so exactly one process replaces a dead Redis. The leader stops its server
+`redis-server` (loopback by default, a free port, a random password, an append-only file in the meet
+dir) and writes `redis.json` atomically (mode 0600). Everyone else waits for that file and connects. A
+file that points at a dead server (connection refused and, on the same host, a dead pid) starts the
+next generation's election, so exactly one process replaces a dead Redis. The leader stops its server
 when it exits; the server also dies with the leader (PR_SET_PDEATHSIG), so nothing outlives a run.
+
+A server that dies under a live leader (killed, OOM) is started again by the leader at once, on the same
+port with the same password, and reads the run's state back from its append-only file (written to the
+OS on every command, so a killed server loses nothing). Clients retry a lost connection for about
+REDIS_RETRY_S, so every role rides through the restart without noticing more than a slow command.
 
 Also here: `Heartbeat`, the TTL liveness key every role keeps alive from an asyncio task.
 """
@@ -22,13 +27,17 @@ import secrets
 import shutil
 import socket
 import subprocess
+import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import psutil
 import redis
 import redis.asyncio
+import redis.asyncio.retry
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
 
 from common.config import RendezvousConfig
 from common.net import AddressError, advertised, free_port, refuses
@@ -40,6 +49,14 @@ INSTALL_HINT = "install it: apt-get install -y redis-server (Debian/Ubuntu), or 
 # The meet dir may be a shared filesystem where inotify sees nothing, so waiting for another
 # process's file is a short poll; this is its period.
 _POLL_S = 0.05
+# How long a client keeps retrying a lost connection (a restarted server is back well within it).
+REDIS_RETRY_S = 8.0
+_BACKOFF_CAP_S = 0.5
+_RETRIES = int(REDIS_RETRY_S / _BACKOFF_CAP_S) + 5
+
+
+def _backoff() -> ExponentialBackoff:
+    return ExponentialBackoff(cap=_BACKOFF_CAP_S, base=0.02)
 
 
 class RendezvousError(RuntimeError):
@@ -59,7 +76,9 @@ class RedisInfo:
     generation: int
     stopped: bool = False
 
-    def client(self, timeout_s: float = 5.0) -> redis.Redis:
+    def client(self, timeout_s: float = 5.0, retry: bool = True) -> redis.Redis:
+        """A client that retries a lost connection for about REDIS_RETRY_S (`retry=False`: fails at once,
+        for probes that ask whether the server is there)."""
         return redis.Redis(
             host=self.host,
             port=self.port,
@@ -67,6 +86,7 @@ class RedisInfo:
             socket_connect_timeout=timeout_s,
             socket_timeout=timeout_s,
             decode_responses=True,
+            retry=Retry(_backoff(), _RETRIES if retry else 0),
         )
 
     def async_client(self, timeout_s: float = 5.0) -> redis.asyncio.Redis:
@@ -77,6 +97,7 @@ class RedisInfo:
             socket_connect_timeout=timeout_s,
             socket_timeout=timeout_s,
             decode_responses=True,
+            retry=redis.asyncio.retry.Retry(_backoff(), _RETRIES),
         )
 
 
@@ -118,6 +139,7 @@ class Rendezvous:
         self.cfg = cfg or RendezvousConfig()
         self.info: RedisInfo | None = None
         self._server: subprocess.Popen[bytes] | None = None
+        self._closing = threading.Event()
 
     @property
     def is_leader(self) -> bool:
@@ -158,6 +180,14 @@ class Rendezvous:
                 )
             time.sleep(_POLL_S)
 
+    def live_server(self) -> RedisInfo | None:
+        """The experiment's Redis named in the meet dir if it answers (the run is alive), else None."""
+        data = _read_json(self.meet / "redis.json")
+        if data is None:
+            return None
+        info = RedisInfo(**data)
+        return info if self._probe(info) == "ok" else None
+
     def async_client(self) -> redis.asyncio.Redis:
         if self.info is None:
             raise RendezvousError("Rendezvous.async_client() called before connect()")
@@ -166,6 +196,7 @@ class Rendezvous:
     def close(self) -> None:
         """Stop the Redis server if this process started it (idempotent), once the other processes
         connected to it have gone or `leader_linger_s` has passed."""
+        self._closing.set()
         server, self._server = self._server, None
         if server is None:
             return
@@ -224,7 +255,7 @@ class Rendezvous:
         if info.stopped:
             return "dead"
         try:
-            with contextlib.closing(info.client(timeout_s=2.0)) as client:
+            with contextlib.closing(info.client(timeout_s=2.0, retry=False)) as client:
                 client.ping()
             return "ok"
         except redis.AuthenticationError as exc:
@@ -264,9 +295,12 @@ class Rendezvous:
             advertise = advertised(host, self.cfg.advertise_host, None, "rendezvous.advertise_host")
         except AddressError as exc:
             raise RendezvousError(str(exc)) from None
-        password = secrets.token_hex(24)
+        # A re-election (the last leader died with its server) keeps the address and password where it can:
+        # the others' clients then reconnect by themselves, to the state the append-only file kept.
+        previous = _read_json(self.meet / "redis.json") or {}
+        password = previous.get("password") or secrets.token_hex(24)
         for attempt in range(3):
-            port = self.cfg.redis_port or free_port(host)
+            port = self.cfg.redis_port or (attempt == 0 and previous.get("port")) or free_port(host)
             conf = self.meet / "redis.conf"
             lines = [
                 f"bind {host}",
@@ -278,7 +312,7 @@ class Rendezvous:
                 "protected-mode yes",
             ]
             if self.cfg.redis_persistence:
-                lines += ["save 60 1", "appendonly yes"]
+                lines += ['save ""', "appendonly yes", "appendfsync everysec"]
             else:
                 lines += ['save ""', "appendonly no"]
             # The password lives in a 0600 file, not on the command line where `ps` would show it.
@@ -305,6 +339,10 @@ class Rendezvous:
                 _write_atomic(self.meet / "redis.json", json.dumps(asdict(info)))
                 log.info("started redis-server pid %d on %s:%d, advertised as %s (generation %d)", server.pid, host,
                          port, advertise, generation)  # fmt: skip
+                # The supervisor forks the restarted servers: their parent-death signal follows its thread,
+                # which lives as long as they do.
+                threading.Thread(target=self._supervise, args=(binary, conf), daemon=True,
+                                 name="redis-supervisor").start()  # fmt: skip
                 return
             server.kill()
             server.wait()
@@ -316,10 +354,40 @@ class Rendezvous:
             tail = (self.meet / "redis.log").read_text()[-2000:]
         raise RendezvousError(f"redis-server failed to start on {host} (see {self.meet}/redis.log):\n{tail}")
 
+    def _supervise(self, binary: str, conf: Path) -> None:
+        """Start the server again whenever it dies while this leader lives (see the module docstring)."""
+        while True:
+            server = self._server
+            if server is None:
+                return
+            code = server.wait()
+            if self._closing.is_set() or self._server is not server or self.info is None:
+                return
+            t0 = time.monotonic()
+            restarted = subprocess.Popen([binary, str(conf)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                         stderr=subprocess.DEVNULL, preexec_fn=die_with_parent)  # fmt: skip
+            info = replace(self.info, pid=restarted.pid, started_at=time.time())
+            if not self._wait_ready(restarted, info):
+                restarted.kill()
+                restarted.wait()
+                log.error("redis-server pid %d died (exit code %d) and could not be started again on port %d (see "
+                          "%s/redis.log); the experiment's processes will lose Redis", server.pid, code, info.port,
+                          self.meet)  # fmt: skip
+                return
+            if self._closing.is_set():
+                restarted.terminate()
+                restarted.wait()
+                return
+            self._server, self.info = restarted, info
+            _write_atomic(self.meet / "redis.json", json.dumps(asdict(info)))
+            log.warning("redis-server pid %d died (exit code %d): started it again as pid %d on port %d from its "
+                        "append-only file in %.2fs", server.pid, code, restarted.pid, info.port,
+                        time.monotonic() - t0)  # fmt: skip
+
     @staticmethod
     def _wait_ready(server: subprocess.Popen[bytes], info: RedisInfo, timeout_s: float = 10.0) -> bool:
         deadline = time.monotonic() + timeout_s
-        with contextlib.closing(info.client(timeout_s=1.0)) as client:
+        with contextlib.closing(info.client(timeout_s=1.0, retry=False)) as client:
             while time.monotonic() < deadline:
                 if server.poll() is not None:
                     return False

@@ -37,13 +37,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import re
 import shutil
 import time
 import zlib
-from collections.abc import Awaitable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,7 +59,16 @@ from common.config import RolloutConfig
 from common.keys import Keys
 from common.net import bearer
 from common.roles import announce
-from rollout.weight_files import ABORT_MARKER, PartReport, ShardRecord, shard_name, write_index
+from rollout.weight_files import (
+    ABORT_MARKER,
+    CorruptShardError,
+    PartReport,
+    ShardRecord,
+    read_index,
+    shard_name,
+    verify_shard,
+    write_index,
+)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -71,6 +81,9 @@ SHARD_WAIT_S = 300.0
 # How often a driver checks that the worker it is updating still heartbeats.
 LIVENESS_POLL_S = 0.5
 _VERSION_DIR = re.compile(r"^v(\d+)$")
+_TMP_DIR = re.compile(r"^\.v(\d+)\.\d+\.tmp$")
+# Versions kept whatever keep_versions says (a JSON list in the weight dir).
+PINS_NAME = "pinned.json"
 # transformers keeps routed experts fused in memory: [E, 2I, H] gate|up and [E, H, I] down.
 _FUSED_GATE_UP = re.compile(r"^(.*\.experts)\.gate_up_proj$")
 _FUSED_DOWN = re.compile(r"^(.*\.experts)\.down_proj$")
@@ -113,6 +126,8 @@ class PublishResult:
     streamed: bool = False
     """Workers loaded each shard as it was written (rollout.stream_weights) instead of after the whole version."""
     workers: list[WorkerOutcome] = field(default_factory=list)
+    source: int | None = None
+    """For a republish: the version whose files these are."""
 
     @property
     def evicted(self) -> list[WorkerOutcome]:
@@ -351,10 +366,44 @@ def write_version(
     return writer.commit(), writer.bytes, writer.export_s, writer.write_s
 
 
+def _link_version(src: Path, dst: Path, records: Mapping[str, ShardRecord]) -> None:
+    """Hard-link a committed version's files into `dst`, checking every shard against its index first."""
+    for name, record in records.items():
+        verify_shard(src / name, (src / name).read_bytes(), record)
+    dst.mkdir(parents=True)
+    for f in src.iterdir():
+        os.link(f, dst / f.name)
+
+
+def committed_versions(root: Path) -> list[int]:
+    """Numbers of the committed version directories under root, ascending."""
+    return sorted(int(m[1]) for p in root.glob("v*") if (m := _VERSION_DIR.match(p.name)) and p.is_dir())
+
+
+def unfinished_versions(root: Path) -> list[Path]:
+    """Temporary directories of versions whose write never committed (a publisher died mid-write)."""
+    return sorted(p for p in root.glob(".v*.tmp") if _TMP_DIR.match(p.name) and p.is_dir())
+
+
+def pin_versions(root: Path, versions: Iterable[int]) -> None:
+    """Keep these versions on disk whatever `keep_versions` says (the trainer pins the version its
+    generators serve in each checkpoint it keeps: a resume republishes that version's files)."""
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".{PINS_NAME}.{os.getpid()}"
+    tmp.write_text(json.dumps(sorted(set(versions))) + "\n")
+    os.replace(tmp, root / PINS_NAME)
+
+
+def pinned_versions(root: Path) -> set[int]:
+    path = root / PINS_NAME
+    return set(json.loads(path.read_text())) if path.exists() else set()
+
+
 def prune_versions(root: Path, keep: int) -> list[Path]:
-    """Remove all but the newest `keep` version directories; the removed paths."""
-    found = sorted((int(m[1]), p) for p in root.glob("v*") if (m := _VERSION_DIR.match(p.name)) and p.is_dir())
-    removed = [p for _, p in found[: max(0, len(found) - keep)]]
+    """Remove all but the newest `keep` version directories and the pinned ones; the removed paths."""
+    found = committed_versions(root)
+    pinned = pinned_versions(root)
+    removed = [root / f"v{v}" for v in found[: max(0, len(found) - keep)] if v not in pinned]
     for p in removed:
         shutil.rmtree(p, ignore_errors=True)
     return removed
@@ -423,8 +472,6 @@ async def apply_version(
 
 async def served_version(session: aiohttp.ClientSession, url: str) -> str | None:
     """The weight version label the worker reports on /weight_info."""
-    import json
-
     return json.loads(await _call(session, "GET", f"{url}/weight_info"))["weight_version"]
 
 
@@ -433,11 +480,27 @@ async def current_version(client: redis.asyncio.Redis, keys: Keys) -> int | None
     return None if raw is None else int(raw)
 
 
+async def newest_version(client: redis.asyncio.Redis, keys: Keys, root: Path) -> int | None:
+    """The highest version number this experiment ever used, or None: weights:current, the last entry of
+    weights:log, the versions workers report, and every version directory under root, committed or not
+    (a publisher that died mid-write used its number too: workers may have loaded part of it). A new
+    publish takes a higher number, so a number never names two different sets of weights."""
+    seen = committed_versions(root)
+    seen += [int(_TMP_DIR.match(p.name)[1]) for p in unfinished_versions(root)]  # type: ignore[index]
+    if (current := await current_version(client, keys)) is not None:
+        seen.append(current)
+    for _id, fields in await client.xrevrange(keys.weights_log, count=1):
+        seen.append(int(fields["version"]))
+    for raw in (await client.hgetall(keys.workers)).values():
+        version = json.loads(raw).get("weight_version")
+        if isinstance(version, int):
+            seen.append(version)
+    return max(seen, default=None)
+
+
 async def live_workers(client: redis.asyncio.Redis, keys: Keys, registry: str = "") -> dict[str, str]:
     """worker_id -> url of the workers in the pool hash `registry` (default `keys.workers`) whose liveness key
     exists."""
-    import json
-
     entries = await client.hgetall(registry or keys.workers)
     if not entries:
         return {}
@@ -491,8 +554,6 @@ def weight_lock(client: redis.asyncio.Redis, keys: Keys, worker_id: str):
 
 async def set_worker_version(client: redis.asyncio.Redis, registry: str, worker_id: str, version: int) -> None:
     """Record in the pool's hash `registry` that the worker now serves `version` (a missing entry stays missing)."""
-    import json
-
     raw = await client.hget(registry, worker_id)
     if raw is not None:
         entry = json.loads(raw)
@@ -547,23 +608,16 @@ class WeightPublisher:
         version: int,
         tensors: Mapping[str, torch.Tensor],
         pause_mode: str | None = None,
-        force: bool = False,
         peers: PeerWriters | None = None,
     ) -> PublishResult:
         """Write `version` and apply it on every live worker; see the module docstring for the contract.
 
         `tensors` are this rank's (rank 0's); `peers`, when given, are the other trainer ranks, which write
-        their shards of the same version concurrently (`PeerWriters`). Versions only move forward, except
-        with `force`: a trainer that resumes from a checkpoint older than `weights:current` (or publishes its
-        initial weights as version 0) makes its version current.
+        their shards of the same version concurrently (`PeerWriters`). Versions only move forward: a
+        number at or below weights:current is refused, and so is one whose directory exists.
         """
         t0 = time.perf_counter()
-        current = await current_version(self.client, self.keys)
-        if not force and current is not None and version <= current:
-            raise PublishError(f"publish({version}): weights:current is already {current}; publish a newer version")
-        mode = pause_mode or self.cfg.pause_mode
-        if mode not in ("keep", "abort", "wait"):
-            raise PublishError(f"pause mode {mode!r} is not one of keep, abort, wait")
+        mode = await self._check(version, pause_mode)
         workers = await live_workers(self.client, self.keys)
         peer_shards = list(peers.shard_counts) if peers is not None else []
         writer = await asyncio.to_thread(
@@ -591,26 +645,72 @@ class WeightPublisher:
         if not streamed:
             info = {"path": location}
             outcomes = await asyncio.gather(*(self._drive(w, url, version, info, mode) for w, url in workers.items()))
-        drive_s = time.perf_counter() - t1
-        # Every worker still live has acknowledged (failures were evicted above), so the version is current.
+        result = PublishResult(version, location, writer.bytes, writer.export_s, writer.write_s,
+                               time.perf_counter() - t1, 0.0, writer.total_shards, streamed, list(outcomes))  # fmt: skip
+        return await self._commit(result, t0)
+
+    async def republish(self, version: int, source: int, pause_mode: str | None = None) -> PublishResult:
+        """Publish the committed files of version `source` again, as `version`, on every live worker.
+
+        The files are hard-linked, not copied, and their checksums verified first. A trainer that resumes
+        from a checkpoint uses it to make its generators serve the checkpoint's weights: the number is
+        new because numbers are never reused (workers may already serve `source + 1` of the lost run).
+        """
+        t0 = time.perf_counter()
+        mode = await self._check(version, pause_mode)
+        src = self.root / f"v{source}"
+        records = await asyncio.to_thread(read_index, src)
+        if records is None:
+            raise PublishError(f"republish({version}): {src} has no index with checksums; it cannot be republished")
+        final = self.root / f"v{version}"
+        if final.exists():
+            raise PublishError(f"republish({version}): {final} already exists; versions are immutable")
+        tmp = self.root / f".v{version}.{os.getpid()}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            await asyncio.to_thread(_link_version, src, tmp, records)
+            os.rename(tmp, final)
+        except (OSError, CorruptShardError) as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise PublishError(f"republish({version}) of version {source}: {exc}") from exc
+        t1 = time.perf_counter()
+        workers = await live_workers(self.client, self.keys)
+        info = {"path": str(final)}
+        outcomes = await asyncio.gather(*(self._drive(w, url, version, info, mode) for w, url in workers.items()))
+        size = sum(r.bytes for r in records.values())
+        result = PublishResult(version, str(final), size, 0.0, t1 - t0, time.perf_counter() - t1, 0.0, len(records),
+                               False, list(outcomes), source=source)  # fmt: skip
+        return await self._commit(result, t0)
+
+    async def _check(self, version: int, pause_mode: str | None) -> str:
+        current = await current_version(self.client, self.keys)
+        if current is not None and version <= current:
+            raise PublishError(f"publish({version}): weights:current is already {current}; publish a newer version")
+        mode = pause_mode or self.cfg.pause_mode
+        if mode not in ("keep", "abort", "wait"):
+            raise PublishError(f"pause mode {mode!r} is not one of keep, abort, wait")
+        return mode
+
+    async def _commit(self, result: PublishResult, t0: float) -> PublishResult:
+        """Every worker still live has acknowledged (failures were evicted), so the version is current."""
+        version = result.version
         await self.client.set(self.keys.weights_current, version)
-        await self.client.xadd(
-            self.keys.weights_log,
-            {"version": version, "backend": "file", "location": str(location), "ts": f"{time.time():.3f}"},
-            maxlen=WEIGHTS_LOG_MAXLEN,
-            approximate=True,
-        )
-        result = PublishResult(version, location, writer.bytes, writer.export_s, writer.write_s, drive_s,
-                               time.perf_counter() - t0, writer.total_shards, streamed, list(outcomes))  # fmt: skip
+        entry = {"version": version, "backend": "file", "location": result.location, "ts": f"{time.time():.3f}"}
+        if result.source is not None:
+            entry["source"] = result.source
+        await self.client.xadd(self.keys.weights_log, entry, maxlen=WEIGHTS_LOG_MAXLEN, approximate=True)  # type: ignore[arg-type]
+        result.total_s = time.perf_counter() - t0
+        evicted = [w.worker_id for w in result.evicted]
+        extra = {} if result.source is None else {"source": result.source}
         await announce(self.client, self.keys, "trainer", "version published", version=version,
-                       workers=len(outcomes), evicted=[w.worker_id for w in result.evicted])  # fmt: skip
+                       workers=len(result.workers), evicted=evicted, **extra)  # fmt: skip
         for p in prune_versions(self.root, self.cfg.keep_versions):
             log.debug("removed old weight version %s", p)
         log.info(
-            "published weight version %d (%.1f MB) to %d worker(s) in %.3fs (write %.3fs, max pause %.3fs)%s",
-            version, writer.bytes / 1e6, len(outcomes) - len(result.evicted), result.total_s, writer.write_s,
-            result.max_pause_s,
-            f"; EVICTED {[w.worker_id for w in result.evicted]}" if result.evicted else "",
+            "published weight version %d%s (%.1f MB) to %d worker(s) in %.3fs (write %.3fs, max pause %.3fs)%s",
+            version, "" if result.source is None else f" (the files of version {result.source})",
+            result.bytes / 1e6, len(result.workers) - len(evicted), result.total_s, result.write_s,
+            result.max_pause_s, f"; EVICTED {evicted}" if evicted else "",
         )  # fmt: skip
         return result
 

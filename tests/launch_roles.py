@@ -1,5 +1,6 @@
 """Small stand-in processes for the launcher tests: each records its pid under <run_dir>/pids and then
-sleeps, exits with a code, ignores SIGTERM, or leaves a grandchild in its own session."""
+sleeps, exits with a code, ignores SIGTERM, leaves a grandchild in its own session, or (`once`) fails on its
+first start when it is replica FAIL_REPLICA, sleeps on the first start otherwise, and succeeds after a second."""
 
 import os
 import signal
@@ -13,7 +14,9 @@ pids = run_dir / "pids"
 pids.mkdir(exist_ok=True)
 replica = os.environ["SLIPSTREAM_REPLICA"]
 (pids / f"{os.environ['ROLE']}-{replica}-{os.getpid()}").touch()
-print(f"role={os.environ['ROLE']} exp={os.environ['SLIPSTREAM_EXP']} meet={os.environ['SLIPSTREAM_MEET_DIR']}", flush=True)
+print(
+    f"role={os.environ['ROLE']} exp={os.environ['SLIPSTREAM_EXP']} meet={os.environ['SLIPSTREAM_MEET_DIR']}", flush=True
+)
 
 if mode == "grandchild":
     # A descendant in its own session: outside the child's process group, like vLLM's engine.
@@ -21,8 +24,16 @@ if mode == "grandchild":
     (pids / f"grandchild-{replica}-{orphan.pid}").touch()
 elif mode == "stubborn":
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+elif mode == "once":
+    starts = len(list(pids.glob(f"{os.environ['ROLE']}-{replica}-*")))
+    if starts > 1:
+        time.sleep(1.0)
+        sys.exit(0)
+    if replica == os.environ.get("FAIL_REPLICA"):
+        time.sleep(0.5)
+        sys.exit(3)
 elif mode.startswith("exit"):
     time.sleep(float(os.environ.get("EXIT_AFTER_S", "0.5")))
-    sys.exit(int(mode[len("exit"):]))
+    sys.exit(int(mode[len("exit") :]))
 (pids / f"ready-{os.environ['ROLE']}-{replica}").touch()
 time.sleep(600)

@@ -36,8 +36,12 @@ def make_config(tmp_path: Path, *roles: str) -> Path:
 def start_launch(cfg: Path, exp: str) -> subprocess.Popen[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLIPSTREAM")} | {"SLIPSTREAM_EXP": exp}
     return subprocess.Popen(
-        [sys.executable, "-m", "common.cli", "launch", str(cfg)], cwd=REPO, env=env, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True,
+        [sys.executable, "-m", "common.cli", "launch", str(cfg)],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
 
 
@@ -96,8 +100,11 @@ def test_sigint_tears_the_whole_tree_down_within_ten_seconds(tmp_path):
     )
     launcher = start_launch(cfg, "lt-int")
     run_dir = tmp_path / "runs" / "lt-int"
-    wait_for(lambda: len(list((run_dir / "pids").glob("ready-*"))) == 4 if (run_dir / "pids").exists() else False,
-             60, "four replicas to be ready")
+    wait_for(
+        lambda: len(list((run_dir / "pids").glob("ready-*"))) == 4 if (run_dir / "pids").exists() else False,
+        60,
+        "four replicas to be ready",
+    )
     pids = recorded_pids(run_dir)
     assert len(pids) == 5
     start = time.monotonic()
@@ -110,8 +117,9 @@ def test_sigint_tears_the_whole_tree_down_within_ten_seconds(tmp_path):
     wait_for(lambda: not survivors(pids), 5, "all processes to be gone")
     assert Registry.for_root(tmp_path / "runs").get("lt-int").status == "interrupted"
     # The launcher was the rendezvous leader and stopped its Redis.
-    assert not any("redis" in (p.info["name"] or "") and _cwd(p) == run_dir / "meet"
-                   for p in psutil.process_iter(["name"]))
+    assert not any(
+        "redis" in (p.info["name"] or "") and _cwd(p) == run_dir / "meet" for p in psutil.process_iter(["name"])
+    )
 
 
 @pytest.mark.timeout(120)
@@ -170,24 +178,42 @@ def test_on_failure_restarts_a_replica_up_to_its_limit(tmp_path):
     assert len(recorded_pids(tmp_path / "runs" / "lt-restart")) == 3
 
 
-def test_restart_auto_restarts_the_roles_that_rejoin_a_run_and_not_the_trainer():
+def test_restart_auto_restarts_every_role_but_not_a_command_of_ones_own():
     from common.config import RoleSpec
     from common.launch import Replica, restarts_on_failure
 
     def rep(role: str, **kw: object) -> Replica:
         return Replica(entry=role, role=role, index=0, spec=RoleSpec(**kw))  # type: ignore[arg-type]
 
-    assert [restarts_on_failure(rep(r)) for r in ("router", "vllm", "evaluator", "trainer")] == [True] * 3 + [False]
+    assert [restarts_on_failure(rep(r)) for r in ("router", "vllm", "evaluator", "trainer")] == [True] * 4
     assert not restarts_on_failure(rep("router", command="{python} my_router.py"))  # a command of one's own
     assert not restarts_on_failure(rep("vllm", restart="never"))
-    assert restarts_on_failure(rep("trainer", restart="on-failure"))
+    assert restarts_on_failure(rep("trainer", command="{python} t.py", restart="on-failure"))
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_trainer_rank_restarts_all_ranks_of_the_trainer_together(tmp_path):
+    """Ranks form one process group, so a lone restarted rank could never rejoin its old peers: the
+    launcher stops the other ranks (their exit is no failure) and starts the whole group again."""
+    cfg = make_config(
+        tmp_path,
+        role("trainer", "once", critical=True, extra='replicas = 2\nrestart = "on-failure"\nrestart_backoff_s = 0.2\n'
+             'env = {FAIL_REPLICA = "1"}\n'),
+    )  # fmt: skip
+    launcher = start_launch(cfg, "lt-gang")
+    out, _ = launcher.communicate(timeout=90)
+    assert launcher.returncode == 0, out
+    assert "trainer/1 exited with code 3: restarting all 2 replicas of trainer (1/3) in 0.2s" in out, out
+    assert "trainer/0 stopped (exit code" in out and "for its group's restart" in out, out
+    pids = tmp_path / "runs" / "lt-gang" / "pids"
+    assert len(list(pids.glob("trainer-0-*"))) == 2 and len(list(pids.glob("trainer-1-*"))) == 2
 
 
 def test_scripts_export_meet_dir_and_experiment_for_every_replica(tmp_path, monkeypatch):
     cfg = make_config(
         tmp_path,
         role("trainer", "sleep", critical=True),
-        "[launch.roles.vllm]\nreplicas = 2\nenv = {VLLM_CPU_KVCACHE_SPACE = \"1\"}\n",
+        '[launch.roles.vllm]\nreplicas = 2\nenv = {VLLM_CPU_KVCACHE_SPACE = "1"}\n',
     )
     monkeypatch.chdir(REPO)
     monkeypatch.setenv("SLIPSTREAM_EXP", "lt-scripts")
@@ -212,3 +238,41 @@ def test_scripts_export_meet_dir_and_experiment_for_every_replica(tmp_path, monk
     k8s = (out / "k8s.yaml").read_text()
     assert k8s.count("kind: Job") == 1 and k8s.count("kind: Deployment") == 1  # the critical trainer; the workers
     assert f"- name: SLIPSTREAM_MEET_DIR\n          value: {meet}" in k8s and "name: lt-scripts-vllm" in k8s
+
+
+def launch_cmd(*args: str, exp: str | None = None) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLIPSTREAM")} | (
+        {"SLIPSTREAM_EXP": exp} if exp else {}
+    )
+    return subprocess.run([sys.executable, "-m", "common.cli", "launch", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=90)  # fmt: skip
+
+
+@pytest.mark.timeout(180)
+def test_resume_relaunches_the_experiment_of_a_run_dir_and_refuses_a_running_one(tmp_path):
+    cfg = make_config(tmp_path, role("worker", "exit0", critical=True, extra='env = {EXIT_AFTER_S = "0.2"}\n'))
+    run_dir = tmp_path / "runs" / "lt-resume"
+    first = launch_cmd(str(cfg), exp="lt-resume")
+    assert first.returncode == 0, first.stdout + first.stderr
+    # The same id again without --resume is refused with the way to continue it, not a traceback.
+    again = launch_cmd(str(cfg), exp="lt-resume")
+    assert again.returncode == 2 and f"slipstream launch --resume {run_dir}" in again.stderr, again.stderr
+    assert "Traceback" not in again.stderr
+    # --resume alone: the run dir's own config, the same experiment, its registry row running then succeeded.
+    second = launch_cmd("--resume", str(run_dir))
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert f"resuming experiment lt-resume in {run_dir}" in second.stderr + second.stdout
+    assert len(recorded_pids(run_dir)) == 2
+    assert [r.id for r in Registry.for_root(tmp_path / "runs").list()] == ["lt-resume"]
+    assert Registry.for_root(tmp_path / "runs").get("lt-resume").status == "succeeded"
+    # While the experiment runs, a second launch of it is refused.
+    busy = make_config(tmp_path, role("server", "sleep", critical=True))
+    launcher = start_launch(busy, "lt-busy")
+    try:
+        busy_dir = tmp_path / "runs" / "lt-busy"
+        wait_for(lambda: (busy_dir / "pids").exists() and any((busy_dir / "pids").glob("ready-*")), 60, "the run")
+        refused = launch_cmd("--resume", str(busy_dir))
+        assert refused.returncode == 2 and "experiment lt-busy is still running" in refused.stderr, refused.stderr
+    finally:
+        launcher.send_signal(signal.SIGTERM)
+        launcher.communicate(timeout=60)

@@ -85,8 +85,11 @@ def test_racing_processes_elect_one_leader_and_reelect_after_server_death(tmp_pa
         with pytest.raises((redis.AuthenticationError, redis.ResponseError)):
             redis.Redis(port=info.port, socket_timeout=2).ping()
 
-        # Kill the server; a newcomer finds it dead and becomes the next generation's leader.
-        os.kill(info.pid, signal.SIGKILL)
+        # Kill the leader: its server dies with it. A newcomer finds it dead and becomes the next
+        # generation's leader, on the same port with the same password, with the state of the append-only file.
+        leader = children[[r["leader"] for r in reports].index(True)]
+        leader.kill()
+        leader.wait()
         start = time.monotonic()
         newcomer = start_child(meet)
         children.append(newcomer)
@@ -97,7 +100,9 @@ def test_racing_processes_elect_one_leader_and_reelect_after_server_death(tmp_pa
         # the newcomer's interpreter start-up comes on top and varies with the machine's load.
         assert report["connect_s"] < 5.0, f"re-election took {report['connect_s']:.1f}s"
         assert elapsed < 30.0, f"a newcomer took {elapsed:.1f}s to start and take over"
-        assert info_of(meet).pid != info.pid
+        assert info_of(meet).pid != info.pid and info_of(meet).port == info.port
+        with info.client() as old_client:  # the address every process already had still works
+            assert int(old_client.get("joined")) == 9
     finally:
         for child in children:
             if child.poll() is None:
@@ -109,6 +114,33 @@ def test_racing_processes_elect_one_leader_and_reelect_after_server_death(tmp_pa
     while redis_servers_of(meet) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert redis_servers_of(meet) == []
+
+
+@pytest.mark.timeout(60)
+def test_a_killed_server_is_started_again_by_its_leader_with_the_runs_state(tmp_path):
+    """The leader lives, its redis-server is SIGKILLed: a client keeps working across the restart (it retries
+    the lost connection) and finds every key it wrote, heartbeat TTLs included."""
+    rz = Rendezvous(tmp_path / "meet")
+    client = rz.connect(timeout_s=30)
+    try:
+        client.set("state", "kept")
+        client.set("alive", "1", ex=60)
+        client.xadd("log", {"version": 7})
+        old = info_of(tmp_path / "meet")
+        os.kill(old.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        assert client.get("state") == "kept"  # the first command after the kill: reconnects by itself
+        took = time.monotonic() - t0
+        assert 0 < client.ttl("alive") <= 60 and client.xrange("log")[0][1] == {"version": "7"}
+        deadline = time.monotonic() + 5  # the leader rewrites redis.json once the server answers
+        while (new := info_of(tmp_path / "meet")).pid == old.pid and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert new.pid != old.pid and (new.port, new.password, new.generation) == (old.port, old.password, 1)
+        assert psutil.Process(new.pid).is_running() and took < 5.0, took
+    finally:
+        client.close()
+        rz.close()
+    assert redis_servers_of(tmp_path / "meet") == []
 
 
 @pytest.mark.timeout(60)

@@ -7,6 +7,7 @@ on-policy strategy's end-to-end run is tests/test_multihost.py, over three netwo
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -18,6 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -38,8 +40,10 @@ def demo_prompts_per_step() -> int:
 
 
 class Launch:
-    def __init__(self, root: Path, exp: str, *overrides: str) -> None:
-        self.log_path = root / "launch.log"
+    def __init__(
+        self, root: Path, exp: str, *overrides: str, resume: bool = False, log_name: str = "launch.log"
+    ) -> None:
+        self.log_path = root / log_name
         self.run_dir = root / "runs" / exp
         env = {k: v for k, v in os.environ.items() if not k.startswith("SLIPSTREAM")} | {"SLIPSTREAM_EXP": exp}
         sets = [f"run.root={root / 'runs'}", f"trainer.steps={STEPS}", "rendezvous.heartbeat_period_s=0.5",
@@ -47,6 +51,8 @@ class Launch:
         cmd = [sys.executable, "-m", "common.cli", "launch", "configs/demo.toml"]
         for s in sets:
             cmd += ["--set", s]
+        if resume:
+            cmd += ["--resume", str(self.run_dir)]
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self.log_path.open("wb"), stderr=subprocess.STDOUT)
 
     def log(self) -> str:
@@ -59,7 +65,9 @@ class Launch:
             if found:
                 return found
             if self.proc.poll() is not None:
-                raise AssertionError(f"launch exited ({self.proc.returncode}) before {pattern!r}:\n{self.log()[-4000:]}")
+                raise AssertionError(
+                    f"launch exited ({self.proc.returncode}) before {pattern!r}:\n{self.log()[-4000:]}"
+                )
             time.sleep(0.2)
         raise AssertionError(f"no {pattern!r} within {timeout_s}s:\n{self.log()[-4000:]}")
 
@@ -132,6 +140,79 @@ def test_fully_async_run_learns_and_survives_a_killed_worker_without_losing_a_pr
     assert sorted(trained + untrained) == list(range(summary["admitted_prompts"]))
     assert_clear_rise(run)
     assert (run.run_dir / "report.png").stat().st_size > 10_000
+
+
+def processes_of(exp: str) -> list[psutil.Process]:
+    """Every live process of an experiment: each role, vLLM's engine and Redis inherit SLIPSTREAM_EXP."""
+    found = []
+    for proc in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            if proc.environ().get("SLIPSTREAM_EXP") == exp and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc)
+    return found
+
+
+def ledger(run_dir: Path, name: str = "trained_prompts.jsonl") -> list[dict]:
+    path = run_dir / name
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_a_killed_trainer_resumes_exactly_and_a_relaunch_after_the_launchers_death_finishes_the_run(short_root):
+    """One-step-off with checkpoints every 4 steps, no evaluator (no score is asserted here). SIGKILL of the
+    trainer after step 6: the launcher restarts it, it resumes from step 4's checkpoint (its generators then
+    served step 3's weights: those files are published again under a new number) and the ledger drops what
+    the lost steps trained. Then SIGKILL of the launcher: every process of the run goes with it. The same
+    command with --resume finishes the run. Over the three trainers every prompt is trained exactly once,
+    every step once, and version numbers only rise."""
+    sets = ("flow.strategy=one_step_off", "trainer.checkpoint.interval_steps=4", "launch.roles.evaluator.replicas=0",
+            "launch.roles.vllm_eval.replicas=0")  # fmt: skip
+    run = Launch(short_root, "rl-resume", *sets)
+    try:
+        trainer_pid = int(run.wait_for(r"started trainer/0 \(role trainer, pid (\d+)\)", 60).group(1))
+        run.wait_for(r"step 6: reward", 900)
+        os.kill(trainer_pid, signal.SIGKILL)
+        run.wait_for(r"trainer/0 exited with code 137: restarting \(1/3\)", 60)
+        resumed = run.wait_for(r"resuming at step (\d+): the generators serve step (\d+)'s weights \(version (\d+)\) "
+                               r"again as version (\d+)", 300)  # fmt: skip
+        assert [int(g) for g in resumed.groups()[:3]] == [4, 3, 3], resumed.group(0)
+        assert int(resumed.group(4)) > 6
+        # The restarted trainer trains on from step 4; after step 9 the launcher dies by SIGKILL.
+        found = [m.start() for m in re.finditer(r"step 9: reward", run.log())]
+        while not found:
+            time.sleep(0.5)
+            assert run.proc.poll() is None, run.log()[-4000:]
+            found = [m.start() for m in re.finditer(r"step 9: reward", run.log())]
+        assert run.proc.pid and processes_of("rl-resume")
+        run.proc.kill()
+        run.proc.wait(timeout=10)
+        deadline = time.monotonic() + 30
+        while (left := processes_of("rl-resume")) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not left, [(p.pid, p.name()) for p in left]
+    finally:
+        run.stop()
+    first_log = run.log()
+    published_first = [int(v) for v in re.findall(r"published weight version (\d+)", first_log)]
+    relaunch = Launch(short_root, "rl-resume", *sets, resume=True, log_name="relaunch.log")
+    try:
+        relaunch.finish(900)
+    finally:
+        relaunch.stop()
+    log = relaunch.log()
+    assert "resuming experiment rl-resume" in log and "resumed from" in log and "at step 8" in log
+    published = published_first + [int(v) for v in re.findall(r"published weight version (\d+)", log)]
+    assert published == sorted(set(published)), f"version numbers must only rise: {published}"
+    steps_done = ledger(run.run_dir)
+    assert [s["step"] for s in steps_done] == list(range(STEPS))
+    trained = [p for s in steps_done for p in s["prompt_ids"]]
+    assert len(trained) == len(set(trained)) == STEPS * demo_prompts_per_step(), "a prompt was trained twice"
+    # What the lost steps had trained (4..6 before the restart, 8..9 before the relaunch) is set aside.
+    abandoned = [s["step"] for s in ledger(run.run_dir, "trained_prompts.abandoned.jsonl")]
+    assert {4, 5, 6, 8, 9} <= set(abandoned) and min(abandoned) == 4, abandoned
+    summary = json.loads((run.run_dir / "flow_summary.json").read_text())
+    assert sorted(trained + summary["untrained_prompts"]) == list(range(summary["admitted_prompts"]))
 
 
 @pytest.mark.slow

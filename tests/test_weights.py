@@ -25,6 +25,8 @@ from rollout.weights import (
     PublishError,
     WeightPublisher,
     hf_tensors,
+    newest_version,
+    pin_versions,
     prune_versions,
     write_version,
 )
@@ -59,6 +61,17 @@ def test_version_directories_are_written_whole_immutable_and_pruned_to_the_newes
     removed = prune_versions(tmp_path, keep=2)
     assert sorted(p.name for p in removed) == ["v1", "v2"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["v10", "v3"]
+
+
+def test_pinned_versions_outlive_pruning(tmp_path: Path):
+    """The trainer pins the versions its kept checkpoints need; keep_versions never removes them."""
+    for v in range(5):
+        write_version(tmp_path, v, {"w": torch.zeros(2)})
+    pin_versions(tmp_path, [1])
+    assert sorted(p.name for p in prune_versions(tmp_path, keep=2)) == ["v0", "v2"]
+    assert sorted(p.name for p in tmp_path.glob("v*")) == ["v1", "v3", "v4"]
+    pin_versions(tmp_path, [])
+    assert [p.name for p in prune_versions(tmp_path, keep=2)] == ["v1"]
 
 
 def test_nccl_transport_without_cuda_says_to_use_the_file_backend():
@@ -192,3 +205,68 @@ async def test_a_worker_that_dies_during_a_publish_is_given_up_on_when_its_heart
         await runner.cleanup()
     assert [w.worker_id for w in result.evicted] == ["w"] and "stopped heartbeating" in result.evicted[0].error
     assert await r.get(keys.weights_current) == "1" and await r.hkeys(keys.workers) == []
+
+
+@pytest.mark.timeout(60)
+async def test_newest_version_counts_every_number_the_experiment_used(tmp_path: Path, redis_client):
+    """Published, logged, reported by a worker, committed on disk, or half-written by a publisher that died:
+    each is a number a later publish must not take again."""
+    r, keys = redis_client, Keys("nv")
+    assert await newest_version(r, keys, tmp_path) is None
+    write_version(tmp_path, 3, {"w": torch.zeros(2)})
+    assert await newest_version(r, keys, tmp_path) == 3
+    (tmp_path / ".v7.12345.tmp").mkdir()  # died mid-write: workers streaming it may hold part of v7
+    assert await newest_version(r, keys, tmp_path) == 7
+    await register(r, keys, "w0", "http://127.0.0.1:9")
+    entry = json.loads(await r.hget(keys.workers, "w0"))
+    await r.hset(keys.workers, "w0", json.dumps(entry | {"weight_version": 9}))
+    assert await newest_version(r, keys, tmp_path) == 9
+    await r.set(keys.weights_current, 11)
+    assert await newest_version(r, keys, tmp_path) == 11
+
+
+@pytest.mark.timeout(60)
+async def test_republish_serves_the_files_of_an_old_version_under_a_new_number(tmp_path: Path, redis_client):
+    r, keys = redis_client, Keys("rp")
+    calls: list[str] = []
+    worker, url = await _fake_worker(None, calls)
+    try:
+        await register(r, keys, "w0", url)
+        t = {"w": torch.arange(6.0)}
+        async with WeightPublisher(r, keys, RolloutConfig(keep_versions=1), tmp_path) as pub:
+            root = pub.root
+            await pub.publish(4, t)
+            pin_versions(root, [4])  # what a checkpoint at step 5 pins: its generators served v4
+            await pub.publish(5, {"w": torch.zeros(6)})
+            await pub.publish(6, {"w": torch.ones(6)})
+            result = await pub.republish(7, source=4)
+            with pytest.raises(PublishError, match="already 7"):
+                await pub.republish(7, source=4)
+        assert result.source == 4 and result.workers[0].ok
+        shard = "model-00000-of-00001.safetensors"
+        assert torch.equal(load_file(str(root / "v7" / shard))["w"], t["w"])
+        # Hard links, not copies: the same inode.
+        assert (root / "v7" / shard).stat().st_ino == (root / "v4" / shard).stat().st_ino
+        assert int(await r.get(keys.weights_current)) == 7
+        log = [(int(f["version"]), f.get("source")) for _, f in await r.xrange(keys.weights_log)]
+        assert log == [(4, None), (5, None), (6, None), (7, "4")]
+        assert calls[-5:] == ["/start_weight_update", "/update_weights", "/finish_weight_update",
+                              "/reset_prefix_cache", "/resume"]  # fmt: skip
+    finally:
+        await worker.cleanup()
+
+
+@pytest.mark.timeout(60)
+async def test_republish_refuses_a_corrupted_shard_naming_the_file(tmp_path: Path, redis_client):
+    r, keys = redis_client, Keys("rc")
+    async with WeightPublisher(r, keys, RolloutConfig(), tmp_path) as pub:
+        await pub.publish(1, {"w": torch.arange(6.0)})
+        root = pub.root
+        shard = root / "v1" / "model-00000-of-00001.safetensors"
+        data = bytearray(shard.read_bytes())
+        data[-1] ^= 0xFF
+        shard.write_bytes(bytes(data))
+        with pytest.raises(PublishError, match=f"{shard}: CRC-32"):
+            await pub.republish(2, source=1)
+    assert int(await r.get(keys.weights_current)) == 1 and not (root / "v2").exists()
+    assert not list(root.glob(".v2.*"))

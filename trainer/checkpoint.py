@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 import shutil
+import time
 import tomllib
 import warnings
 from collections.abc import Iterator
@@ -49,6 +50,25 @@ class TrainState:
     """Position of the data source (opaque to the checkpoint; the source reads it back)."""
     flow_state: dict[str, Any] = field(default_factory=dict)
     """Queued / in-flight / buffered prompts of the flow runtime (opaque)."""
+    versions: list[list[int]] = field(default_factory=list)
+    """The RL run's lineage: [step, version] of every weight publication (trainer/versions.py)."""
+
+
+class CheckpointSchedule:
+    """When a run saves mid-run: every `interval_steps` steps, and when `interval_minutes` passed since the
+    last save (or the start), whichever comes first."""
+
+    def __init__(self, interval_steps: int, interval_minutes: float) -> None:
+        self.interval_steps, self.interval_s = interval_steps, interval_minutes * 60.0
+        self.last = time.monotonic()
+
+    def due(self, step: int) -> bool:
+        by_steps = self.interval_steps > 0 and step % self.interval_steps == 0
+        by_time = self.interval_s > 0 and time.monotonic() - self.last >= self.interval_s
+        return by_steps or by_time
+
+    def saved(self) -> None:
+        self.last = time.monotonic()
 
 
 def _rng_state() -> dict[str, Any]:
@@ -99,6 +119,11 @@ def list_checkpoints(root: str | Path) -> list[Path]:
         return []
     found = [p for p in root.iterdir() if p.name.startswith(_PREFIX) and (p / ".metadata").is_file()]
     return sorted(found, key=lambda p: int(p.name[len(_PREFIX) :]))
+
+
+def checkpoint_steps(root: str | Path) -> list[int]:
+    """The steps of the complete checkpoints under root, ascending."""
+    return [int(p.name[len(_PREFIX) :]) for p in list_checkpoints(root)]
 
 
 def save_checkpoint(

@@ -23,6 +23,7 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
 import threading
 import time
 from collections.abc import Callable, Coroutine
@@ -43,8 +44,17 @@ from rollout.flow.policy import FlowPolicy
 from rollout.flow.runtime import FlowRuntime, Group, SampleRequest
 from rollout.tasks import Problem, Task, load_task
 from rollout.tinykit import resolve_model
-from rollout.weights import PartReport, VersionPart, WeightPublisher, count_shards, current_version
-from trainer.checkpoint import TrainState
+from rollout.weights import (
+    PartReport,
+    VersionPart,
+    WeightPublisher,
+    count_shards,
+    current_version,
+    newest_version,
+    pin_versions,
+    unfinished_versions,
+)
+from trainer.checkpoint import CheckpointSchedule, TrainState, checkpoint_steps
 from trainer.core import StepResult, TrainingCore, cross_entropy_loss
 from trainer.pretrain import PretrainData, Pretrainer, initial_model, resolve_device
 from trainer.ranks import (
@@ -60,14 +70,16 @@ from trainer.ranks import (
 from trainer.report import build_rows, format_table, held_out_scores, save_png, wait_for_eval, wait_for_evals
 from trainer.rl.advantages import group_advantages, zero_variance_groups
 from trainer.rl.update import mini_batch_rows, proximal_logprobs, rl_updates
+from trainer.versions import Lineage
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 # How often a generation request that found no worker (all restarting) tries again.
 _NO_WORKER_RETRY_S = 1.0
-# How long a stopping trainer waits for its training thread to notice.
-STOP_TIMEOUT_S = 20.0
+# How long a stopping trainer waits for its training thread to notice (it is a daemon thread: the role
+# exits after this even if the thread is inside a long step; an unfinished checkpoint is never loaded).
+STOP_TIMEOUT_S = 5.0
 # How often a rank looks at the other ranks' liveness.
 RANK_POLL_S = 0.5
 # How long a rank whose collective failed waits for the watch to say which rank died.
@@ -295,6 +307,9 @@ class RLTrainer(TrainerRank):
         self._t0 = time.monotonic()
         self._samples_trained = 0
         self._mismatch: list[float] = []  # trainer-vs-vLLM log-prob gap on fresh samples, per step
+        self.lineage = Lineage()  # which published version holds which step's weights (trainer/versions.py)
+        ck = self.cfg.trainer.checkpoint
+        self.schedule = CheckpointSchedule(ck.interval_steps, ck.interval_minutes)
 
     def stop(self) -> None:
         """Ask the run to end (from another thread): warm start checks the flag, the flow runtime's
@@ -362,7 +377,7 @@ class RLTrainer(TrainerRank):
             self._mismatch.append(stats["fresh_logprob_mismatch"])
         all_rollouts = [r for g in groups for r in g.samples]
         accuracy = sum(r.reward >= 1.0 for r in all_rollouts) / len(all_rollouts)
-        staleness = [step - min(r.weight_versions) for r in all_rollouts]
+        staleness = [step - self.lineage.step_of(min(r.weight_versions)) for r in all_rollouts]
         self._samples_trained += len(all_rollouts)
         reward_mean = float(rewards.mean())
         figures = {
@@ -392,7 +407,7 @@ class RLTrainer(TrainerRank):
         over every rank; returns the loss statistics."""
         tokens, targets, behaviour, mask = padded_batch(rollouts, self.tokenizer.pad_token_id)
         n_tokens = int(mask.sum())
-        fresh = torch.tensor([float(all(v == step for v in r.weight_versions)) for r in rollouts])
+        fresh = torch.tensor([float(all(self.lineage.step_of(v) == step for v in r.weight_versions)) for r in rollouts])
         batch = {"tokens": tokens, "targets": targets, "behaviour": behaviour, "mask": mask, "advantages": advantages,
                  "fresh": fresh, "step_tokens": torch.full((len(rollouts),), float(n_tokens))}  # fmt: skip
         rows = mini_batch_rows(group_sizes, self.cfg.trainer.rl.mini_batches)
@@ -406,14 +421,19 @@ class RLTrainer(TrainerRank):
         figures["grad_norm"] = sum(u.grad_norm for u in result.updates) / len(result.updates)
         return figures
 
-    def publish(self, version: int, force: bool = False) -> None:
-        """Every rank writes its part of the version; this rank drives the workers."""
+    def publish(self, step: int) -> None:
+        """Publish the weights of `step` (the trainer's current ones) under the lineage's next version number:
+        every rank writes its part of the version; this rank drives the workers."""
+        version = self.lineage.next_version()
+        # Recorded first: with keep-mode pauses a sample may finish with tokens of the new version before
+        # the publish returns, and its versions are translated to steps at once.
+        self.lineage.record(step, version)
         self.ranks.broadcast(Command("publish", step=version))
         part = self.core.hf_part()
         counts = self.ranks.all_gather(count_shards(part, self.shard_bytes))
         peers = _RankPeers(self.ranks, counts[1:]) if self.ranks.world > 1 else None
         try:
-            result = self._io(self.publisher.publish(version, part, force=force, peers=peers))
+            result = self._io(self.publisher.publish(version, part, peers=peers))
         finally:
             if peers is not None and not peers.called:
                 peers.cancel()
@@ -421,14 +441,71 @@ class RLTrainer(TrainerRank):
                                         "weights/write_s": result.write_s, "weights/max_load_s": result.max_load_s})  # fmt: skip
 
     def checkpoint(self, next_step: int, flow_state: dict[str, Any]) -> None:
-        interval = self.cfg.trainer.checkpoint.interval_steps
-        if interval and next_step % interval == 0:
+        if self.schedule.due(next_step):
             self.save(flow_state)
 
     def save(self, flow_state: dict[str, Any]) -> None:
         self.state.flow_state = flow_state
+        self.state.versions = self.lineage.state()
         self.command(Command("save", state=self.state))
+        self.schedule.saved()
+        # A resume from a kept checkpoint at step S republishes the files of the version its generators
+        # served (step S - 1's, or S's after the last step): those stay on disk whatever keep_versions says.
+        steps = {s for k in checkpoint_steps(self.ckpt_root) for s in (k - 1, k)}
+        pin_versions(self.publisher.root, self.lineage.versions_of(steps))
         log.info("checkpoint at step %d", self.state.step)
+
+    def _steps_of(self, result: Rollout) -> tuple[int, int]:
+        """The oldest and newest step whose weights produced a sample's tokens (the flow policy counts steps)."""
+        return self.lineage.step_of(min(result.weight_versions)), self.lineage.step_of(max(result.weight_versions))
+
+    def _rewind_ledger(self) -> None:
+        """Steps at or after the resumed one were trained by a run lost to a crash: their weights are gone,
+        so their prompts were not trained. Their ledger lines move to trained_prompts.abandoned.jsonl."""
+        if not self.audit.exists():
+            return
+        lines = self.audit.read_text().splitlines(keepends=True)
+        kept = [line for line in lines if json.loads(line)["step"] < self.state.step]
+        if len(kept) == len(lines):
+            return
+        with (self.ctx.run_dir / "trained_prompts.abandoned.jsonl").open("a") as fh:
+            fh.writelines(line for line in lines if json.loads(line)["step"] >= self.state.step)
+        tmp = self.audit.with_suffix(".tmp")
+        tmp.write_text("".join(kept))
+        os.replace(tmp, self.audit)
+        log.warning("ledger: %d step(s) trained after step %d by the lost run moved to %s", len(lines) - len(kept),
+                    self.state.step, "trained_prompts.abandoned.jsonl")  # fmt: skip
+
+    def _serve(self, step: int) -> None:
+        """Make the generators serve the weights of `step` (the flow state's generator version) under a version
+        number no other weights ever had, before generation (re)starts.
+
+        Nothing to do when the workers serve the lineage's version of `step` and the experiment used no
+        higher number. Otherwise the run this one continues went further (or died mid-publish): the weights
+        are published again under a new number, from memory when `step` is the trainer's own step, else from
+        the committed files of the version the checkpoint's generators served (pinned by `save`)."""
+        client, root = self.publisher.client, self.publisher.root
+        newest = self._io(newest_version(client, self.ctx.keys, root))
+        self.lineage.floor = 0 if newest is None else newest + 1
+        served = self.lineage.version_of(step)
+        if served is not None and newest == served == self._io(current_version(client, self.ctx.keys)):
+            return
+        for tmp in unfinished_versions(root):  # a publisher that died mid-write; this trainer is the only one
+            shutil.rmtree(tmp, ignore_errors=True)
+        if step == self.state.step:
+            self.publish(step)
+            return
+        if served is None or not (root / f"v{served}").is_dir():
+            raise RuntimeError(
+                f"resuming at step {self.state.step}: the checkpoint's generators served the weights of step {step} "
+                f"(version {served}), whose files are gone from {root}; resume from an older checkpoint or start a "
+                "new run directory"
+            )
+        version = self.lineage.next_version()
+        self.lineage.record(step, version)
+        log.info("resuming at step %d: the generators serve step %d's weights (version %d) again as version %d "
+                 "(the lost run had reached version %s)", self.state.step, step, served, version, newest)  # fmt: skip
+        self._io(self.publisher.republish(version, served))
 
     # -- the run -------------------------------------------------------------------------------
 
@@ -439,10 +516,8 @@ class RLTrainer(TrainerRank):
             self.state = resumed
         elif tc.warmup.steps > 0:
             self.warm_start()
-        published = self._io(current_version(self.publisher.client, self.ctx.keys))
-        if published != self.state.step:
-            # Version `step` is what the trainer holds; the workers must serve exactly it.
-            self.publish(self.state.step, force=True)
+        self.lineage = Lineage.from_state(self.state.versions)
+        self._rewind_ledger()
         policy = FlowPolicy.from_config(flow, num_prompts=len(self.task), max_steps=tc.steps)
         generator = _Generator(self.cfg, self.ctx, self.task, self.tokenizer)
         controller = self.controller = GenerationController.from_config(generator, flow, name="rollout")
@@ -451,11 +526,12 @@ class RLTrainer(TrainerRank):
         controller.set_tqdm(disabled=False, total=None, desc="samples")
         runtime = FlowRuntime(
             policy, controller, lambda i: self.task.problem(i) if i < len(self.task) else None,
-            self.train_step, self.publish, checkpoint=self.checkpoint,
+            self.train_step, self.publish, checkpoint=self.checkpoint, versions=self._steps_of,
         )  # fmt: skip
         if resumed is not None and self.state.flow_state:
             runtime.load_state_dict(self.state.flow_state)
         try:
+            self._serve(policy.published)
             report = runtime.run()
         except ControllerClosed:
             if self.stop_requested.is_set():
@@ -492,7 +568,9 @@ class RLTrainer(TrainerRank):
         benchmark = ev.benchmarks[0] if ev.benchmarks else None
         client = self.ctx.redis
         evaluator_alive = bool(list(client.scan_iter(self.ctx.keys.role_pattern("evaluator"), count=100)))
-        last = self.state.step - self.state.step % ev.every_n_versions
+        final = self.lineage.version_of(self.state.step)
+        final = self.state.step if final is None else final
+        last = final - final % ev.every_n_versions
         if benchmark and evaluator_alive:
             log.info("waiting up to %.0fs for the evaluator's %s result of version %d", self.cfg.trainer.final_eval_wait_s,
                      benchmark, last)  # fmt: skip
@@ -501,13 +579,15 @@ class RLTrainer(TrainerRank):
                 log.warning("no %s result for version %d yet; the table shows what was evaluated", benchmark, last)
             elif client.hlen(self.ctx.keys.eval_workers):
                 # A pinning evaluator measures every due version, newest first, then backfills the older ones.
-                due = set(range(0, last + 1, ev.every_n_versions))
+                due = {v for _, v in self.lineage.pairs if v % ev.every_n_versions == 0 and v <= last}
                 missing = wait_for_evals(client, self.ctx.keys, due, benchmark, max(0.0, deadline - time.monotonic()))
                 if missing:
                     log.warning("no %s result yet for version(s) %s; the table shows what was evaluated", benchmark,
                                 sorted(missing))  # fmt: skip
         heldout = held_out_scores(client, self.ctx.keys, benchmark) if benchmark else {}
-        rows = build_rows(self.ctx.run_dir, heldout)
+        # The table is by step: a version holds the weights of one step (several, after a resume).
+        by_step = {self.lineage.step_of(v): score for v, score in sorted(heldout.items()) if v in self.lineage}
+        rows = build_rows(self.ctx.run_dir, by_step)
         print(format_table(rows, every=max(1, len(rows) // 20)), flush=True)
         png = save_png(rows, self.ctx.run_dir / "report.png", f"{self.ctx.exp}: {self.cfg.flow.strategy}")
         if heldout:
@@ -518,7 +598,6 @@ class RLTrainer(TrainerRank):
             log.info("trainer-vs-vLLM log-prob mismatch on fresh samples: mean %.3g, max %.3g nats per token (%d steps)",
                      sum(self._mismatch) / len(self._mismatch), max(self._mismatch), len(self._mismatch))  # fmt: skip
         log.info("report: %s; metrics: %s", png, self.ctx.run_dir / "metrics")
-
 
 
 def _thread(fn: Callable[[], int], name: str) -> asyncio.Future[int]:
@@ -589,6 +668,9 @@ async def main(ctx: RunContext) -> int:
                                     _store_host(ctx))  # fmt: skip
     record = rank_record(ctx.instance)
     client.hset(ctx.keys.trainer_ranks, str(ranks.rank), json.dumps(record))
+    # Every rank's record is this group's before any rank watches the others: a record left by a rank of
+    # an earlier trainer (restarted) would otherwise read as a dead rank.
+    await asyncio.to_thread(ranks.all_gather, None)
     stopping = threading.Event()
     trainer: RLTrainer | None = None
     if ctx.cfg.trainer.mode == "pretrain":

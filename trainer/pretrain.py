@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from common.config import Config, load_config
-from trainer.checkpoint import TrainState, load_model_weights
+from trainer.checkpoint import CheckpointSchedule, TrainState, load_model_weights
 from trainer.core import TrainingCore, cross_entropy_loss
 from trainer.experts import select_backend
 from trainer.hf import load_hf_state
@@ -232,7 +232,8 @@ class Pretrainer:
     def run(self, steps: int | None = None) -> list[float]:
         """Train until step `steps` (default trainer.steps); returns the losses of the steps run here."""
         target = self.cfg.trainer.steps if steps is None else steps
-        interval = self.cfg.trainer.checkpoint.interval_steps
+        ck = self.cfg.trainer.checkpoint
+        schedule = CheckpointSchedule(ck.interval_steps, ck.interval_minutes)
         losses = []
         while self.state.step < target:
             t0 = time.perf_counter()
@@ -243,8 +244,10 @@ class Pretrainer:
             losses.append(loss)
             if self.ranks.is_main:
                 log.info("step %d loss %.4f grad_norm %.3f", stats.step, loss, stats.grad_norm)
-            if interval and self.state.step % interval == 0 and self.state.step < target:
+            # Every rank must take the same decision (a save is collective): rank 0's clock decides.
+            if self.state.step < target and self.ranks.broadcast(schedule.due(self.state.step)):
                 self.save()
+                schedule.saved()
         self.save()
         return losses
 
