@@ -301,24 +301,37 @@ class Launcher:
 
 
 def _stop_group(procs: Sequence[subprocess.Popen[bytes]], grace_s: float) -> None:
-    """SIGTERM each process's group and descendants, SIGKILL what survives `grace_s`; returns when all are gone."""
+    """Stop these role processes and everything they started; returns when all are gone.
+
+    Each role gets SIGTERM first, alone: it stops its own children in order (a vLLM worker stops its API
+    server, which stops its engine). After half the grace period, whatever is left of each role's process
+    group and descendants gets SIGTERM too (a role that does not forward it); after the grace period,
+    SIGKILL. Descendants are collected first: a child that set up its own session (vLLM does) is outside
+    the group and would otherwise be orphaned.
+    """
     live = [proc for proc in procs if proc.poll() is None]
     family: list[psutil.Process] = []
     for proc in live:
-        # Descendants are collected first: a child that set up its own session (vLLM does)
-        # is outside the group and would otherwise be orphaned.
         with contextlib.suppress(psutil.NoSuchProcess):
             family += psutil.Process(proc.pid).children(recursive=True)
         with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    half = time.monotonic() + grace_s / 2
+    for proc in live:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=max(0.0, half - time.monotonic()))
+    for proc in live:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)
-    for p in family:
+    _, left = psutil.wait_procs(family, timeout=0)
+    for p in left:
         with contextlib.suppress(psutil.NoSuchProcess):
             p.terminate()
-    deadline = time.monotonic() + grace_s
     for proc in live:
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-    _, alive = psutil.wait_procs(family, timeout=max(0.0, deadline - time.monotonic()))
+    _, alive = psutil.wait_procs(left, timeout=max(0.0, deadline - time.monotonic()))
     for proc in live:
         if proc.poll() is None:
             log.warning("pid %d ignored SIGTERM for %.0fs: killing", proc.pid, grace_s)

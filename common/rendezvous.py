@@ -49,6 +49,8 @@ INSTALL_HINT = "install it: apt-get install -y redis-server (Debian/Ubuntu), or 
 # The meet dir may be a shared filesystem where inotify sees nothing, so waiting for another
 # process's file is a short poll; this is its period.
 _POLL_S = 0.05
+# Every role's liveness key, in every experiment of this Redis (common/keys.py's Keys.role_alive).
+ROLE_ALIVE_PATTERN = "ss:*:role:*:alive"
 # How long a client keeps retrying a lost connection (a restarted server is back well within it).
 REDIS_RETRY_S = 8.0
 _BACKOFF_CAP_S = 0.5
@@ -217,21 +219,23 @@ class Rendezvous:
     @staticmethod
     def _wait_for_other_clients(info: RedisInfo, timeout_s: float) -> None:
         """Wait until every connection to Redis comes from this process (its own sockets, matched by
-        address), so a peer that is still ending (announcing `down`, deleting its heartbeat) keeps
-        its Redis; give up after timeout_s with a warning naming who is still connected."""
+        address) and no role's liveness key is left, so a peer that is still ending (announcing `down`,
+        deleting its heartbeat: the last thing a role writes) keeps its Redis even between two of its
+        connections; give up after timeout_s with a warning naming who is still there."""
         deadline = time.monotonic() + timeout_s
         said = False
-        client = info.client()
+        client = info.client(retry=False)
         try:
             client.ping()  # open this connection first, so it counts among this process's own
             while True:
                 mine = {f"{c.laddr.ip}:{c.laddr.port}" for c in psutil.Process().net_connections("tcp") if c.laddr}
                 others = sorted(c["addr"] for c in client.client_list() if c["addr"] not in mine)
+                others += sorted(client.scan_iter(match=ROLE_ALIVE_PATTERN, count=1000))
                 if not others:
                     return
                 if time.monotonic() > deadline:
                     log.warning(
-                        "stopping redis-server although %d client(s) are still connected after %.1fs: %s",
+                        "stopping redis-server although %d client(s) or role(s) are still there after %.1fs: %s",
                         len(others), timeout_s, ", ".join(others),
                     )  # fmt: skip
                     return

@@ -215,12 +215,16 @@ class VllmProcess:
         return code
 
     async def stop(self, grace_s: float = STOP_GRACE_S) -> None:
-        """SIGTERM the whole process group, SIGKILL it after grace_s, and reap the child."""
+        """SIGTERM the API server, SIGKILL its whole process group after grace_s, and reap the child.
+
+        Only the API server gets SIGTERM: it stops its engine itself, in order. An engine core that gets
+        SIGTERM too dies under the server's feet, whose output handler then logs an EngineDeadError
+        traceback into an ordinary shutdown."""
         if self.proc is None or self.proc.returncode is not None:
             return
         pgid = self.proc.pid  # setsid made the child its group leader
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(pgid, signal.SIGTERM)
+            os.kill(pgid, signal.SIGTERM)
         try:
             await asyncio.wait_for(self.proc.wait(), grace_s)
         except TimeoutError:

@@ -114,17 +114,33 @@ def assert_clear_rise(run: Launch) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
-def test_fully_async_run_learns_and_survives_a_killed_worker_without_losing_a_prompt(short_root):
+def test_fully_async_run_learns_and_survives_killed_worker_router_and_redis_without_losing_a_prompt(short_root):
+    """SIGKILL of the rollout worker after step 3, of the router after step 6, of redis-server after step 9:
+    the launcher restarts the worker and the router (which takes over its own name), the launcher's
+    rendezvous starts Redis again from its append-only file, and the run goes on to the end."""
     run = Launch(short_root, "rl-async", "flow.strategy=fully_async")
     try:
         worker_pid = int(run.wait_for(r"started vllm/0 \(role vllm, pid (\d+)\)", 60).group(1))
+        router_pid = int(run.wait_for(r"started router/0 \(role router, pid (\d+)\)", 60).group(1))
         run.wait_for(r"step 3: reward", 900)
         os.kill(worker_pid, signal.SIGKILL)
         run.wait_for(r"vllm/0 exited with code 137: restarting \(1/3\)", 60)
+        run.wait_for(r"step 6: reward", 600)
+        os.kill(router_pid, signal.SIGKILL)
+        run.wait_for(r"router/0 exited with code 137: restarting \(1/3\)", 60)
+        run.wait_for(r"step 9: reward", 600)
+        redis_pid = json.loads((run.run_dir / "meet" / "redis.json").read_text())["pid"]
+        os.kill(redis_pid, signal.SIGKILL)
+        run.wait_for(rf"redis-server pid {redis_pid} died \(exit code -9\): started it again", 30)
         run.finish(1200)
     finally:
         run.stop()
     log = run.log()
+    for noise in ("Traceback", "Task exception was never retrieved", "Unclosed client session", "never awaited",
+                  "Task was destroyed but it is pending", "ignored SIGTERM"):  # fmt: skip
+        assert noise not in log, (
+            f"{noise!r} in the log:\n" + log[max(0, log.find(noise) - 3000) : log.find(noise) + 3000]
+        )
     # A second rollout worker registered (the restarted one) and the run finished on it.
     assert len(re.findall(r"registered worker \S+ .*\(train pool\)", log)) >= 2
     steps_done = [json.loads(line) for line in (run.run_dir / "trained_prompts.jsonl").read_text().splitlines()]
@@ -213,6 +229,35 @@ def test_a_killed_trainer_resumes_exactly_and_a_relaunch_after_the_launchers_dea
     assert {4, 5, 6, 8, 9} <= set(abandoned) and min(abandoned) == 4, abandoned
     summary = json.loads((run.run_dir / "flow_summary.json").read_text())
     assert sorted(trained + summary["untrained_prompts"]) == list(range(summary["admitted_prompts"]))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_failed_run_tears_down_quietly_and_says_why_once(short_root):
+    """The trainer dies for good (no restarts allowed) while every other role serves or starts: the launcher
+    stops the router, both vLLM workers and the evaluator, and their ends print no traceback, no unclosed
+    session and no pending task; the failure is reported once."""
+    run = Launch(short_root, "rl-fail", "launch.roles.trainer.max_restarts=0")
+    try:
+        trainer_pid = int(run.wait_for(r"started trainer/0 \(role trainer, pid (\d+)\)", 60).group(1))
+        run.wait_for(r"evaluator rl-fail \| role up", 300)
+        run.wait_for(r"registered worker \S+ .*\(train pool\)", 300)
+        os.kill(trainer_pid, signal.SIGKILL)
+        code = run.proc.wait(timeout=120)
+    finally:
+        run.stop()
+    log = run.log()
+    assert code == 137, log[-3000:]
+    failure = (
+        "trainer/0 failed with exit code 137 after 0 restart(s), the most launch.roles.trainer.max_restarts allows"
+    )
+    assert log.count(failure) == 1 and log.count("failed with exit code") == 1, log[-3000:]
+    for noise in ("Traceback", "Task exception was never retrieved", "Unclosed client session", "never awaited",
+                  "Task was destroyed but it is pending", "ignored SIGTERM"):  # fmt: skip
+        assert noise not in log, (
+            f"{noise!r} in the log:\n" + log[max(0, log.find(noise) - 3000) : log.find(noise) + 3000]
+        )
+    assert not processes_of("rl-fail")
 
 
 @pytest.mark.slow

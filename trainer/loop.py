@@ -13,6 +13,12 @@ batch (GRPO advantages and global normalisation are computed once, on rank 0); a
 rank write its experts into the version while rank 0 writes the dense part and drives the workers; a
 checkpoint is sharded. Every step's figures go to DuckDB, and the prompt ids of every trained group
 are appended to `<run dir>/trained_prompts.jsonl`, the audit that every prompt is trained exactly once.
+
+A trainer that starts where checkpoints exist resumes from the newest (every rank; the launcher restarts
+them together): the flow state re-issues what was in flight, the ledger sets aside the steps trained
+after the checkpoint by the lost run, and before generation starts the workers are made to serve the
+checkpoint's generator weights under a version number the experiment never used (trainer/versions.py
+says why numbers are not reused, and keeps the map from versions to steps that the flow policy needs).
 """
 
 from __future__ import annotations
