@@ -123,9 +123,7 @@ def main() -> None:
     base = rows[0][1]
     print(f"workload: {dataclasses.asdict(workload(args.steps))}")
     print(f"generator: {MODEL}; trainer: {COSTS}; max_concurrent {MAX_CONCURRENT}")
-    print(
-        f"{args.steps} steps x {PROMPTS_PER_STEP} prompts x {SAMPLES_PER_PROMPT} samples; simulated in {sim_s:.1f} s\n"
-    )
+    print(f"{args.steps} steps x {PROMPTS_PER_STEP} prompts x {SAMPLES_PER_PROMPT} samples; simulated in {sim_s:.1f} s\n")
     print(compare_table(rows, base))
     print()
     for name, r in rows:

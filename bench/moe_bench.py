@@ -339,9 +339,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "moe_bench.json"))
     ap.add_argument("--shapes", default="", help="only these expert shapes, e.g. '2048,768,128,8;1024,512,64,8'")
     ap.add_argument("--layer-only", action="store_true", help="skip moonlet")
-    ap.add_argument(
-        "--variants", default=",".join(VARIANTS), help=f"MoE-layer rows to measure, of {', '.join(VARIANTS)}"
-    )
+    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"MoE-layer rows to measure, of {', '.join(VARIANTS)}")
     ap.add_argument("--first-shape-variants", default="", help="extra variants measured for the first shape only")
     ap.add_argument("--moonlet-eager", action="store_true", help="also time moonlet without torch.compile")
     ap.add_argument("--profile", action="store_true", help="kernel table of the compiled layer (first shape)")
@@ -403,9 +401,7 @@ def main() -> None:
             layer(sh, v)
     cfg_path = Path(__file__).resolve().parent.parent / "configs" / ("tiny.toml" if smoke else "moonlet.toml")
     results["moonlet"] = []
-    moonlet_runs = (
-        [] if args.layer_only else [False] if args.no_compile else [True, False] if args.moonlet_eager else [True]
-    )
+    moonlet_runs = [] if args.layer_only else [False] if args.no_compile else [True, False] if args.moonlet_eager else [True]
     for compiled in moonlet_runs:
         if time.perf_counter() - t_start > args.budget_s:
             print(f"skipped moonlet compiled={compiled}: time budget spent", flush=True)

@@ -131,12 +131,8 @@ def schedule_mismatch(strategy: str, scale: float) -> str | None:
     steps = 5
     # With seed 38 every sample completion is >= 0.098 simulated s (39 ms of wall clock at scale 0.4)
     # away from every other event, so wall-clock jitter cannot reorder them.
-    workload = Workload(
-        num_prompts=steps * cfg.prompts_per_step, median_tokens=200, sigma=0.6, prompt_tokens=50, seed=38
-    )
-    sim = simulate(
-        FlowPolicy.from_config(cfg, num_prompts=workload.num_prompts, max_steps=steps), workload, MODEL, COSTS
-    )
+    workload = Workload(num_prompts=steps * cfg.prompts_per_step, median_tokens=200, sigma=0.6, prompt_tokens=50, seed=38)
+    sim = simulate(FlowPolicy.from_config(cfg, num_prompts=workload.num_prompts, max_steps=steps), workload, MODEL, COSTS)
 
     backend = RealTimePool(MODEL, workload, scale)
     with GenerationController.from_config(backend, cfg) as ctl:
@@ -299,9 +295,7 @@ def test_results_without_versions_are_an_error_not_zeros():
     cfg = flow("on_policy")
     with pytest.raises(CallbackError) as info:
         with GenerationController.from_config(genable, cfg) as ctl:
-            FlowRuntime(
-                FlowPolicy.from_config(cfg, num_prompts=2), ctl, [0, 1], lambda s, g: None, lambda v: None
-            ).run()
+            FlowRuntime(FlowPolicy.from_config(cfg, num_prompts=2), ctl, [0, 1], lambda s, g: None, lambda v: None).run()
     assert isinstance(info.value.__cause__, ValueError) and "weight_versions" in str(info.value.__cause__)
 
 

@@ -187,9 +187,7 @@ def test_three_hosts_train_the_demo_from_the_scripts_and_the_router_evicts_a_dea
 
         assert procs["trainer"].wait(timeout=1200) == 0, log_of("trainer")[-6000:]
         trainer_log = log_of("trainer")
-        assert "staleness<=1" not in trainer_log and "staleness<=2" not in trainer_log, (
-            "on-policy trained stale samples"
-        )
+        assert "staleness<=1" not in trainer_log and "staleness<=2" not in trainer_log, "on-policy trained stale samples"
         rewards = [float(r) for r in re.findall(r"step \d+: reward ([0-9.]+)", trainer_log)]
         assert len(rewards) == STEPS, trainer_log[-3000:]
         # The policy improves, judged as the demo is: greedy accuracy on the held-out problems, which the
@@ -213,6 +211,4 @@ def test_three_hosts_train_the_demo_from_the_scripts_and_the_router_evicts_a_dea
         while worker_url in hosts.run("a", http("GET", workers, ROUTER_TOKEN)):
             assert time.monotonic() - killed_at < TTL_S + 10, "the router still lists the dead host's worker"
             time.sleep(0.2)
-        print(
-            f"rewards {rewards}; held-out {scores}; worker evicted {time.monotonic() - killed_at:.1f} s after host B died"
-        )
+        print(f"rewards {rewards}; held-out {scores}; worker evicted {time.monotonic() - killed_at:.1f} s after host B died")

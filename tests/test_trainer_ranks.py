@@ -126,10 +126,7 @@ def single_rank(tmp_path_factory) -> tuple[list[float], dict[str, torch.Tensor]]
 
 
 def assert_same_run(
-    reference: tuple[list[float], dict[str, torch.Tensor]],
-    run_dir: Path,
-    cfg: Path,
-    steps: int = STEPS,
+    reference: tuple[list[float], dict[str, torch.Tensor]], run_dir: Path, cfg: Path, steps: int = STEPS,
     min_drop: float = 0.5,
     max_weight_error: float = 1e-5,
 ) -> None:
@@ -170,7 +167,8 @@ def test_muon_on_two_expert_parallel_ranks_trains_what_one_rank_trains(tmp_path)
     two = pretrain_config(tmp_path, "m2", 2, 2, steps=steps, muon=True)
     code, out = launch(two, "pt-muon-w2")
     assert code == 0, out
-    assert_same_run(reference, tmp_path / "runs" / "pt-muon-w2", two, steps=steps, min_drop=0.3, max_weight_error=1e-2)
+    assert_same_run(reference, tmp_path / "runs" / "pt-muon-w2", two, steps=steps, min_drop=0.3,
+                    max_weight_error=1e-2)
 
 
 def test_a_two_rank_checkpoint_resumes_on_one_rank_and_continues_the_same_run(tmp_path, single_rank):

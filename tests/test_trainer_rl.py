@@ -45,10 +45,8 @@ def test_trainer_logprobs_of_rollout_tokens_match_vllm_behaviour_logprobs(deepse
         url = deepseek_run.router_url()
         async with RolloutClient(cfg.rollout.served_model_name, url=url) as client:
             groups = await asyncio.gather(
-                *(
-                    client.generate(tok(p)["input_ids"], n=4, temperature=1.0, max_tokens=24, seed=i)
-                    for i, p in enumerate(prompts)
-                )
+                *(client.generate(tok(p)["input_ids"], n=4, temperature=1.0, max_tokens=24, seed=i)
+                  for i, p in enumerate(prompts))
             )
         return [s for g in groups for s in g]
 

@@ -127,13 +127,8 @@ class Optimizer:
             muon_group = {"params": matrices, "name": "dense", "peak_lr": cfg.lr, "lr": cfg.lr,
                           "weight_decay": cfg.weight_decay}  # fmt: skip
             self.optimizers.append(
-                torch.optim.Muon(
-                    [muon_group],
-                    lr=cfg.lr,
-                    weight_decay=cfg.weight_decay,
-                    momentum=cfg.muon_momentum,
-                    adjust_lr_fn="match_rms_adamw",
-                )  # fmt: skip
+                torch.optim.Muon([muon_group], lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.muon_momentum,
+                                 adjust_lr_fn="match_rms_adamw")  # fmt: skip
             )
         self.steps = 0
         self.tokens = 0

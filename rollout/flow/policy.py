@@ -171,7 +171,9 @@ class FlowPolicy:
         self.counters = FlowCounters()
 
     @staticmethod
-    def from_config(cfg: FlowConfig, *, num_prompts: int | None = None, max_steps: int | None = None) -> FlowPolicy:
+    def from_config(
+        cfg: FlowConfig, *, num_prompts: int | None = None, max_steps: int | None = None
+    ) -> FlowPolicy:
         """The policy of `cfg.strategy` with the knobs of the flow config section."""
         cls = STRATEGIES.get(cfg.strategy)
         if cls is None:

@@ -23,9 +23,8 @@ def read_problems(path: str | Path) -> list[Problem]:
             continue
         try:
             record = json.loads(line)
-            problems.append(
-                Problem(str(record.get("id", f"{path.stem}-{lineno}")), record["prompt"], str(record["answer"]))
-            )
+            problems.append(Problem(str(record.get("id", f"{path.stem}-{lineno}")), record["prompt"],
+                                    str(record["answer"])))
         except (json.JSONDecodeError, KeyError, TypeError) as exc:
             raise ValueError(f"{path}:{lineno}: expected a JSON object with 'prompt' and 'answer' ({exc})") from None
     if not problems:
