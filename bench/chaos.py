@@ -176,6 +176,7 @@ def main() -> int:
     args = ap.parse_args()
     # vLLM's IPC socket paths under the run dir must stay short (notes/vllm-cpu.md): a short root.
     root = Path(args.root or tempfile.mkdtemp(prefix="ss-chaos-"))
+    root.mkdir(parents=True, exist_ok=True)
     rng = random.Random(args.seed)
     plan: list[str | None] = [None] + [ROLES[i % len(ROLES)] for i in range(args.trials)]
     trials: list[Trial] = []

@@ -357,7 +357,10 @@ def launch(config_path: str | None, overrides: Sequence[str] = (), resume: str |
         if (live := rendezvous.live_server()) is not None:
             raise LaunchError(f"--resume {resume}: experiment {prep.exp} is still running (its Redis answers at "
                               f"{live.host}:{live.port}, pid {live.pid}); stop that launch first")  # fmt: skip
-        registry.resume(prep.exp, to_toml(prep.cfg))
+        try:
+            registry.resume(prep.exp, to_toml(prep.cfg))
+        except KeyError:  # a run dir from another run root (or a registry since removed): record it here
+            registry.start(prep.exp, prep.cfg.run.name, to_toml(prep.cfg))
         log.info("resuming experiment %s in %s", prep.exp, prep.run_dir)
     else:
         try:

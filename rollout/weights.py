@@ -29,6 +29,12 @@ owns the directory, the commit and the workers; a failure of any rank fails the 
 Left out: a failing rank does not stop the others (`PeerWriters.write` has no cancel); every writer
 runs to its end before the directory is removed, and the ABORTED marker releases the workers early.
 
+A version number names one set of weights for the whole experiment: a publish takes a number above
+weights:current and every number on disk (`newest_version` also counts half-written ones). A trainer that
+resumes from a checkpoint makes the workers serve older weights again with `republish(version, source)`:
+the committed files of `source`, checksums verified, hard-linked under the new number. The trainer pins
+(`pin_versions`) the versions its kept checkpoints need, which pruning leaves alone.
+
 Transports: `file` (above; any machine that sees the weight dir) and `nccl` (`NcclTransport`,
 vLLM's trainer-side NCCL engine; GPUs only, needs vLLM's GPU build in the trainer process).
 """
