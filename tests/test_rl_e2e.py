@@ -135,6 +135,7 @@ def test_fully_async_run_learns_and_survives_killed_worker_router_and_redis_with
         run.finish(1200)
     finally:
         run.stop()
+    assert not processes_of("rl-async")
     log = run.log()
     for noise in ("Traceback", "Task exception was never retrieved", "Unclosed client session", "never awaited",
                   "Task was destroyed but it is pending", "ignored SIGTERM"):  # fmt: skip
@@ -243,11 +244,15 @@ def test_a_failed_run_tears_down_quietly_and_says_why_once(short_root):
         run.wait_for(r"evaluator rl-fail \| role up", 300)
         run.wait_for(r"registered worker \S+ .*\(train pool\)", 300)
         os.kill(trainer_pid, signal.SIGKILL)
+        killed_at = time.monotonic()
         code = run.proc.wait(timeout=120)
+        teardown_s = time.monotonic() - killed_at
     finally:
         run.stop()
     log = run.log()
     assert code == 137, log[-3000:]
+    # Every role stopped on its first SIGTERM, within seconds (the launcher escalates after stop_timeout_s / 2).
+    assert teardown_s < 15, f"the launcher took {teardown_s:.1f}s to stop the run"
     failure = (
         "trainer/0 failed with exit code 137 after 0 restart(s), the most launch.roles.trainer.max_restarts allows"
     )
