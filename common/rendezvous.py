@@ -8,8 +8,9 @@ next generation's election, so exactly one process replaces a dead Redis. The le
 when it exits; the server also dies with the leader (PR_SET_PDEATHSIG), so nothing outlives a run.
 
 A server that dies under a live leader (killed, OOM) is started again by the leader at once, on the same
-port with the same password, and reads the run's state back from its append-only file (written to the
-OS on every command, so a killed server loses nothing). Clients retry a lost connection for about
+port with the same password, and reads the run's state back from its append-only file (Redis hands each
+write to the OS before it answers, so a killed server loses at most what it had not yet acknowledged;
+only a crash of the machine can cost the last second). Clients retry a lost connection for about
 REDIS_RETRY_S, so every role rides through the restart without noticing more than a slow command.
 
 Also here: `Heartbeat`, the TTL liveness key every role keeps alive from an asyncio task.

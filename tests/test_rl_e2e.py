@@ -235,10 +235,12 @@ def test_a_killed_trainer_resumes_exactly_and_a_relaunch_after_the_launchers_dea
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_failed_run_tears_down_quietly_and_says_why_once(short_root):
-    """The trainer dies for good (no restarts allowed) while every other role serves or starts: the launcher
-    stops the router, both vLLM workers and the evaluator, and their ends print no traceback, no unclosed
-    session and no pending task; the failure is reported once."""
-    run = Launch(short_root, "rl-fail", "launch.roles.trainer.max_restarts=0")
+    """The trainer dies for good (no restarts allowed) while every other role serves: the launcher stops the
+    router, the vLLM worker and the evaluator (verifying through the router: no eval-pool worker, to save
+    a vLLM start), and their ends print no traceback, no unclosed session and no pending task; the failure
+    is reported once."""
+    run = Launch(short_root, "rl-fail", "launch.roles.trainer.max_restarts=0", "launch.roles.vllm_eval.replicas=0",
+                 "evaluator.pin=never")  # fmt: skip
     try:
         trainer_pid = int(run.wait_for(r"started trainer/0 \(role trainer, pid (\d+)\)", 60).group(1))
         run.wait_for(r"evaluator rl-fail \| role up", 300)
