@@ -9,8 +9,8 @@ when it exits; the server also dies with the leader (PR_SET_PDEATHSIG), so nothi
 
 A server that dies under a live leader (killed, OOM) is started again by the leader at once, on the same
 port with the same password, and reads the run's state back from its append-only file (Redis hands each
-write to the OS before it answers, so a killed server loses at most what it had not yet acknowledged;
-only a crash of the machine can cost the last second). Clients retry a lost connection for about
+write to the OS before it answers, so a killed server loses nothing it acknowledged; the file is not
+fsynced, so a crash of the machine itself can lose the tail). Clients retry a lost connection for about
 REDIS_RETRY_S, so every role rides through the restart without noticing more than a slow command.
 
 Also here: `Heartbeat`, the TTL liveness key every role keeps alive from an asyncio task.
@@ -317,7 +317,11 @@ class Rendezvous:
                 "protected-mode yes",
             ]
             if self.cfg.redis_persistence:
-                lines += ['save ""', "appendonly yes", "appendfsync everysec"]
+                # appendfsync no: Redis still hands every write to the OS before it answers, which is all a
+                # killed server needs; an fsync schedule would only guard against a crash of the machine, and
+                # under heavy disk load Redis delays its answers behind a slow fsync by up to 2 s, longer
+                # than a short heartbeat TTL.
+                lines += ['save ""', "appendonly yes", "appendfsync no"]
             else:
                 lines += ['save ""', "appendonly no"]
             # The password lives in a 0600 file, not on the command line where `ps` would show it.

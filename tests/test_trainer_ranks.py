@@ -7,6 +7,8 @@ load at W = 1, and a rank killed with SIGKILL ends the others promptly with a me
 from __future__ import annotations
 
 import os
+import re
+import signal
 import socket
 import subprocess
 import sys
@@ -181,6 +183,52 @@ def test_a_two_rank_checkpoint_resumes_on_one_rank_and_continues_the_same_run(tm
     assert code == 0, out
     assert f"at step {STEPS // 2}" in out
     assert_same_run(single_rank, run_dir, second)
+
+
+def test_a_killed_rank_restarts_the_whole_trainer_which_resumes_exactly(tmp_path, single_rank):
+    """Launcher-started W = 2 (EP = 2), checkpoints every 10 steps: SIGKILL of rank 1 after step 11 ends rank 0
+    (dead rank), the launcher restarts both ranks together, they resume at step 10 and finish with W = 1's
+    losses and weights (each re-trained step's loss equals the first one's: the resume is exact)."""
+    cfg = pretrain_config(tmp_path, "gang", 2, 2)
+    env = {**os.environ, "SLIPSTREAM_EXP": "pt-gang", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "common.cli", "launch", str(cfg)], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    out: list[str] = []
+    try:
+        assert proc.stdout is not None
+        rank1 = None
+        for line in proc.stdout:
+            out.append(line)
+            if rank1 is None and (m := re.search(r"started trainer/1 \(role trainer, pid (\d+)\)", line)):
+                rank1 = int(m.group(1))
+            if "step 11 loss" in line:
+                assert rank1 is not None
+                os.kill(rank1, signal.SIGKILL)
+                break
+        out.append(proc.communicate(timeout=300)[0])
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    text = "".join(out)
+    assert proc.returncode == 0, text
+    assert "trainer/1 exited with code 137: restarting all 2 replicas of trainer (1/3)" in text, text
+    assert text.count("at step 10") >= 2, text  # both ranks resumed from step 10's checkpoint
+    run_dir = tmp_path / "runs" / "pt-gang"
+    points = [p for p in read_metrics(run_dir, ["train/loss"]) if p.rank == 0]
+    by_step: dict[int, list[float]] = {}
+    for p in sorted(points, key=lambda p: p.ts_ms):
+        by_step.setdefault(p.step, []).append(p.value)
+    assert sorted(by_step) == list(range(1, STEPS + 1))
+    # Steps the first group logged after the checkpoint (those its writer flushed before it died) were trained
+    # again from the same state and data: the same losses.
+    for s in (s for s, values in by_step.items() if len(values) > 1):
+        assert s > 10 and np.allclose(by_step[s], by_step[s][0], rtol=1e-6, atol=0), (s, by_step[s])
+    ref_losses, ref_weights = single_rank
+    np.testing.assert_allclose([by_step[s][-1] for s in sorted(by_step)], ref_losses, rtol=1e-5, atol=0)
+    weights = final_weights(cfg, run_dir)
+    errors = {n: float((weights[n] - ref).norm() / ref.norm().clamp_min(1e-12)) for n, ref in ref_weights.items()}
+    assert max(errors.values()) < 1e-5, sorted(errors.values())[-5:]
 
 
 def _free_port() -> int:
