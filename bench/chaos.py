@@ -37,6 +37,8 @@ from pathlib import Path
 
 import psutil
 
+from common.proc import experiment_processes
+
 REPO = Path(__file__).resolve().parent.parent
 ROLES = ("trainer", "router", "vllm", "evaluator", "redis")
 STEP_LINE = re.compile(r"\| step (\d+): reward")
@@ -88,15 +90,6 @@ class Run:
                 return found
             time.sleep(0.1)
         return None
-
-
-def processes_of(exp: str) -> list[psutil.Process]:
-    found = []
-    for proc in psutil.process_iter():
-        with contextlib.suppress(psutil.Error):
-            if proc.environ().get("SLIPSTREAM_EXP") == exp and proc.status() != psutil.STATUS_ZOMBIE:
-                found.append(proc)
-    return found
 
 
 def victim_pid(run: Run, role: str) -> int:
@@ -155,7 +148,7 @@ def run_trial(root: Path, exp: str, role: str | None, steps: int, seed: int, rng
             run.proc.wait(timeout=120)
     wall = time.monotonic() - run.t0
     time.sleep(10)
-    leftover = processes_of(exp)
+    leftover = experiment_processes(exp)
     for p in leftover:
         with contextlib.suppress(psutil.Error):
             p.kill()

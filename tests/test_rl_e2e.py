@@ -7,7 +7,6 @@ on-policy strategy's end-to-end run is tests/test_multihost.py, over three netwo
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -19,9 +18,10 @@ import tempfile
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
+
+from common.proc import experiment_processes
 
 REPO = Path(__file__).resolve().parent.parent
 STEPS = 15
@@ -135,7 +135,7 @@ def test_fully_async_run_learns_and_survives_killed_worker_router_and_redis_with
         run.finish(1200)
     finally:
         run.stop()
-    assert not processes_of("rl-async")
+    assert not experiment_processes("rl-async")
     log = run.log()
     assert not noise_in(log), "\n".join(noise_in(log)[:40])
     # A second rollout worker registered (the restarted one) and the run finished on it.
@@ -167,16 +167,6 @@ def noise_in(log: str) -> list[str]:
     traceback from its output handler when its engine stops first (its process manager gives the engine no
     grace: "mode=abort timeout=0s"); seen in CI, a race inside vLLM that a role cannot prevent."""
     return [line for line in log.splitlines() if not VLLM_LINE.search(line) and any(n in line for n in NOISE)]
-
-
-def processes_of(exp: str) -> list[psutil.Process]:
-    """Every live process of an experiment: each role, vLLM's engine and Redis inherit SLIPSTREAM_EXP."""
-    found = []
-    for proc in psutil.process_iter():
-        with contextlib.suppress(psutil.Error):
-            if proc.environ().get("SLIPSTREAM_EXP") == exp and proc.status() != psutil.STATUS_ZOMBIE:
-                found.append(proc)
-    return found
 
 
 def ledger(run_dir: Path, name: str = "trained_prompts.jsonl") -> list[dict]:
@@ -214,11 +204,11 @@ def test_a_killed_trainer_resumes_exactly_and_a_relaunch_after_the_launchers_dea
             time.sleep(0.5)
             assert run.proc.poll() is None, run.log()[-4000:]
             found = [m.start() for m in re.finditer(r"step 9: reward", run.log())]
-        assert run.proc.pid and processes_of("rl-resume")
+        assert run.proc.pid and experiment_processes("rl-resume")
         run.proc.kill()
         run.proc.wait(timeout=10)
         deadline = time.monotonic() + 30
-        while (left := processes_of("rl-resume")) and time.monotonic() < deadline:
+        while (left := experiment_processes("rl-resume")) and time.monotonic() < deadline:
             time.sleep(0.5)
         assert not left, [(p.pid, p.name()) for p in left]
     finally:
@@ -273,7 +263,7 @@ def test_a_failed_run_tears_down_quietly_and_says_why_once(short_root):
     )
     assert log.count(failure) == 1 and log.count("failed with exit code") == 1, log[-3000:]
     assert not noise_in(log), "\n".join(noise_in(log)[:40])
-    assert not processes_of("rl-fail")
+    assert not experiment_processes("rl-fail")
 
 
 @pytest.mark.slow
