@@ -176,6 +176,10 @@ class RolloutConfig:
     """vLLM tensor parallel size."""
     enforce_eager: bool = True
     """Skip CUDA graphs / torch.compile in vLLM (faster start; no speed loss for tiny models)."""
+    return_routed_experts: bool = True
+    """Have vLLM return, with every sample, the top-k experts each MoE layer chose at every position
+    (`--enable-return-routed-experts`; `Sample.routed_experts`), for routing replay and mismatch telemetry.
+    Only for models with MoE layers; costs about layers x top_k x 4/3 bytes per token of response."""
     extra_args: list[str] = _list()
     """More vLLM command-line arguments, passed through unchanged."""
     startup_timeout_s: float = 600.0

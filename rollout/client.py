@@ -5,18 +5,24 @@ URL is read from Redis (`keys.router(name)`), or straight to one worker's URL. E
 `Sample` carries the sampled token ids, the behaviour log-prob of every sampled token (processed,
 i.e. after temperature, as the worker runs vLLM with `--logprobs-mode processed_logprobs`), the
 weight version that produced each token, and the finish reason ("stop", "length", or "abort" when a
-weight update in abort mode cut it short). A response without a log-prob for every token is an
-error (`RolloutError`), never zeros. Samples of one prompt group carry the same affinity header so
-the router keeps them on one worker, where they share the prompt's prefix cache.
+weight update in abort mode cut it short), and, when the worker runs vLLM with
+`--enable-return-routed-experts` (rollout.return_routed_experts), the experts every MoE layer chose at
+every position. A response without a log-prob for every token is an error (`RolloutError`), never
+zeros. Samples of one prompt group carry the same affinity header so the router keeps them on one
+worker, where they share the prompt's prefix cache.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
+import io
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import aiohttp
+import numpy as np
 import redis.asyncio
 
 from common.keys import Keys
@@ -58,6 +64,11 @@ class Sample:
     logprobs: list[float]
     versions: list[int]
     finish_reason: str
+    routed_experts: np.ndarray | None = None
+    """[len(prompt_token_ids) + len(token_ids) - 1, decoder layers, top_k] uint8 (uint16 past 256 experts):
+    row i holds the experts each layer chose at position i, in the forward that took token i as input
+    (so with partial rollouts, the weights that sampled token i + 1). Rows of dense layers are 0 (vLLM
+    captures MoE layers only). None when the worker does not return routing."""
 
     @property
     def aborted(self) -> bool:
@@ -94,8 +105,25 @@ def parse_choice(prompt: list[int], choice: dict) -> Sample:
             f"response labels {sum(v is not None for v in versions)} of {len(tokens)} tokens with a weight version; "
             "the worker must set a version label at start (rollout.worker does)"
         )
+    routed = choice.get("routed_experts")
+    experts = None if routed is None else _routed_experts(routed, len(prompt) + len(tokens) - 1)
     return Sample(list(prompt), list(tokens), logprobs, [int(v) for v in versions if v is not None],
-                  str(choice.get("finish_reason")))  # fmt: skip
+                  str(choice.get("finish_reason")), experts)  # fmt: skip
+
+
+def _routed_experts(encoded: str, positions: int) -> np.ndarray:
+    """The [positions, layers, top_k] array of a choice's `routed_experts` (base64 of .npy bytes)."""
+    try:
+        rows = np.load(io.BytesIO(base64.b64decode(encoded, validate=True)), allow_pickle=False)
+    except (binascii.Error, ValueError, OSError) as exc:
+        raise RolloutError(f"routed_experts is not base64 of a .npy array: {exc}") from exc
+    if rows.ndim != 3 or rows.shape[0] != positions:
+        raise RolloutError(
+            f"routed_experts has shape {rows.shape}: {rows.shape[0] if rows.ndim else 0} rows for {positions} "
+            "positions (prompt + completion - 1); the worker must return a row per position "
+            "(routed_experts_prompt_start left at 0)"
+        )
+    return rows
 
 
 class RolloutClient:

@@ -2,8 +2,9 @@
 
 The worker starts vLLM with the RL endpoints (`VLLM_SERVER_DEV_MODE=1`), the weight-transfer
 engine of `rollout.weight_backend`, processed log-probs (after temperature, as importance ratios
-need), the token-in/token-out route (`--enable-scale-out`), a bounded KV cache, and every cache and
-temp dir under the run dir, offline. It is ready only after /health passes and one real completion
+need), the token-in/token-out route (`--enable-scale-out`), for MoE models the routed experts of every
+position (`rollout.return_routed_experts`), a bounded KV cache, and every cache and temp dir under the
+run dir, offline. It is ready only after /health passes and one real completion
 succeeds (some bad configs pass /health and crash on the first request). A worker of the train pool
 (`rollout.pool`, the default) then catches up to `weights:current` if the run has published weights,
 registers in the `workers` hash and heartbeats `worker_alive(id)`. While serving it watches three
@@ -85,6 +86,12 @@ def is_deepseek(model_dir: Path) -> bool:
     return arch.startswith("Deepseek")
 
 
+def has_moe(model_dir: Path) -> bool:
+    """Whether the checkpoint has routed experts (DeepSeek's n_routed_experts, Qwen3-MoE's num_experts)."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    return int(cfg.get("n_routed_experts") or cfg.get("num_experts") or 0) > 0
+
+
 def serving_dtype(dtype: str, model_dir: Path) -> str:
     """The dtype vLLM will serve in: rollout.dtype, or the checkpoint's own for "auto"."""
     if dtype != "auto":
@@ -123,6 +130,8 @@ def vllm_command(ro: RolloutConfig, model_dir: Path, host: str, port: int, cpu: 
         cmd += ["--gpu-memory-utilization", str(ro.gpu_memory_utilization)]
     if ro.enforce_eager:
         cmd.append("--enforce-eager")
+    if ro.return_routed_experts and has_moe(model_dir):
+        cmd.append("--enable-return-routed-experts")
     if ro.api_key:
         cmd += ["--middleware", MIDDLEWARE]  # the key itself travels in the environment (vllm_env)
     return cmd + list(ro.extra_args)
@@ -349,6 +358,8 @@ async def main(ctx: RunContext) -> int:
     except ImportError:
         cpu = True
     cmd = vllm_command(ro, model_dir, ro.bind_host, port, cpu)
+    if "--enable-return-routed-experts" in cmd:
+        log.info("vLLM returns the routed experts of every position (rollout.return_routed_experts)")
     vllm = VllmProcess(cmd, vllm_env(ctx.run_dir, api_key=ro.api_key), url, ctx.run_dir / "logs" / f"vllm-{worker_id}.log",
                        f"[vllm {worker_id}]")  # fmt: skip
     client = ctx.async_redis()

@@ -1,8 +1,13 @@
 """Parsing of vLLM's token-route responses into Samples: per-token versions from version spans,
-the abort flag, and errors (never zeros) when log-probs or version labels are missing."""
+the abort flag, routed experts (one row per position), and errors (never zeros) when log-probs or
+version labels are missing or the routed experts do not fit the tokens."""
 
 from __future__ import annotations
 
+import base64
+import io
+
+import numpy as np
 import pytest
 
 from rollout.client import RolloutClient, RolloutError, parse_choice
@@ -42,6 +47,32 @@ def test_a_logprob_for_another_token_or_an_unlabelled_token_is_an_error():
         parse_choice([1], c)
     with pytest.raises(RolloutError, match="1 of 2 tokens"):
         parse_choice([1], choice([7, 8], [-0.1, -0.2], [{"version": "0", "start": 0, "end": 1}]))
+
+
+def npy_base64(a: np.ndarray) -> str:
+    """How vLLM's token route encodes routed experts."""
+    buf = io.BytesIO()
+    np.save(buf, a)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def test_routed_experts_become_an_array_with_a_row_per_position_and_are_none_when_absent():
+    rows = np.arange(4 * 3 * 2, dtype=np.uint8).reshape(4, 3, 2)  # prompt 2 + completion 3 - 1 positions
+    c = choice([7, 8, 9], [-0.1, -0.2, -0.3], [{"version": "0", "start": 0, "end": 3}])
+    assert parse_choice([1, 2], c).routed_experts is None
+    c["routed_experts"] = npy_base64(rows)
+    got = parse_choice([1, 2], c).routed_experts
+    assert got.dtype == np.uint8 and (got == rows).all()
+
+
+def test_routed_experts_that_do_not_fit_the_tokens_are_an_error():
+    c = choice([7, 8, 9], [-0.1, -0.2, -0.3], [{"version": "0", "start": 0, "end": 3}])
+    c["routed_experts"] = npy_base64(np.zeros((3, 3, 2), dtype=np.uint8))
+    with pytest.raises(RolloutError, match="3 rows for 4 positions"):
+        parse_choice([1, 2], c)
+    c["routed_experts"] = "not base64!"
+    with pytest.raises(RolloutError, match="not base64 of a .npy array"):
+        parse_choice([1, 2], c)
 
 
 def test_client_needs_a_url_or_redis_to_find_the_router():

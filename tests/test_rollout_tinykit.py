@@ -1,9 +1,11 @@
 """The tiny-model kit: an offline tokenizer with a chat template, content-addressed checkpoint
-caching, and clear errors for shapes vLLM's CPU build cannot serve or mismatched architectures."""
+caching, and clear errors for shapes vLLM's CPU build cannot serve or mismatched architectures; the
+worker's vLLM command line."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -65,6 +67,18 @@ def test_vllm_command_enables_rl_serving_and_passes_engine_args_through(tmp_path
     cfg.rollout.weight_backend = "nccl"
     gpu = " ".join(vllm_command(cfg.rollout, model, "127.0.0.1", 8000, cpu=False))
     assert '{"backend": "nccl"}' in gpu and "--gpu-memory-utilization 0.9" in gpu and "kv-cache-memory" not in gpu
+
+
+def test_vllm_returns_routed_experts_for_moe_checkpoints_unless_turned_off(tmp_path: Path):
+    cfg = Config()
+    moe = tiny_checkpoint(cfg.trainer.model, 0, tmp_path)
+    assert "--enable-return-routed-experts" in vllm_command(cfg.rollout, moe, "127.0.0.1", 8000, cpu=True)
+    dense = tmp_path / "dense"
+    dense.mkdir()
+    (dense / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "num_experts": 0}))
+    assert "--enable-return-routed-experts" not in vllm_command(cfg.rollout, dense, "127.0.0.1", 8000, cpu=True)
+    cfg.rollout.return_routed_experts = False
+    assert "--enable-return-routed-experts" not in vllm_command(cfg.rollout, moe, "127.0.0.1", 8000, cpu=True)
 
 
 def test_worker_record_round_trips_through_json():

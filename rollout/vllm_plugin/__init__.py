@@ -5,6 +5,8 @@ process. It registers the `file` engine, which loads a published weight version 
 files (rollout/weights.py writes them) and works on any machine that sees the files, and, on the CPU
 platform of vLLM 0.32, makes weight reloads re-run the CPU expert pre-packing that vLLM skips, and
 in the server a worker role started, watches that role and ends the server when it dies (watchdog.py).
+On that platform it also makes `--enable-return-routed-experts` work with the V1 CPU model runner
+(routed_experts.py).
 vLLM's own engines (nccl, ipc, ...) stay registered and selectable with
 `--weight-transfer-config '{"backend": "nccl"}'` on GPUs.
 """
@@ -28,8 +30,8 @@ def register() -> None:
         WeightTransferEngineFactory.register_engine(
             FILE_BACKEND, "rollout.vllm_plugin.file_engine", "FileWeightTransferEngine"
         )
-    from rollout.vllm_plugin import watchdog
-    from rollout.vllm_plugin.cpu_moe_fix import install
+    from rollout.vllm_plugin import cpu_moe_fix, routed_experts, watchdog
 
-    install()
+    cpu_moe_fix.install()
+    routed_experts.install()
     watchdog.start()
