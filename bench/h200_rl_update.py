@@ -39,7 +39,7 @@ from trainer.core import TrainingCore  # noqa: E402
 from trainer.experts import select_backend  # noqa: E402
 from trainer.model import attention_flops_per_token, build_model, count_params  # noqa: E402
 from trainer.ranks import Ranks  # noqa: E402
-from trainer.rl.update import proximal_logprobs, rl_updates  # noqa: E402
+from trainer.rl.update import proximal_fn, rl_updates  # noqa: E402
 
 H200_PEAK = 989e12
 
@@ -118,7 +118,7 @@ def main() -> None:
 
     def one_step():
         updates = rl_updates(batch, rows_of, tc.rl)
-        return core.step_updates(updates, rows_per_forward=R, prepare=proximal_logprobs)
+        return core.step_updates(updates, rows_per_forward=R, prepare=proximal_fn(tc.rl))
 
     warm = []
     for i in range(args.warmup):

@@ -403,6 +403,17 @@ class RLConfig:
     """Optimizer updates per RL step (PPO mini-batches): the step's groups are cut, in order and whole, into
     this many mini-batches, each an update against the proximal log-probs of the weights that began the
     step (verl's ppo_mini_batch_size, AReaL's ppo_n_minibatches). Fewer when fewer groups carry a signal."""
+    routing_replay: Literal["none", "rollout"] = identity("none")
+    """Rollout routing replay (R3): `rollout` makes every MoE layer of the trainer use, for each token, the
+    top-k experts vLLM chose when it generated (returned with rollout.return_routed_experts); the gate weights
+    are still the trainer's own scores of those experts, so the router keeps its gradient. `none`: the
+    trainer routes by itself (the rollout's routing is then only compared, as mismatch telemetry)."""
+    token_mask_band: list[float] = identity(factory=list)
+    """[low, high]: tokens whose behaviour-to-proximal importance weight falls outside the band are left out
+    of the loss (IcePop-style token masking; e.g. [0.5, 2.0]). Empty = off."""
+    seq_mask_band: list[float] = identity(factory=list)
+    """[low, high]: a sample whose geometric-mean importance weight (exp of the mean per-token log ratio)
+    falls outside the band is left out of the loss entirely (sequence-level masking). Empty = off."""
 
 
 @dataclass
@@ -863,6 +874,17 @@ def validate(cfg: Config) -> None:
     _require(0 <= rl.clip_low < 1 and rl.clip_high >= 0, "trainer.rl.clip_low must be in [0, 1) and clip_high >= 0")
     _require(rl.tis_cap >= 1.0, f"trainer.rl.tis_cap ({rl.tis_cap}) must be >= 1 (1 = weights capped at one)")
     _require(rl.micro_batch_samples >= 1, "trainer.rl.micro_batch_samples must be >= 1")
+    _require(
+        rl.routing_replay == "none" or cfg.rollout.return_routed_experts,
+        "trainer.rl.routing_replay = \"rollout\" replays the experts the workers return: set "
+        "rollout.return_routed_experts = true",
+    )
+    for name in ("token_mask_band", "seq_mask_band"):
+        band = getattr(rl, name)
+        _require(
+            not band or (len(band) == 2 and 0 <= band[0] < 1 < band[1]),
+            f"trainer.rl.{name} = {band}: give [low, high] with 0 <= low < 1 < high (e.g. [0.5, 2.0]), or [] for none",
+        )
     _require(
         1 <= rl.mini_batches <= cfg.flow.prompts_per_step,
         f"trainer.rl.mini_batches = {rl.mini_batches}: a mini-batch holds whole prompt groups, so it must be within "

@@ -129,7 +129,7 @@ def test_the_rl_step_on_the_core_is_the_decoupled_ppo_update_written_out_by_hand
 
     from trainer.optim import Optimizer
     from trainer.rl.loss import ppo_loss
-    from trainer.rl.update import mini_batch_rows, proximal_logprobs, rl_updates
+    from trainer.rl.update import mini_batch_rows, proximal_fn, rl_updates
 
     cfg = Config()
     by_hand = build_model(cfg.trainer.model, seed=0)
@@ -162,7 +162,7 @@ def test_the_rl_step_on_the_core_is_the_decoupled_ppo_update_written_out_by_hand
     core = TrainingCore(cfg, Ranks.single(torch.device("cpu")), on_core)
     batch = {"tokens": tokens, "targets": targets, "behaviour": behaviour, "mask": mask, "advantages": adv,
              "fresh": torch.zeros(N), "step_tokens": torch.full((N,), float(mask.sum()))}  # fmt: skip
-    result = core.step_updates(rl_updates(batch, rows, rl), mb, prepare=proximal_logprobs)
+    result = core.step_updates(rl_updates(batch, rows, rl), mb, prepare=proximal_fn(rl))
     assert len(result.updates) == mini_batches and core.optimizer.steps == mini_batches
     assert result.figures["tokens"] == float(mask.sum())
     a = torch.cat([p.detach().flatten() for p in by_hand.parameters()])
@@ -200,7 +200,7 @@ def _rl_batch() -> tuple[dict[str, torch.Tensor], list[slice]]:
 def _rl_step_on_ranks(rank: int, world: int, store: str, out: str) -> None:
     import torch.distributed as dist
 
-    from trainer.rl.update import proximal_logprobs, rl_updates
+    from trainer.rl.update import proximal_fn, rl_updates
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
@@ -210,7 +210,7 @@ def _rl_step_on_ranks(rank: int, world: int, store: str, out: str) -> None:
         core = TrainingCore(cfg, Ranks(RankInfo(rank, world, rank, "launcher"), torch.device("cpu"), dist.group.WORLD),
                             build_model(cfg.trainer.model, seed=0))  # fmt: skip
         batch, rows = _rl_batch()
-        result = core.step_updates(rl_updates(batch, rows, cfg.trainer.rl), 3, prepare=proximal_logprobs)
+        result = core.step_updates(rl_updates(batch, rows, cfg.trainer.rl), 3, prepare=proximal_fn(cfg.trainer.rl))
         torch.save({"part": core.hf_part(), "figures": result.figures}, f"{out}/rank{rank}.pt")
         dist.barrier()
     finally:
@@ -223,7 +223,7 @@ def test_an_rl_step_of_several_mini_batches_on_two_expert_parallel_ranks_is_the_
     import torch.multiprocessing as mp
 
     from trainer.hf import hf_tensors
-    from trainer.rl.update import proximal_logprobs, rl_updates
+    from trainer.rl.update import proximal_fn, rl_updates
 
     mp.spawn(_rl_step_on_ranks, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
     parts = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
@@ -231,7 +231,7 @@ def test_an_rl_step_of_several_mini_batches_on_two_expert_parallel_ranks_is_the_
     core = _core(cfg)
     start = {name: t.clone() for name, t in hf_tensors(core.model)}
     batch, rows = _rl_batch()
-    one = core.step_updates(rl_updates(batch, rows, cfg.trainer.rl), 3, prepare=proximal_logprobs)
+    one = core.step_updates(rl_updates(batch, rows, cfg.trainer.rl), 3, prepare=proximal_fn(cfg.trainer.rl))
     assert len(one.updates) == 3
     two = parts[0]["part"] | parts[1]["part"]
     mine = dict(hf_tensors(core.model))

@@ -8,6 +8,7 @@ on-policy strategy's end-to-end run is tests/test_multihost.py, over three netwo
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -270,10 +271,12 @@ def test_a_failed_run_tears_down_quietly_and_says_why_once(short_root):
 @pytest.mark.timeout(1200)
 def test_two_trainer_ranks_with_expert_parallelism_learn_and_their_checkpoint_resumes_on_one_rank(short_root):
     """The demo with the trainer as 2 ranks (EP = 2: each holds 4 of the 8 experts and writes them into
-    every published version). Then the run's sharded checkpoint loads into one unsharded rank, equals
-    the last version the workers loaded, and trains on."""
+    every published version) and rollout routing replay: the experts vLLM chose for every token drive the
+    trainer's expert-parallel dispatch. Then the run's sharded checkpoint loads into one unsharded rank,
+    equals the last version the workers loaded, and trains on."""
     run = Launch(short_root, "rl-ep2", "flow.strategy=fully_async", "launch.roles.trainer.replicas=2",
-                 "trainer.parallel.ep=2", "trainer.checkpoint.interval_steps=5")  # fmt: skip
+                 "trainer.parallel.ep=2", "trainer.checkpoint.interval_steps=5",
+                 "trainer.rl.routing_replay=rollout")  # fmt: skip
     try:
         run.finish(1100)
     finally:
@@ -297,6 +300,13 @@ def test_two_trainer_ranks_with_expert_parallelism_learn_and_their_checkpoint_re
     # The live trainer-vs-vLLM mismatch on fresh samples stays at the one-rank level (fp32: < 1e-3 nats).
     mismatch = [p.value for p in read_metrics(run.run_dir, ["loss/fresh_logprob_mismatch"])]
     assert mismatch and max(mismatch) < 1e-3, mismatch
+    # Every step measured how often the trainer's own router disagrees with vLLM's routing (fully async:
+    # stale samples were routed by older weights) and how far apart the two policies' log-probs are.
+    telemetry = {t: [p.value for p in read_metrics(run.run_dir, [f"loss/{t}"])] for t in
+                 ("routing_disagreement", "behaviour_proximal_abs_logp_diff_p99", "behaviour_proximal_k3")}  # fmt: skip
+    for tag, values in telemetry.items():  # steps whose groups all had one reward train nothing: no figures
+        assert len(values) >= STEPS // 2 and all(0 <= v < math.inf for v in values), (tag, values)
+    assert all(v <= 1 for v in telemetry["routing_disagreement"])
     # Both ranks wrote shards of the version: rank 1's experts are in files after rank 0's.
     version = run.run_dir / "weights" / f"v{STEPS}"
     index = json.loads((version / "model.safetensors.index.json").read_text())

@@ -101,7 +101,7 @@ def reduce_figures(per_part: list[Mapping[str, float]]) -> dict[str, float]:
             elif k.endswith("_min"):
                 out[k] = min(out[k], v)
             else:
-                out[k] += v
+                out[k] = out[k] + v  # tensors (histograms) too
     return out
 
 

@@ -75,7 +75,8 @@ from trainer.ranks import (
 )
 from trainer.report import build_rows, format_table, held_out_scores, save_png, wait_for_eval, wait_for_evals
 from trainer.rl.advantages import group_advantages, zero_variance_groups
-from trainer.rl.update import mini_batch_rows, proximal_logprobs, rl_updates
+from trainer.rl.replay import routing_batch
+from trainer.rl.update import gap_quantile, mini_batch_rows, proximal_fn, rl_updates
 from trainer.versions import Lineage
 
 log = logging.getLogger(__name__)
@@ -256,7 +257,7 @@ class TrainerRank:
         if cmd.op == "rl":
             assert cmd.batch is not None and cmd.mini_batches is not None
             updates = rl_updates(cmd.batch, cmd.mini_batches, rl)
-            return self.core.step_updates(updates, rl.micro_batch_samples, prepare=proximal_logprobs)
+            return self.core.step_updates(updates, rl.micro_batch_samples, prepare=proximal_fn(rl))
         if cmd.op == "publish":  # rank 0's half is RLTrainer.publish: it drives the workers too
             self.write_part(cmd.step)
         elif cmd.op == "reset_moments":
@@ -416,6 +417,13 @@ class RLTrainer(TrainerRank):
         fresh = torch.tensor([float(all(self.lineage.step_of(v) == step for v in r.weight_versions)) for r in rollouts])
         batch = {"tokens": tokens, "targets": targets, "behaviour": behaviour, "mask": mask, "advantages": advantages,
                  "fresh": fresh, "step_tokens": torch.full((len(rollouts),), float(n_tokens))}  # fmt: skip
+        layers = self.model.moe_layer_ids()
+        replay = self.cfg.trainer.rl.routing_replay == "rollout"
+        # The rollout's routing goes with the batch when every sample has it (the mismatch telemetry), and
+        # must when it is replayed (routing_batch then names what is missing).
+        if layers and (replay or all(r.sample.routed_experts is not None for r in rollouts)):
+            batch["routing"] = routing_batch([r.sample for r in rollouts], tokens.shape[1], layers,
+                                             self.cfg.trainer.model.num_experts_per_tok)  # fmt: skip
         rows = mini_batch_rows(group_sizes, self.cfg.trainer.rl.mini_batches)
         result = self.command(Command("rl", batch, step=step, mini_batches=rows))
         assert result is not None
@@ -424,6 +432,10 @@ class RLTrainer(TrainerRank):
         abs_sum, fresh_tokens = figures.pop("fresh_abs_diff_sum", 0.0), figures.pop("fresh_tokens", 0.0)
         if fresh_tokens > 0:
             figures["fresh_logprob_mismatch"] = abs_sum / fresh_tokens
+        figures["behaviour_proximal_abs_logp_diff_p99"] = gap_quantile(figures.pop("gap_hist"), 0.99)
+        differ, compared = figures.pop("routing_differ", 0.0), figures.pop("routing_compared", 0.0)
+        if compared > 0:
+            figures["routing_disagreement"] = differ / compared
         figures["grad_norm"] = sum(u.grad_norm for u in result.updates) / len(result.updates)
         return figures
 
@@ -454,6 +466,7 @@ class RLTrainer(TrainerRank):
         self.state.flow_state = flow_state
         self.state.versions = self.lineage.state()
         self.command(Command("save", state=self.state))
+        self.metrics.flush()  # the checkpoint's steps are never retrained: their figures go to disk with it
         self.schedule.saved()
         # A resume from a kept checkpoint at step S republishes the files of the version its generators
         # served (step S - 1's, or S's after the last step): those stay on disk whatever keep_versions says.

@@ -98,18 +98,28 @@ class Router(nn.Module):
         if self.sigmoid:
             self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [T, H] -> (weights [T, k] fp32, expert ids [T, k], scores [T, E] fp32)."""
+    def forward(
+        self, x: torch.Tensor, replay: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (weights [T, k] fp32, expert ids [T, k], scores [T, E] fp32). `replay` [T, k]: experts
+        to use instead of the router's choice (rows of -1: the router's own choice), weighted by its scores."""
+        scores = self.scores(x)
+        ids = self.choose(scores)
+        if replay is not None:
+            ids = torch.where(replay[:, :1] >= 0, replay.long(), ids)
+        return self.weigh(scores, ids), ids, scores
+
+    def scores(self, x: torch.Tensor) -> torch.Tensor:
+        """Per-expert scores [T, E] fp32: softmax (Qwen3-MoE) or sigmoid (DeepSeek-V3) of the router logits."""
         # Routing decisions are made in fp32 even under bf16 autocast: near-ties flip experts otherwise.
         with torch.autocast(x.device.type, enabled=False):
             logits = router_logits(x, self.weight)
+        return logits.sigmoid() if self.sigmoid else logits.softmax(dim=-1)
+
+    def choose(self, scores: torch.Tensor) -> torch.Tensor:
+        """The router's own top-k expert ids [T, k] (DeepSeek-V3: on score + bias, within the best groups)."""
         if not self.sigmoid:
-            scores = logits.softmax(dim=-1)
-            weights, ids = scores.topk(self.top_k, dim=-1)
-            if self.norm_topk_prob:
-                weights = weights / weights.sum(dim=-1, keepdim=True)
-            return weights * self.scaling, ids, scores
-        scores = logits.sigmoid()
+            return scores.topk(self.top_k, dim=-1).indices
         choice = (scores + self.e_score_correction_bias).detach()
         if self.n_group > 1:
             T = choice.shape[0]
@@ -118,11 +128,15 @@ class Router(nn.Module):
             keep = torch.zeros_like(group_score, dtype=torch.bool)
             keep.scatter_(1, group_score.topk(self.topk_group, dim=-1).indices, True)
             choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(T, -1)
-        ids = choice.topk(self.top_k, dim=-1).indices
+        return choice.topk(self.top_k, dim=-1).indices
+
+    def weigh(self, scores: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Gate weights [T, k] of the experts `ids`: their (unbiased) scores, optionally normalised, scaled.
+        Gradients reach the router through the scores, whoever chose the experts."""
         weights = scores.gather(1, ids)
         if self.norm_topk_prob:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return weights * self.scaling, ids, scores
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + (1e-20 if self.sigmoid else 0.0))
+        return weights * self.scaling
 
 
 def _refresh_after_load(module: Experts, incompatible_keys: object) -> None:
@@ -217,11 +231,29 @@ class MoE(nn.Module):
         self.register_buffer("tokens_per_expert", torch.zeros(cfg.n_routed_experts), persistent=False)
         self.compute_aux_loss = False
         self.aux_loss: torch.Tensor | None = None
+        self.routing_disagreement: tuple[torch.Tensor, torch.Tensor] | None = None
+        """(rows' tokens whose router top-k differs from the given routing, rows' tokens with given routing),
+        each [B], of the last forward that was given a routing."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, routing: torch.Tensor | None = None, replay: bool = False) -> torch.Tensor:
+        """x [B, S, H]. `routing` [B, S, k]: the experts the rollout (vLLM) chose per token, -1 where unknown.
+        With it, `routing_disagreement` counts per row the tokens whose top-k set differs from the router's
+        own; with `replay` the given experts are used (rollout routing replay) and, as their choice was not
+        this router's, those tokens are left out of the load that the aux-free bias update balances."""
         B, S, H = x.shape
         flat = x.reshape(B * S, H)
-        weights, ids, scores = self.gate(flat)
+        weights, ids, scores = self.gate(flat)  # the router's own choice (forward hooks on `gate` see it)
+        given = None
+        self.routing_disagreement = None
+        if routing is not None:
+            routing = routing.reshape(B * S, -1).long()
+            given = routing[:, 0] >= 0
+            with torch.no_grad():
+                differs = (ids.sort(dim=-1).values != routing.sort(dim=-1).values).any(-1) & given
+                self.routing_disagreement = (differs.view(B, S).sum(1), given.view(B, S).sum(1))
+            if replay:
+                ids = torch.where(given.unsqueeze(1), routing, ids)
+                weights = self.gate.weigh(scores, ids)
         T, k = ids.shape
         slot_expert = ids.reshape(-1)  # slot = token * k + choice
         order = torch.argsort(slot_expert, stable=True)  # slots in expert order
@@ -229,6 +261,10 @@ class MoE(nn.Module):
         sorted_pos[order] = torch.arange(order.numel(), device=order.device)
         # scatter_add rather than bincount: bincount's output size depends on the data (a host sync).
         counts = slot_expert.new_zeros(self.num_experts).scatter_add_(0, slot_expert, torch.ones_like(slot_expert))
+        load = counts
+        if replay and given is not None:
+            own = (~given).repeat_interleave(k).to(slot_expert.dtype)
+            load = slot_expert.new_zeros(self.num_experts).scatter_add_(0, slot_expert, own)
         offsets = torch.cumsum(counts, 0, dtype=torch.int32)
         # Permute in the compute dtype: the k copies of every token are the largest tensor of the layer.
         rows = flat.to(torch.get_autocast_dtype(x.device.type)) if torch.is_autocast_enabled(x.device.type) else flat
@@ -240,7 +276,7 @@ class MoE(nn.Module):
             out = out + self.shared_experts(flat)
         if self.training:
             with torch.no_grad():
-                self.tokens_per_expert += counts.to(self.tokens_per_expert.dtype)
+                self.tokens_per_expert += load.to(self.tokens_per_expert.dtype)
         self.aux_loss = self._sequence_aux_loss(scores, ids, B, S) if self.compute_aux_loss else None
         return out.view(B, S, H)
 

@@ -25,9 +25,13 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size) if layer < cfg.first_k_dense else MoE(cfg, backend)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, routing: torch.Tensor | None = None,
+        replay: bool = False,
+    ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.post_attention_layernorm(x)
+        return x + (self.mlp(h, routing, replay) if isinstance(self.mlp, MoE) else self.mlp(h))
 
 
 class Decoder(nn.Module):
@@ -61,8 +65,21 @@ class Transformer(nn.Module):
     def moe_layers(self) -> list[MoE]:
         return [blk.mlp for blk in self.model.layers if isinstance(blk.mlp, MoE)]
 
-    def hidden_states(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens [B, S] (int64) -> final-normed hidden states [B, S, H]; positions [B, S] default 0..S-1."""
+    def moe_layer_ids(self) -> list[int]:
+        """Decoder layer index of each MoE layer (the layer axis of vLLM's routed-experts arrays)."""
+        return [i for i, blk in enumerate(self.model.layers) if isinstance(blk.mlp, MoE)]
+
+    def hidden_states(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        routing: torch.Tensor | None = None,
+        replay: bool = False,
+    ) -> torch.Tensor:
+        """tokens [B, S] (int64) -> final-normed hidden states [B, S, H]; positions [B, S] default 0..S-1.
+
+        `routing` [B, S, moe layers, k]: the experts a rollout chose per token and MoE layer (-1: unknown);
+        every MoE layer then measures its disagreement with it, and with `replay` uses it (MoE.forward)."""
         B, S = tokens.shape
         if positions is None:
             if S > self.cfg.max_seq_len:
@@ -74,20 +91,46 @@ class Transformer(nn.Module):
             angles = self.rope_angles[positions]
         cos, sin = angles.cos(), angles.sin()
         x = self.model.embed_tokens(tokens)
+        if routing is not None and routing.shape[2] != len(self.moe_layers()):
+            raise ValueError(f"routing has {routing.shape[2]} MoE layers, the model {len(self.moe_layers())}")
+        moe = 0
         with attention_backends(tokens.device):
             for block in self.model.layers:
-                x = block(x, cos, sin)
+                if routing is not None and isinstance(block.mlp, MoE):
+                    x = block(x, cos, sin, routing[:, :, moe], replay)
+                    moe += 1
+                else:
+                    x = block(x, cos, sin)
         return self.model.norm(x)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens [B, S] -> logits [B, S, vocab]."""
-        return self.lm_head(self.hidden_states(tokens, positions))
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        routing: torch.Tensor | None = None,
+        replay: bool = False,
+    ) -> torch.Tensor:
+        """tokens [B, S] -> logits [B, S, vocab] (`routing`, `replay`: see `hidden_states`)."""
+        return self.lm_head(self.hidden_states(tokens, positions, routing, replay))
 
     def token_logprobs(
-        self, tokens: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None = None
+        self,
+        tokens: torch.Tensor,
+        targets: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        routing: torch.Tensor | None = None,
+        replay: bool = False,
     ) -> torch.Tensor:
         """log p(targets[b, s] | tokens[b, :s+1]) as float32 [B, S]; targets < 0 give 0 (padding)."""
-        return logprobs_of(self(tokens, positions), targets)
+        return logprobs_of(self(tokens, positions, routing, replay), targets)
+
+    def routing_disagreement(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per row [B], summed over MoE layers, of the last forward given a routing: (token-layer pairs whose
+        router top-k differs from the given routing, token-layer pairs with a given routing)."""
+        pairs = [m.routing_disagreement for m in self.moe_layers()]
+        if any(p is None for p in pairs):
+            raise RuntimeError("the last forward was not given a routing")
+        return sum(p[0] for p in pairs), sum(p[1] for p in pairs)  # type: ignore[index]
 
     def aux_loss(self) -> torch.Tensor | None:
         """Sum of the MoE layers' sequence balance losses of the last forward (None when not computed)."""

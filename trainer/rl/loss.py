@@ -6,10 +6,19 @@ are recomputed by the trainer), and the policy being optimised. The PPO ratio an
 against the proximal policy, so staleness does not widen the trust region; the behaviour-to-proximal
 importance weight corrects the off-policy sampling and is truncated at `tis_cap` to bound variance.
 Optionally a k3 estimate of KL to a frozen reference is added.
+
+Beside the truncation, two corrections leave tokens out of the loss when behaviour and proximal policy
+disagree too much (train/inference mismatch, or a sample too stale): token masking by a band on the
+importance weight (`token_mask_band`, as IcePop), and sequence masking by a band on the sample's
+geometric-mean weight (`seq_mask_band`). Masked tokens still count in the normaliser, so a micro-batch's
+loss needs no knowledge of the others. The statistics say how many tokens each correction touched and
+how far apart the two policies are (mean and largest |log-prob gap|, a k3 estimate of KL(behaviour ||
+proximal)).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -55,9 +64,11 @@ def ppo_loss(
     clipped = ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
     surrogate = torch.minimum(ratio * adv, clipped * adv)
     # The importance weight is a constant of the update: gradients flow only through `ratio`.
-    iw = torch.exp(proximal_logp - behaviour_logp).detach()
+    log_iw = (proximal_logp - behaviour_logp).detach()
+    iw = torch.exp(log_iw)
     iw_truncated = iw.clamp(max=cfg.tis_cap)
-    pg_per_token = -iw_truncated * surrogate
+    token_kept, seq_kept = correction_masks(log_iw, mask, cfg)
+    pg_per_token = -iw_truncated * surrogate * token_kept * seq_kept
     pg_loss = _aggregate(pg_per_token, mask, cfg.aggregation, total)
     loss = pg_loss
     kl_value = torch.zeros((), dtype=logp.dtype, device=logp.device)
@@ -89,7 +100,28 @@ def ppo_loss(
             "iw_max": masked_max(iw),
             "iw_min": masked_min(iw),
             "iw_truncated_fraction": float(((iw > cfg.tis_cap).to(mask.dtype) * mask).sum() / n),
-            "behaviour_proximal_abs_logp_diff": float(((proximal_logp - behaviour_logp).abs() * mask).sum() / n),
+            "behaviour_proximal_abs_logp_diff": float((log_iw.abs() * mask).sum() / n),
+            "behaviour_proximal_abs_logp_diff_max": masked_max(log_iw.abs()),
+            # k3 = r - 1 - log r with r = iw; expm1 keeps it accurate (and >= 0) for tiny log ratios.
+            "behaviour_proximal_k3": float(((torch.expm1(log_iw) - log_iw).clamp(min=0) * mask).sum() / n),
+            "token_masked_fraction": float(((1 - token_kept) * mask).sum() / n),
+            "seq_masked_fraction": float(((1 - seq_kept) * mask).sum() / n),
             "tokens": float(mask.sum()),
         }
     return LossOutput(loss, stats)
+
+
+def correction_masks(log_iw: torch.Tensor, mask: torch.Tensor, cfg: RLConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token keep [B, T], sequence keep [B, 1]) as 0/1 of the mask's dtype: tokens whose importance weight
+    is outside `cfg.token_mask_band`, samples whose geometric-mean weight is outside `cfg.seq_mask_band`
+    (an empty band keeps everything)."""
+    token_kept = torch.ones_like(mask)
+    seq_kept = torch.ones_like(mask[:, :1])
+    if cfg.token_mask_band:
+        lo, hi = (math.log(b) if b > 0 else -math.inf for b in cfg.token_mask_band)
+        token_kept = ((log_iw >= lo) & (log_iw <= hi)).to(mask.dtype)
+    if cfg.seq_mask_band:
+        lo, hi = (math.log(b) if b > 0 else -math.inf for b in cfg.seq_mask_band)
+        mean_log = (log_iw * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)
+        seq_kept = ((mean_log >= lo) & (mean_log <= hi)).to(mask.dtype)
+    return token_kept, seq_kept

@@ -1,23 +1,54 @@
 """The RL step on the training core: the decoupled PPO loss of an update's micro-batches (proximal
 log-probs first), and the cut of a step's groups into PPO mini-batches, each one optimizer update
 against the proximal policy of the weights that began the step (as verl's ppo_mini_batch_size and
-AReaL's ppo_n_minibatches)."""
+AReaL's ppo_n_minibatches).
+
+A batch may carry `routing` [B, S, MoE layers, k], the experts vLLM chose per token (trainer/rl/replay.py):
+the first pass then measures, per row, how often the trainer's router disagrees with it, and with
+trainer.rl.routing_replay = "rollout" both passes use it (rollout routing replay)."""
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
 
+import torch
+
 from common.config import RLConfig
-from trainer.core import Batch, LossFn, Update, split_rows
+from trainer.core import Batch, LossFn, PrepareFn, Update, split_rows
 from trainer.model.transformer import Transformer
 from trainer.rl.loss import LossOutput, ppo_loss
 
 
-def proximal_logprobs(model: Transformer, mb: Batch) -> Batch:
+# |log-prob gap| histogram edges for the step's p99 (summable over micro-batches and ranks): 20 bins a
+# decade from 1e-9 to 1e2 nats, so the p99 is known to within a factor of 1.12.
+GAP_EDGES = torch.logspace(-9, 2, 221, dtype=torch.float64)
+
+
+def proximal_fn(rl: RLConfig) -> PrepareFn:
     """The RL step's first pass (the core's `prepare`): log-probs of the sampled tokens under the weights
-    that began the step, for every micro-batch before any update."""
-    return {"proximal": model.token_logprobs(mb["tokens"], mb["targets"])}
+    that began the step, for every micro-batch before any update; with a routing, each row's router
+    disagreement counts (token-layer pairs) beside them."""
+
+    def prepare(model: Transformer, mb: Batch) -> Batch:
+        routing = mb.get("routing")
+        out = {"proximal": model.token_logprobs(mb["tokens"], mb["targets"], routing=routing,
+                                                replay=rl.routing_replay == "rollout")}  # fmt: skip
+        if routing is not None:
+            differ, compared = model.routing_disagreement()
+            out["routing_differ"], out["routing_compared"] = differ.float(), compared.float()
+        return out
+
+    return prepare
+
+
+def gap_quantile(hist: torch.Tensor, q: float) -> float:
+    """The upper edge of the GAP_EDGES bin holding quantile q of a histogram of |log-prob gaps|."""
+    total = float(hist.sum())
+    if total == 0:
+        return 0.0
+    index = int(torch.searchsorted(hist.cumsum(0), torch.tensor(q * total, dtype=hist.dtype)))
+    return float(GAP_EDGES[min(index + 1, len(GAP_EDGES) - 1)])
 
 
 def rl_loss_fn(rl: RLConfig, total: float, step_total: float | None = None) -> LossFn:
@@ -31,7 +62,8 @@ def rl_loss_fn(rl: RLConfig, total: float, step_total: float | None = None) -> L
 
     def loss_fn(model: Transformer, mb: Batch) -> LossOutput:
         mask = mb["mask"]
-        logp = model.token_logprobs(mb["tokens"], mb["targets"])
+        routing = mb.get("routing") if rl.routing_replay == "rollout" else None
+        logp = model.token_logprobs(mb["tokens"], mb["targets"], routing=routing, replay=routing is not None)
         out = ppo_loss(logp, mb["proximal"], mb["behaviour"], mb["advantages"], mask, rl, total=total)
         weight = float(mask.sum()) / float(mb["step_tokens"][0])
         stats = {k: v * share if k in ("loss", "pg_loss", "kl") else v if k == "tokens" or k.endswith(("_max", "_min"))
@@ -41,6 +73,11 @@ def rl_loss_fn(rl: RLConfig, total: float, step_total: float | None = None) -> L
         fresh = mask * mb["fresh"].unsqueeze(1)
         stats["fresh_abs_diff_sum"] = float(((mb["proximal"] - mb["behaviour"]).abs() * fresh).sum())
         stats["fresh_tokens"] = float(fresh.sum())
+        gaps = (mb["proximal"] - mb["behaviour"]).abs()[mask > 0].double().cpu()
+        stats["gap_hist"] = torch.histogram(gaps.clamp(GAP_EDGES[0], GAP_EDGES[-1]), GAP_EDGES).hist  # type: ignore[assignment]
+        if "routing_differ" in mb:
+            stats["routing_differ"] = float(mb["routing_differ"].sum())
+            stats["routing_compared"] = float(mb["routing_compared"].sum())
         return LossOutput(out.loss, stats)
 
     return loss_fn
