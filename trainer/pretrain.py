@@ -37,6 +37,8 @@ log = logging.getLogger(__name__)
 class MetricsSink(Protocol):
     def log(self, tag: str, step: int, value: float) -> None: ...
 
+    def flush(self) -> None: ...
+
 
 @dataclass
 class PretrainData:
@@ -227,7 +229,12 @@ class Pretrainer:
 
     def save(self) -> Path:
         self.state.data_cursor = self.sampler.cursor()
-        return self.core.save(self.ckpt_root, self.state)
+        path = self.core.save(self.ckpt_root, self.state)
+        if self.metrics is not None and self.ranks.is_main:
+            # The figures of the steps a checkpoint holds are on disk with it: a resume never retrains them,
+            # so a rank stopped before its next periodic flush (a gang restart) must not lose them.
+            self.metrics.flush()
+        return path
 
     def run(self, steps: int | None = None) -> list[float]:
         """Train until step `steps` (default trainer.steps); returns the losses of the steps run here."""
