@@ -32,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -67,11 +68,12 @@ class Trial:
 class Run:
     """One `slipstream launch configs/demo.toml` with the chaos overrides, its log in a file."""
 
-    def __init__(self, root: Path, exp: str, steps: int, seed: int) -> None:
+    def __init__(self, root: Path, exp: str, steps: int, seed: int, extra: Sequence[str] = ()) -> None:
+        """`extra`: more --set overrides (after this benchmark's own)."""
         self.exp, self.run_dir, self.log_path = exp, root / "runs" / exp, root / f"{exp}.log"
         sets = [f"run.root={root / 'runs'}", f"run.seed={seed}", f"trainer.steps={steps}",
                 "trainer.checkpoint.interval_steps=3", "rendezvous.heartbeat_period_s=0.5",
-                "rendezvous.heartbeat_ttl_s=2.0", "trainer.final_eval_wait_s=300"]  # fmt: skip
+                "rendezvous.heartbeat_ttl_s=2.0", "trainer.final_eval_wait_s=300", *extra]  # fmt: skip
         cmd = [sys.executable, "-m", "common.cli", "launch", "configs/demo.toml"]
         for s in sets:
             cmd += ["--set", s]
