@@ -29,6 +29,12 @@ VLLM_READY_TIMEOUT_S = 300.0
 # Long enough that requests of nearly this many tokens stay in flight across a weight publish even
 # on an idle machine (the pause tests of test_rollout_vllm.py rely on it).
 MAX_MODEL_LEN = 2048
+# Liveness TTL of the shared runs' roles. While vLLM's CPU engine core and worker fill both cores of a
+# small machine, Redis, the router and the worker role have been measured waiting up to 4.5 s on the
+# run queue (/proc/<pid>/schedstat) without being scheduled; a TTL shorter than that lets the router's
+# URL key or a worker's liveness key expire under a running test (NoRouterError, or the router dropping
+# the worker: HTTP 503). A worker killed with -9 (test_rollout_vllm.py) now leaves within this TTL.
+HEARTBEAT_TTL_S = 10.0
 
 
 @dataclass
@@ -112,7 +118,7 @@ def _vllm_run(base: Path, exp: str, arch: str, router: bool) -> Iterator[VllmRun
     config = base / "run.toml"
     config.write_text(
         f'[run]\nname = "{exp}"\ndir = "{base / "run"}"\n'
-        "[rendezvous]\nheartbeat_period_s = 0.5\nheartbeat_ttl_s = 2.0\n"
+        f"[rendezvous]\nheartbeat_period_s = 0.5\nheartbeat_ttl_s = {HEARTBEAT_TTL_S}\n"
         "[router]\nhealth_interval_s = 0.5\n"
         f'[rollout]\nmodel = "{model}"\ndtype = "float32"\nmax_model_len = {MAX_MODEL_LEN}\nstartup_timeout_s = 280\n'
         f'[trainer.model]\narch = "{arch}"\nmax_seq_len = {MAX_MODEL_LEN}\n{extra}'

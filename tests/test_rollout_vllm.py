@@ -13,6 +13,7 @@ import os
 import re
 import signal
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import aiohttp
@@ -165,11 +166,16 @@ async def test_served_logprobs_equal_transformers_before_and_after_a_publish_qwe
     print(f"qwen3 log-prob max |vLLM - HF|: before publish {d0:.2e}, after {d1:.2e}")
 
 
-async def until_running(url: str, n: int, timeout_s: float = 60.0) -> None:
-    """Wait until vLLM's scheduler runs n requests (an HTTP request may still sit in the router or queue)."""
+async def until_running(url: str, n: int, timeout_s: float = 60.0, requests: Sequence[asyncio.Task] = ()) -> None:
+    """Wait until vLLM's scheduler runs n requests (an HTTP request may still sit in the router or queue).
+    A request task in `requests` that already ended with an error fails the wait at once with that error
+    (otherwise it would only surface as "Task exception was never retrieved" after the session ends)."""
     deadline = time.monotonic() + timeout_s
     async with aiohttp.ClientSession() as http:
         while True:
+            for task in requests:
+                if task.done() and not task.cancelled() and task.exception() is not None:
+                    raise AssertionError(f"an in-flight request failed: {task.exception()!r}") from task.exception()
             async with http.get(f"{url}/metrics") as resp:
                 text = await resp.text()
             m = re.search(r"^vllm:num_requests_running\{[^}]*\} ([0-9.]+)$", text, re.M)
@@ -190,7 +196,7 @@ async def _in_flight_publish(run, mode: str, max_tokens: int):
             asyncio.create_task(client.generate(PROMPT, max_tokens=max_tokens, seed=i, ignore_eos=True))
             for i in range(8)
         ]
-        await until_running(worker_url(run), 8)
+        await until_running(worker_url(run), 8, requests=tasks)
         await asyncio.sleep(0.1)  # a few decode steps on the old weights
         assert not any(t.done() for t in tasks), "requests finished before the publish; raise max_tokens"
         result = await pub.publish(old + 1, perturb(model, seed=old + 1))

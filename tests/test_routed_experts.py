@@ -135,7 +135,7 @@ async def test_across_a_keep_mode_publish_each_row_comes_from_the_weights_that_s
         weights = perturb(hf_model(model_dir(run)), seed=new)
         n, max_tokens = 4, LONG // 2  # seconds of decoding: a publish (0.1 s here) lands mid-request
         task = asyncio.create_task(client.generate(PROMPT, n=n, max_tokens=max_tokens, seed=9, ignore_eos=True))
-        await until_running(worker_url(run), n)
+        await until_running(worker_url(run), n, requests=[task])
         await asyncio.sleep(0.2)  # some tokens on the old weights
         assert not task.done(), "the requests finished before the publish; raise max_tokens"
         result = await pub.publish(new, weights)
