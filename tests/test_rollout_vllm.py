@@ -69,8 +69,13 @@ def perturb(model, seed: int, scale: float = 0.05) -> dict[str, torch.Tensor]:
 
 
 def worker_url(run, worker_id: str | None = None) -> str:
+    """The URL of `worker_id`, or of the first live worker (a worker killed by an earlier test stays in the
+    hash: only a live one's liveness key exists; a worker evicted and registered again moves to its end)."""
     workers = run.workers()
-    return workers[worker_id or next(iter(workers))]["url"]
+    if worker_id is None:
+        worker_id = next((w for w in workers if run.redis.exists(run.keys.worker_alive(w))), None)
+        assert worker_id is not None, f"no live worker among {list(workers)}"
+    return workers[worker_id]["url"]
 
 
 def publisher(run, r, pause_mode: str = "keep") -> WeightPublisher:
