@@ -112,9 +112,9 @@ def ppo_loss(
 
 
 def correction_masks(log_iw: torch.Tensor, mask: torch.Tensor, cfg: RLConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """(token keep [B, T], sequence keep [B, 1]) as 0/1 of the mask's dtype: tokens whose importance weight
-    is outside `cfg.token_mask_band`, samples whose geometric-mean weight is outside `cfg.seq_mask_band`
-    (an empty band keeps everything)."""
+    """(token keep [B, T], sequence keep [B, 1]) in the mask's dtype: 0 for tokens whose importance weight is
+    outside `cfg.token_mask_band` and for samples whose geometric-mean weight is outside `cfg.seq_mask_band`,
+    1 for the rest (an empty band keeps everything)."""
     token_kept = torch.ones_like(mask)
     seq_kept = torch.ones_like(mask[:, :1])
     if cfg.token_mask_band:
