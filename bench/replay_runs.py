@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root, for common/
 from chaos import HELDOUT, LAST, Run, heldout_figures  # noqa: E402  (bench/ itself is on sys.path)
 
-from common.metrics import read_metrics  # noqa: E402
+from common.metrics import step_series  # noqa: E402
 
 FIGURES = {  # column -> metric tag (mean over steps; _max columns take the max)
     "disagree": "loss/routing_disagreement",
@@ -37,13 +37,10 @@ FIGURES = {  # column -> metric tag (mean over steps; _max columns take the max)
 
 
 def figures(run_dir: Path) -> dict[str, float | None]:
-    points = read_metrics(run_dir, list(FIGURES.values()), role="trainer")
-    newest: dict[tuple[str, int], float] = {}
-    for p in points:  # a step trained twice (a resume) counts once, its newest value
-        newest[(p.tag, p.step)] = p.value
+    series = step_series(run_dir, FIGURES.values(), role="trainer")
     out: dict[str, float | None] = {}
     for column, tag in FIGURES.items():
-        values = [v for (t, _), v in newest.items() if t == tag]
+        values = list(series.get(tag, {}).values())
         out[column] = (max(values) if column.endswith("max") else sum(values) / len(values)) if values else None
     return out
 

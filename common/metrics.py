@@ -166,3 +166,12 @@ def read_metrics(run_dir: str | Path, tags: Iterable[str] | None = None, role: s
             points.extend(Point(*row) for row in con.execute(query, params).fetchall())
     points.sort(key=lambda p: (p.tag, p.step, p.ts_ms, p.role, p.rank))
     return points
+
+
+def step_series(run_dir: str | Path, tags: Iterable[str], role: str | None = None) -> dict[str, dict[int, float]]:
+    """tag -> step -> value, each step's newest point (a step trained again after a resume counts once,
+    with the figures of the run that kept it)."""
+    series: dict[str, dict[int, float]] = {}
+    for p in read_metrics(run_dir, tags, role):  # time-ordered within a step: the newest is written last
+        series.setdefault(p.tag, {})[p.step] = p.value
+    return series

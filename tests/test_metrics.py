@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from common.metrics import MetricsWriter, metrics_path, read_metrics
+from common.metrics import MetricsWriter, metrics_path, read_metrics, step_series
 from common.registry import Registry, git_sha
 
 
@@ -99,3 +99,15 @@ def test_a_flush_waits_out_a_reader_in_another_process(tmp_path):
         reader.wait(timeout=30)
     writer.close()
     assert [p.value for p in read_metrics(tmp_path, role="evaluator")] == [0.5, 0.75]
+
+
+def test_step_series_keeps_the_newest_point_of_a_step_trained_twice(tmp_path):
+    with MetricsWriter(tmp_path, run="r1", role="trainer", rank=0) as writer:
+        writer.log("loss", 3, 0.9, ts_ms=2_000)  # a resumed run's point for step 3, written later...
+        writer.log("loss", 3, 0.5, ts_ms=1_000)  # ...than the lost run's (flushed together here)
+        writer.log("loss", 4, 0.4, ts_ms=3_000)
+        writer.log("reward", 3, 1.0, ts_ms=1_000)
+    with MetricsWriter(tmp_path, run="r1", role="evaluator", rank=0) as writer:
+        writer.log("loss", 3, 7.0, ts_ms=5_000)
+    assert step_series(tmp_path, ["loss"], role="trainer") == {"loss": {3: 0.9, 4: 0.4}}
+    assert step_series(tmp_path, ["loss", "reward"]) == {"loss": {3: 7.0, 4: 0.4}, "reward": {3: 1.0}}

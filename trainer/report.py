@@ -16,7 +16,7 @@ from pathlib import Path
 import redis
 
 from common.keys import Keys
-from common.metrics import read_metrics
+from common.metrics import step_series
 
 log = logging.getLogger(__name__)
 
@@ -89,9 +89,7 @@ def _wait_stream(
 
 
 def build_rows(run_dir: Path, heldout: dict[int, float]) -> list[ReportRow]:
-    series: dict[str, dict[int, float]] = {}
-    for p in read_metrics(run_dir, tags=["rl/reward_mean", "rl/accuracy", "rl/staleness_max"], role="trainer"):
-        series.setdefault(p.tag, {})[p.step] = p.value
+    series = step_series(run_dir, ["rl/reward_mean", "rl/accuracy", "rl/staleness_max"], role="trainer")
     steps = sorted(set(series.get("rl/reward_mean", {})) | {v for v in heldout})
     return [
         ReportRow(
