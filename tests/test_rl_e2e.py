@@ -1,9 +1,10 @@
 """RLVR end to end with real processes: `slipstream launch configs/demo.toml` (shortened by --set)
 starts Redis, the router, a vLLM worker (CPU build) for rollouts, an eval-pool vLLM worker, the
-trainer and the evaluator. Held-out accuracy must rise clearly over the warm-started policy. In the
-fully-async run the rollout worker is killed with SIGKILL mid-run: the launcher restarts it, the run
-continues on the new worker, and the prompt ledger shows no prompt lost or trained twice. (The
-on-policy strategy's end-to-end run is tests/test_multihost.py, over three network namespaces.)"""
+trainer and the evaluator. Held-out accuracy must rise clearly over the warm-started policy. The
+fully-async run trains on 2 expert-parallel ranks with routing replay while its rollout worker, router
+and Redis are killed with SIGKILL: the launcher restarts them, the run goes on, and the prompt ledger
+shows no prompt lost or trained twice. A killed trainer resumes exactly; a failed run ends quietly.
+(The on-policy strategy's end-to-end run is tests/test_multihost.py, over three network namespaces.)"""
 
 from __future__ import annotations
 
@@ -115,11 +116,20 @@ def assert_clear_rise(run: Launch) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
-def test_fully_async_run_learns_and_survives_killed_worker_router_and_redis_without_losing_a_prompt(short_root):
-    """SIGKILL of the rollout worker after step 3, of the router after step 6, of redis-server after step 9:
-    the launcher restarts the worker and the router (which takes over its own name), the launcher's
-    rendezvous starts Redis again from its append-only file, and the run goes on to the end."""
-    run = Launch(short_root, "rl-async", "flow.strategy=fully_async")
+def test_two_expert_parallel_ranks_with_routing_replay_learn_fully_async_through_killed_worker_router_and_redis(
+    short_root,
+):
+    """The demo, fully async, with the trainer as 2 ranks (EP = 2: each holds 4 of the 8 experts and writes
+    them into every published version) and rollout routing replay (the experts vLLM chose for every token
+    drive the trainer's expert-parallel dispatch). SIGKILL of the rollout worker after step 3, of the router
+    after step 6, of redis-server after step 9: the launcher restarts the worker and the router (which takes
+    over its own name), the launcher's rendezvous starts Redis again from its append-only file, and the run
+    goes on to the end without losing a prompt. Then the run's sharded checkpoint loads into one unsharded
+    rank, equals the last version the workers loaded, and trains on. (One run for both: each demo launch
+    costs two vLLM starts.)"""
+    run = Launch(short_root, "rl-async", "flow.strategy=fully_async", "launch.roles.trainer.replicas=2",
+                 "trainer.parallel.ep=2", "trainer.checkpoint.interval_steps=5",
+                 "trainer.rl.routing_replay=rollout")  # fmt: skip
     try:
         worker_pid = int(run.wait_for(r"started vllm/0 \(role vllm, pid (\d+)\)", 60).group(1))
         router_pid = int(run.wait_for(r"started router/0 \(role router, pid (\d+)\)", 60).group(1))
@@ -139,9 +149,10 @@ def test_fully_async_run_learns_and_survives_killed_worker_router_and_redis_with
     assert not experiment_processes("rl-async")
     log = run.log()
     assert not noise_in(log), "\n".join(noise_in(log)[:40])
+    assert "1 data-parallel replica(s) x expert-parallel 2" in log
     # A second rollout worker registered (the restarted one) and the run finished on it.
     assert len(re.findall(r"registered worker \S+ .*\(train pool\)", log)) >= 2
-    steps_done = [json.loads(line) for line in (run.run_dir / "trained_prompts.jsonl").read_text().splitlines()]
+    steps_done = ledger(run.run_dir)
     assert [s["step"] for s in steps_done] == list(range(STEPS))
     trained = [p for s in steps_done for p in s["prompt_ids"]]
     assert len(trained) == len(set(trained)) == STEPS * demo_prompts_per_step(), "a prompt was trained twice"
@@ -154,6 +165,48 @@ def test_fully_async_run_learns_and_survives_killed_worker_router_and_redis_with
     assert sorted(trained + untrained) == list(range(summary["admitted_prompts"]))
     assert_clear_rise(run)
     assert (run.run_dir / "report.png").stat().st_size > 10_000
+    assert_replay_telemetry(run.run_dir)
+    assert_checkpoint_is_the_last_version_and_trains_on_one_rank(run.run_dir)
+
+
+def assert_replay_telemetry(run_dir: Path) -> None:
+    from common.metrics import read_metrics
+
+    # The live trainer-vs-vLLM mismatch on fresh samples stays at the one-rank level (fp32: < 1e-3 nats).
+    mismatch = [p.value for p in read_metrics(run_dir, ["loss/fresh_logprob_mismatch"])]
+    assert mismatch and max(mismatch) < 1e-3, mismatch
+    # Every step measured how often the trainer's own router disagrees with vLLM's routing (fully async:
+    # stale samples were routed by older weights) and how far apart the two policies' log-probs are.
+    telemetry = {t: [p.value for p in read_metrics(run_dir, [f"loss/{t}"])] for t in
+                 ("routing_disagreement", "behaviour_proximal_abs_logp_diff_p99", "behaviour_proximal_k3")}  # fmt: skip
+    for tag, values in telemetry.items():  # steps whose groups all had one reward train nothing: no figures
+        assert len(values) >= STEPS // 2 and all(0 <= v < math.inf for v in values), (tag, values)
+    assert all(v <= 1 for v in telemetry["routing_disagreement"])
+
+
+def assert_checkpoint_is_the_last_version_and_trains_on_one_rank(run_dir: Path) -> None:
+    from common.config import load_config
+    from rollout.vllm_plugin.file_engine import FileUpdateInfo
+    from trainer.core import TrainingCore, cross_entropy_loss
+    from trainer.hf import hf_tensors
+    from trainer.pretrain import initial_model
+    from trainer.ranks import Ranks
+
+    # Both ranks wrote shards of the version: rank 1's experts are in files after rank 0's.
+    version = run_dir / "weights" / f"v{STEPS}"
+    index = json.loads((version / "model.safetensors.index.json").read_text())
+    assert len(index["shards"]) >= 2
+    published = dict(FileUpdateInfo(path=str(version)).tensors())
+    cfg = load_config(run_dir / "config.toml", ["trainer.parallel.ep=1"])  # one unsharded rank
+    core = TrainingCore(cfg, Ranks.single(torch.device("cpu")), initial_model(cfg, torch.device("cpu"),
+                        next((run_dir / "models").iterdir())))  # fmt: skip
+    state = core.resume(run_dir / "checkpoints")
+    assert state is not None and state.step == STEPS and state.flow_state
+    for name, t in hf_tensors(core.model):
+        assert torch.equal(t, published[name]), name
+    tokens = torch.randint(0, 20, (4, 9))
+    result = core.step({"tokens": tokens[:, :-1], "targets": tokens[:, 1:]}, cross_entropy_loss(32), 4, tokens=32)
+    assert result.optim.step == core.optimizer.steps and torch.isfinite(torch.tensor(result.figures["loss"]))
 
 
 NOISE = ("Traceback", "Task exception was never retrieved", "Unclosed client session", "never awaited",
@@ -265,60 +318,3 @@ def test_a_failed_run_tears_down_quietly_and_says_why_once(short_root):
     assert log.count(failure) == 1 and log.count("failed with exit code") == 1, log[-3000:]
     assert not noise_in(log), "\n".join(noise_in(log)[:40])
     assert not experiment_processes("rl-fail")
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(1200)
-def test_two_trainer_ranks_with_expert_parallelism_learn_and_their_checkpoint_resumes_on_one_rank(short_root):
-    """The demo with the trainer as 2 ranks (EP = 2: each holds 4 of the 8 experts and writes them into
-    every published version) and rollout routing replay: the experts vLLM chose for every token drive the
-    trainer's expert-parallel dispatch. Then the run's sharded checkpoint loads into one unsharded rank,
-    equals the last version the workers loaded, and trains on."""
-    run = Launch(short_root, "rl-ep2", "flow.strategy=fully_async", "launch.roles.trainer.replicas=2",
-                 "trainer.parallel.ep=2", "trainer.checkpoint.interval_steps=5",
-                 "trainer.rl.routing_replay=rollout")  # fmt: skip
-    try:
-        run.finish(1100)
-    finally:
-        run.stop()
-    log = run.log()
-    assert "1 data-parallel replica(s) x expert-parallel 2" in log
-    steps_done = [json.loads(line) for line in (run.run_dir / "trained_prompts.jsonl").read_text().splitlines()]
-    trained = [p for s in steps_done for p in s["prompt_ids"]]
-    assert [s["step"] for s in steps_done] == list(range(STEPS))
-    assert len(trained) == len(set(trained)) == STEPS * demo_prompts_per_step(), "a prompt was trained twice"
-    assert_clear_rise(run)
-
-    from common.config import load_config
-    from common.metrics import read_metrics
-    from rollout.vllm_plugin.file_engine import FileUpdateInfo
-    from trainer.core import TrainingCore, cross_entropy_loss
-    from trainer.hf import hf_tensors
-    from trainer.pretrain import initial_model
-    from trainer.ranks import Ranks
-
-    # The live trainer-vs-vLLM mismatch on fresh samples stays at the one-rank level (fp32: < 1e-3 nats).
-    mismatch = [p.value for p in read_metrics(run.run_dir, ["loss/fresh_logprob_mismatch"])]
-    assert mismatch and max(mismatch) < 1e-3, mismatch
-    # Every step measured how often the trainer's own router disagrees with vLLM's routing (fully async:
-    # stale samples were routed by older weights) and how far apart the two policies' log-probs are.
-    telemetry = {t: [p.value for p in read_metrics(run.run_dir, [f"loss/{t}"])] for t in
-                 ("routing_disagreement", "behaviour_proximal_abs_logp_diff_p99", "behaviour_proximal_k3")}  # fmt: skip
-    for tag, values in telemetry.items():  # steps whose groups all had one reward train nothing: no figures
-        assert len(values) >= STEPS // 2 and all(0 <= v < math.inf for v in values), (tag, values)
-    assert all(v <= 1 for v in telemetry["routing_disagreement"])
-    # Both ranks wrote shards of the version: rank 1's experts are in files after rank 0's.
-    version = run.run_dir / "weights" / f"v{STEPS}"
-    index = json.loads((version / "model.safetensors.index.json").read_text())
-    assert len(index["shards"]) >= 2
-    published = dict(FileUpdateInfo(path=str(version)).tensors())
-    cfg = load_config(run.run_dir / "config.toml", ["trainer.parallel.ep=1"])  # one unsharded rank
-    core = TrainingCore(cfg, Ranks.single(torch.device("cpu")), initial_model(cfg, torch.device("cpu"),
-                        next((run.run_dir / "models").iterdir())))  # fmt: skip
-    state = core.resume(run.run_dir / "checkpoints")
-    assert state is not None and state.step == STEPS and state.flow_state
-    for name, t in hf_tensors(core.model):
-        assert torch.equal(t, published[name]), name
-    tokens = torch.randint(0, 20, (4, 9))
-    result = core.step({"tokens": tokens[:, :-1], "targets": tokens[:, 1:]}, cross_entropy_loss(32), 4, tokens=32)
-    assert result.optim.step == core.optimizer.steps and torch.isfinite(torch.tensor(result.figures["loss"]))

@@ -218,8 +218,13 @@ async def _in_flight_publish(run, mode: str, max_tokens: int):
 async def test_keep_mode_pause_completes_all_in_flight_requests_across_the_version_switch(deepseek_run):
     samples, old, new, result = await _in_flight_publish(deepseek_run, "keep", max_tokens=LONG)
     assert len(samples) == 8
-    for s in samples:
+    for i, s in enumerate(samples):
         assert s.finish_reason == "length" and len(s.token_ids) == LONG
+        # (Seen once in CI, not reproduced: a sample with no token of the new version. The message says more.)
+        assert new in s.versions, (
+            f"request {i} has no token of version {new}: {[(v, s.versions.count(v)) for v in sorted(set(s.versions))]}"
+            f"; all requests: {[sorted(set(x.versions)) for x in samples]}; publish {result}"
+        )
         switch = s.versions.index(new)
         assert switch > 0 and s.versions == [old] * switch + [new] * (LONG - switch)
     print(f"keep-mode publish with 8 in flight: pause window {result.max_pause_s * 1e3:.1f} ms")

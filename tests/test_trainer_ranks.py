@@ -95,11 +95,23 @@ critical = true
     return path
 
 
-def launch(cfg: Path, exp: str, timeout_s: float = 300) -> tuple[int, str]:
+def launch(cfg: Path, exp: str, timeout_s: float = 150) -> tuple[int, str]:
+    """Run `slipstream launch CFG`; (exit code, output). A run still going after timeout_s (well inside the
+    test's own limit) is stopped with SIGINT and fails the test with what it printed."""
     env = {**os.environ, "SLIPSTREAM_EXP": exp, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "common.cli", "launch", str(cfg)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=timeout_s)  # fmt: skip
-    return proc.returncode, proc.stdout + proc.stderr
+    proc = subprocess.Popen([sys.executable, "-m", "common.cli", "launch", str(cfg)], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGINT)
+        try:
+            out, _ = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+        pytest.fail(f"launch of {exp} still running after {timeout_s:.0f}s; its output:\n{out[-8000:]}")
+    return proc.returncode, out
 
 
 def losses(run_dir: Path) -> list[float]:
