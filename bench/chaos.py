@@ -114,7 +114,8 @@ def ledger_figures(run_dir: Path) -> tuple[int | None, int | None]:
         return None, None
     trained = [p for line in ledger.read_text().splitlines() for p in json.loads(line)["prompt_ids"]]
     s = json.loads(summary.read_text())
-    accounted = set(trained) | set(s["untrained_prompts"])
+    # Filtered by dynamic sampling (never trained, listed) counts as accounted for, like untrained prompts.
+    accounted = set(trained) | set(s["untrained_prompts"]) | set(s.get("filtered_prompts", []))
     lost = s["admitted_prompts"] - len(accounted) - s["counters"]["dropped_prompts"]
     return lost, len(trained) - len(set(trained))
 

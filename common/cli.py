@@ -1,5 +1,5 @@
 """The `slipstream` command line: run a role, launch a whole run, write multi-node scripts, show
-configs, and hand over to the subcommands other packages own (simulate, eval)."""
+configs, and hand over to the subcommands other packages own (simulate, eval, prep)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from common.config import ROLES, ConfigError, diff, load_config, render
 DELEGATED = {
     "simulate": ("rollout.flow.simulator:cli_main", "run the flow-control simulator"),
     "eval": ("evaluator.runner:cli_main", "run benchmarks against an OpenAI-compatible URL"),
+    "prep": ("trainer.data.prep:cli_main", "tokenize trainer.data.sources into token shards under trainer.data.root"),
 }
 
 

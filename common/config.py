@@ -18,6 +18,7 @@ import functools
 import hashlib
 import inspect
 import json
+import math
 import os
 import textwrap
 import tomllib
@@ -37,9 +38,11 @@ class ConfigError(ValueError):
     """A config value is unknown, mistyped or inconsistent; the message names the key and the fix."""
 
 
-def identity(default: Any = dataclasses.MISSING, *, factory: Any = dataclasses.MISSING) -> Any:
-    """A field that is part of the run's identity: changing it makes a different run."""
-    return field(default=default, default_factory=factory, metadata={"identity": True})
+def identity(default: Any = dataclasses.MISSING, *, factory: Any = dataclasses.MISSING, added: bool = False) -> Any:
+    """A field that is part of the run's identity: changing it makes a different run. `added` marks a field
+    introduced after checkpoints existed: left at its default it stays out of the identity fingerprint, so
+    those checkpoints still resume."""
+    return field(default=default, default_factory=factory, metadata={"identity": True, "added": added})
 
 
 def _list(*items: Any) -> Any:
@@ -124,9 +127,52 @@ class RouterConfig:
 
 
 @dataclass
+class PromptSourceConfig:
+    name: str = identity("")
+    """Source name: prefixes its problem ids (name/id) and is recorded per prompt in trained_prompts.jsonl."""
+    format: Literal["auto", "jsonl", "parquet", "datasets", "arithmetic"] = identity("auto")
+    """jsonl, parquet, datasets (a `Dataset.save_to_disk` directory), arithmetic (the seeded generator below,
+    no path); auto = by the path (.jsonl/.json, .parquet, a directory)."""
+    path: str = identity("")
+    """File or directory of prompt/answer records (every format but arithmetic)."""
+    weight: float = identity(1.0)
+    """Share of the mixture: weight / sum of weights (> 0)."""
+    verifier: Literal["auto", "math", "arithmetic", "exact", "import"] = identity("auto")
+    """Reward of a completion: math (final answer, math-verify), arithmetic (first integer, exact), exact (last
+    non-empty line equals the answer), import (verifier_import); auto = arithmetic for the generator, else math."""
+    verifier_import: str = identity("")
+    """`package.module:factory` called with this source's config, returning a callable (problem, completion) ->
+    reward (verifier = import)."""
+    prompt_key: str = identity("prompt")
+    """Column (field) holding the prompt text."""
+    answer_key: str = identity("answer")
+    """Column (field) holding the reference answer (a string or a number)."""
+    id_key: str = identity("id")
+    """Column (field) holding a problem's id (unique within the source); a row without it, or every row when
+    empty, is named <file stem>-<line or row number>."""
+    shuffle: bool = identity(True)
+    """Visit the rows in an order shuffled by `seed` (false: file order). The generator is random already."""
+    repeat: bool = identity(False)
+    """Cycle through the rows again, reshuffled each pass, instead of ending the mixture when they run out."""
+    seed: int = identity(0)
+    """Seed of this source's row order, and of the arithmetic generator."""
+    num_problems: int = identity(100_000)
+    """Problems of an arithmetic source."""
+    min_operands: int = identity(2)
+    """Fewest operands of an arithmetic problem."""
+    max_operands: int = identity(2)
+    """Most operands of an arithmetic problem."""
+    max_value: int = identity(20)
+    """Operands of an arithmetic problem are drawn from [0, max_value]."""
+    operators: str = identity("+-")
+    """Operators an arithmetic problem may use (a subset of "+-*")."""
+
+
+@dataclass
 class TaskConfig:
-    kind: Literal["arithmetic", "jsonl_math", "import"] = identity("arithmetic")
-    """Prompt source and verifier: synthetic arithmetic, a JSONL math file, or a user task (import_path)."""
+    kind: Literal["arithmetic", "jsonl_math", "import", "mixture"] = identity("arithmetic")
+    """Prompt source and verifier: synthetic arithmetic, a JSONL math file, a user task (import_path), or a
+    weighted mixture of sources, each with its own verifier (sources)."""
     path: str = identity("")
     """JSONL file of {"prompt", "answer"} records (kind = jsonl_math)."""
     import_path: str = identity("")
@@ -147,6 +193,9 @@ class TaskConfig:
     """Verifiers read at most this many trailing characters of a completion (adversarial-size bound)."""
     verify_timeout_s: float = 5.0
     """Longest a symbolic answer comparison may take before the answer counts as wrong."""
+    sources: list[PromptSourceConfig] = identity(factory=list, added=True)
+    """Prompt sources of kind = mixture ([[rollout.task.sources]] tables, or on the command line
+    --set 'rollout.task.sources=[{name = "a", ...}, ...]'); interleaved by weight, see rollout/tasks/mixture.py."""
 
 
 @dataclass
@@ -229,6 +278,10 @@ class FlowConfig:
     """In-flight requests survive weight updates (keep-mode pause) instead of being aborted."""
     end_of_data: Literal["train_partial", "drop"] = "train_partial"
     """At the end of the data, train the last partial batch or drop it."""
+    dynamic_sampling: bool = False
+    """DAPO dynamic sampling: drop a group whose rewards are all equal and generate a new prompt in its place."""
+    max_dynamic_refills_per_step: int = 32
+    """Dynamic sampling drops at most this many groups per train step; past it, uniform groups are trained."""
     max_retries: int = 3
     """Retries of one generation request after a transient failure."""
     retry_backoff_s: float = 0.5
@@ -356,13 +409,38 @@ class ParallelConfig:
 
 
 @dataclass
+class DataSourceConfig:
+    name: str = ""
+    """Name of the source: its prepped shards live in <trainer.data.root>/<name>/ (letters, digits, _ . -)."""
+    path: str = ""
+    """Raw text: a .jsonl file, a .parquet file, a directory of those, or a `datasets` save_to_disk directory."""
+    weight: float = 1.0
+    """Relative sampling weight (any positive scale; the mixture normalises)."""
+    temperature: float = 1.0
+    """Sampling temperature: the source's probability is proportional to weight ** (1 / temperature)."""
+    text_key: str = "text"
+    """JSONL field / parquet or arrow column that holds the text."""
+
+
+@dataclass
 class DataConfig:
     path: str = identity("")
-    """Pretraining data (trainer.mode = "pretrain"): a .jsonl file of texts or a .npy array of token ids."""
+    """Pretraining data (trainer.mode = "pretrain"): a .jsonl file of texts or a .npy array of token ids,
+    tokenized at start-up (a one-source mixture). For a mixture of prepped sources use `sources` instead."""
+    sources: list[DataSourceConfig] = identity(factory=list, added=True)
+    """Mixture of raw text sources ([[trainer.data.sources]] tables), tokenized beforehand by
+    `slipstream prep CONFIG` into token shards under `root`; the whole list is part of the run's identity."""
+    root: str = ""
+    """Directory of prepped sources (one subdirectory per source name); empty = <run.root>/data, shared by
+    every run under run.root (the run dir is not known before a launch picks the experiment id)."""
+    shard_mb: float = 64.0
+    """`slipstream prep`: MB of raw input text per token shard (the token stream does not depend on it)."""
+    prep_processes: int = 0
+    """`slipstream prep`: tokenizing processes (0 = one per CPU core)."""
     tokenizer: str = identity("")
-    """HF tokenizer directory for .jsonl text (empty: the rollout model's tokenizer when it is a local tiny one)."""
+    """HF tokenizer directory for text (empty: the rollout model's tokenizer when it is a local tiny one)."""
     text_key: str = identity("text")
-    """Field of each JSONL object that holds the text."""
+    """Field of each JSONL object that holds the text (trainer.data.path)."""
     seq_len: int = identity(256)
     """Tokens per training row."""
     batch_size: int = identity(8)
@@ -615,6 +693,8 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
     """Check a TOML value against a schema type and return the typed value."""
     origin = typing.get_origin(tp)
     if _is_dataclass_type(tp):
+        if isinstance(value, tp):  # a --set list of tables, typed (and checked) when the override was parsed
+            return value
         if not isinstance(value, dict):
             raise ConfigError(f"{path}: expected a table ([{path}]), got {type(value).__name__} {value!r}")
         return _build(tp, value, path)
@@ -793,6 +873,96 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def _validate_data_sources(d: DataConfig) -> None:
+    _require(
+        not (d.path and d.sources),
+        "trainer.data.path and trainer.data.sources are both set: keep one (a path is a mixture of one source)",
+    )
+    _require(d.shard_mb > 0, f"trainer.data.shard_mb must be > 0 (MB of input per shard), got {d.shard_mb}")
+    _require(d.prep_processes >= 0, f"trainer.data.prep_processes must be >= 0 (0 = one per core): {d.prep_processes}")
+    seen: set[str] = set()
+    for i, src in enumerate(d.sources):
+        key = f"trainer.data.sources[{i}]"
+        _require(
+            bool(src.name) and all(c.isalnum() or c in "_.-" for c in src.name) and src.name not in (".", ".."),
+            f"{key}.name = {src.name!r}: give a name of letters, digits, '_', '.' or '-' (it names a directory)",
+        )
+        _require(src.name not in seen, f"{key}.name = {src.name!r} is used by an earlier source; names must be unique")
+        seen.add(src.name)
+        _require(bool(src.path), f"{key} ({src.name!r}) has no path; set it to a .jsonl/.parquet file or directory")
+        _require(src.weight > 0, f"{key}.weight = {src.weight} must be > 0 (drop the source to leave it out)")
+        _require(src.temperature > 0, f"{key}.temperature = {src.temperature} must be > 0 (1 = weights as given)")
+
+
+_SOURCE_SUFFIXES = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
+
+
+def source_format(src: PromptSourceConfig) -> str:
+    """The format a prompt source is read as: its `format`, or for auto the one its path implies ("" if none)."""
+    if src.format != "auto":
+        return src.format
+    if Path(src.path).is_dir():
+        return "datasets"
+    return _SOURCE_SUFFIXES.get(Path(src.path).suffix.lower(), "")
+
+
+def _validate_task_sources(t: TaskConfig) -> None:
+    if t.kind != "mixture":
+        _require(not t.sources, f"rollout.task.sources is read only by kind = 'mixture' (kind is {t.kind!r}): "
+                                "set rollout.task.kind = 'mixture' or drop the sources")  # fmt: skip
+        return
+    _require(bool(t.sources), "rollout.task.kind = 'mixture' needs [[rollout.task.sources]] tables (name, path, "
+                              "weight, verifier), or format = 'arithmetic' sources")  # fmt: skip
+    seen: set[str] = set()
+    for i, src in enumerate(t.sources):
+        key = f"rollout.task.sources[{i}]"
+        _require(
+            bool(src.name) and all(c.isalnum() or c in "_.-" for c in src.name),
+            f"{key}.name = {src.name!r}: give a name of letters, digits, '_', '.' or '-' (it prefixes problem ids)",
+        )
+        _require(src.name not in seen, f"{key}.name = {src.name!r} is used by an earlier source; names must be unique")
+        seen.add(src.name)
+        key = f"{key} ({src.name!r})"
+        _require(
+            math.isfinite(src.weight) and src.weight > 0,
+            f"{key}.weight = {src.weight} must be a number > 0 (drop the source to leave it out)",
+        )
+        _require(
+            src.verifier != "import" or ":" in src.verifier_import,
+            f"{key}.verifier = 'import' needs verifier_import = 'package.module:factory'",
+        )
+        if src.format == "arithmetic":
+            _require(not src.path, f"{key} is the arithmetic generator and reads no file: drop path = {src.path!r}")
+            _require(not src.repeat, f"{key}: an arithmetic source does not repeat; raise its num_problems instead")
+            _require(src.num_problems >= 1, f"{key}.num_problems must be >= 1, got {src.num_problems}")
+            _require(
+                bool(src.operators) and set(src.operators) <= set("+-*"),
+                f'{key}.operators {src.operators!r} must be a non-empty subset of "+-*"',
+            )
+            _require(
+                1 <= src.min_operands <= src.max_operands,
+                f"{key}.min_operands ({src.min_operands}) must be within [1, max_operands ({src.max_operands})]",
+            )
+            continue
+        _require(bool(src.path), f"{key} has no path: give a .jsonl/.parquet file or a datasets directory, or "
+                                 "format = 'arithmetic' for the generator")  # fmt: skip
+        path = Path(src.path)
+        _require(path.exists(), f"{key}.path {src.path!r} does not exist (relative paths are from {os.getcwd()})")
+        fmt = source_format(src)
+        _require(bool(fmt), f"{key}.path {src.path!r}: cannot tell the format from its name; set format = 'jsonl', "
+                            "'parquet' or 'datasets'")  # fmt: skip
+        _require(
+            (fmt == "datasets") == path.is_dir(),
+            f"{key}.path {src.path!r} is {'a directory' if path.is_dir() else 'a file'}, but format {fmt!r} "
+            f"reads {'a Dataset.save_to_disk directory' if fmt == 'datasets' else 'a file'}",
+        )
+    _require(
+        not all(src.repeat for src in t.sources),
+        "rollout.task.sources: every source repeats, so the mixture would never end; set repeat = false on one "
+        "(the mixture ends when it runs out)",
+    )
+
+
 def validate(cfg: Config) -> None:
     """Reject combinations that cannot work, naming the keys and the fix."""
     rz = cfg.rendezvous
@@ -835,9 +1005,21 @@ def validate(cfg: Config) -> None:
         t.kind != "import" or ":" in t.import_path,
         "rollout.task.kind = 'import' needs rollout.task.import_path = 'package.module:factory'",
     )
+    _validate_task_sources(t)
     f = cfg.flow
-    for name in ("prompts_per_step", "samples_per_prompt", "max_concurrent", "max_untrained_prompts"):
+    for name in (
+        "prompts_per_step",
+        "samples_per_prompt",
+        "max_concurrent",
+        "max_untrained_prompts",
+        "max_dynamic_refills_per_step",
+    ):
         _require(getattr(f, name) >= 1, f"flow.{name} must be >= 1, got {getattr(f, name)}")
+    _require(
+        not f.dynamic_sampling or f.samples_per_prompt >= 2,
+        "flow.dynamic_sampling drops groups whose rewards are all equal, which a group of one sample always is: "
+        "set flow.samples_per_prompt >= 2",
+    )
     _require(f.max_staleness >= 0, f"flow.max_staleness must be >= 0, got {f.max_staleness}")
     if f.strategy == "fully_async":
         _require(
@@ -904,7 +1086,11 @@ def validate(cfg: Config) -> None:
     )
     d = cfg.trainer.data
     _require(d.seq_len >= 1 and d.batch_size >= 1, "trainer.data.seq_len and trainer.data.batch_size must be >= 1")
-    _require(cfg.trainer.mode != "pretrain" or bool(d.path), 'trainer.mode = "pretrain" needs trainer.data.path')
+    _require(
+        cfg.trainer.mode != "pretrain" or bool(d.path) or bool(d.sources),
+        'trainer.mode = "pretrain" needs trainer.data.path (one file) or [[trainer.data.sources]] (a mixture)',
+    )
+    _validate_data_sources(d)
     _require(cfg.evaluator.every_n_versions >= 1, "evaluator.every_n_versions must be >= 1")
     _require(cfg.evaluator.chunk_cases >= 1, "evaluator.chunk_cases must be >= 1")
     _require(cfg.launch.gpus_per_node >= 1, f"launch.gpus_per_node must be >= 1, got {cfg.launch.gpus_per_node}")
@@ -958,6 +1144,8 @@ class Leaf:
     value: Any
     doc: str
     identity: bool
+    fingerprinted: bool = False
+    """Part of the identity fingerprint: an identity field, unless an `added` one still at its default."""
 
 
 def leaves(obj: Any, prefix: str = "") -> Iterator[Leaf]:
@@ -972,7 +1160,10 @@ def leaves(obj: Any, prefix: str = "") -> Iterator[Leaf]:
             for key, sub in value.items():
                 yield from leaves(sub, f"{path}.{key}.")
         else:
-            yield Leaf(path, value, docs.get(f.name, ""), bool(f.metadata.get("identity")))
+            ident = bool(f.metadata.get("identity"))
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            fingerprinted = ident and not (f.metadata.get("added") and value == default)
+            yield Leaf(path, value, docs.get(f.name, ""), ident, fingerprinted)
 
 
 def _toml_value(value: Any) -> str:
@@ -986,6 +1177,9 @@ def _toml_value(value: Any) -> str:
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     if isinstance(value, dict):
         return "{" + ", ".join(f"{json.dumps(str(k))} = {_toml_value(v)}" for k, v in value.items()) + "}"
+    if dataclasses.is_dataclass(value):  # an item of a list of tables (trainer.data.sources), inline
+        items = (f"{f.name} = {_toml_value(getattr(value, f.name))}" for f in dataclasses.fields(value))
+        return "{" + ", ".join(items) + "}"
     raise TypeError(f"cannot write {value!r} as TOML")
 
 
@@ -1047,8 +1241,8 @@ def identity_diff(a: Config, b: Config) -> list[str]:
 
 
 def identity_fingerprint(cfg: Config) -> str:
-    """Short hash of the identity fields, stored with checkpoints."""
-    blob = json.dumps([(leaf.path, leaf.value) for leaf in leaves(cfg) if leaf.identity])
+    """Short hash of the identity fields, stored with checkpoints (`added` fields at their default left out)."""
+    blob = json.dumps([(leaf.path, leaf.value) for leaf in leaves(cfg) if leaf.fingerprinted], default=dataclasses.asdict)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 

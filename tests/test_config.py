@@ -173,3 +173,16 @@ def test_console_script_help_and_show_work_in_the_installed_environment():
 
 def test_defaults_equal_an_empty_file(tmp_path):
     assert load_config(write(tmp_path, ""), environ={}) == dataclasses.replace(Config())
+
+
+def test_a_list_of_tables_added_later_stays_out_of_the_fingerprint_until_it_is_set():
+    """Checkpoints written before trainer.data.sources / rollout.task.sources existed keep resuming: those
+    fields, at their default (empty), are not fingerprinted; a set one is."""
+    from common.config import identity_fingerprint, leaves
+
+    cfg = load_config(REPO / "configs" / "demo.toml")
+    printed = {leaf.path for leaf in leaves(cfg) if leaf.fingerprinted}
+    assert "trainer.data.sources" not in printed and "rollout.task.sources" not in printed
+    assert "trainer.rl.token_mask_band" in printed  # an identity list without `added` always is
+    mixed = load_config(REPO / "configs" / "demo.toml", ["trainer.data.sources=[{name = \"web\", path = \"w.jsonl\"}]"])
+    assert identity_fingerprint(mixed) != identity_fingerprint(cfg)

@@ -4,6 +4,7 @@ task's verifier, held-out arithmetic through the RL task's generator and verifie
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import subprocess
@@ -147,6 +148,20 @@ def test_held_out_arithmetic_follows_the_training_knobs_and_refuses_the_training
     assert all(c.prompt.count("*") == 2 and "+" not in c.prompt for c in cases)  # type: ignore[union-attr]
     with pytest.raises(BenchmarkError, match=f"held-out seed {spec['seed']}.*equals rollout.task.seed"):
         load_benchmark("arithmetic", DATA, TaskConfig(seed=spec["seed"])).cases()
+
+
+def test_held_out_arithmetic_follows_the_one_arithmetic_generator_of_a_prompt_mixture(tmp_path):
+    from common.config import PromptSourceConfig
+
+    words = tmp_path / "words.jsonl"
+    words.write_text(json.dumps({"prompt": "two and two", "answer": "4"}) + "\n")
+    gen = PromptSourceConfig(name="arith", format="arithmetic", operators="*", max_value=9)
+    mixture = TaskConfig(kind="mixture", sources=[gen, PromptSourceConfig(name="words", path=str(words))])
+    cases = load_benchmark("arithmetic", DATA, mixture).cases()
+    assert all(c.prompt.count("*") == 1 and "+" not in c.prompt for c in cases)  # type: ignore[union-attr]
+    two = TaskConfig(kind="mixture", sources=[gen, dataclasses.replace(gen, name="arith2")])
+    with pytest.raises(BenchmarkError, match="has 2 sources of format 'arithmetic'"):
+        load_benchmark("arithmetic", DATA, two).cases()
 
 
 @pytest.mark.timeout(60)

@@ -1,5 +1,6 @@
 """Flow policies as specifications: hand-computed event sequences per strategy, then seeded random
-drivers that check the invariants (caps, staleness, versions, exactly-once across a resume)."""
+drivers that check the invariants (caps, staleness, versions, exactly-once across a resume), with
+and without dynamic sampling."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from common.config import FlowConfig
+from common.config import ConfigError, FlowConfig, load_config
 from rollout.flow.policy import (
     Abort,
     Dispatch,
@@ -25,8 +26,8 @@ from rollout.flow.policy import (
 )
 
 
-def done(p: int, s: int = 0, oldest: int = 0, newest: int | None = None) -> SampleDone:
-    return SampleDone(p, s, oldest, oldest if newest is None else newest)
+def done(p: int, s: int = 0, oldest: int = 0, newest: int | None = None, reward: float | None = None) -> SampleDone:
+    return SampleDone(p, s, oldest, oldest if newest is None else newest, reward)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -214,6 +215,9 @@ class Driver:
     max_in_flight: int = 0
     max_untrained: int = 0
     finish: Finish | None = None
+    reward: object = None  # (prompt id, sample index) -> reward, for dynamic sampling
+    trains: list = field(default_factory=list)  # every Train action, in order
+    dropped_at_train: list = field(default_factory=list)  # the policy's dropped_groups count at each Train
 
     def apply(self, actions: list) -> None:
         pol = self.policy
@@ -229,6 +233,8 @@ class Driver:
                 assert self.job is None, "two trainer jobs at once"
                 self.job = a
                 if isinstance(a, Train):
+                    self.trains.append(a)
+                    self.dropped_at_train.append(pol.counters.dropped_groups)
                     spp = pol.samples_per_prompt
                     self.batch_oldest[a.step] = [self.finished_meta[(p, s)] for p in a.prompt_ids for s in range(spp)]
             elif isinstance(a, Finish):
@@ -242,7 +248,8 @@ class Driver:
             key = self.rng.choice(sorted(self.in_flight))
             oldest = self.in_flight.pop(key)
             self.finished_meta[key] = oldest
-            self.apply(pol.on_sample_done(SampleDone(key[0], key[1], oldest, self.version)))
+            reward = None if self.reward is None else self.reward(*key)
+            self.apply(pol.on_sample_done(SampleDone(key[0], key[1], oldest, self.version, reward)))
         elif isinstance(self.job, Train):
             job, self.job = self.job, None
             self.trained.append((job.step, job.prompt_ids))
@@ -265,9 +272,10 @@ class Driver:
 
 def make(strategy: str, **knobs) -> FlowPolicy:
     num_prompts = knobs.pop("num_prompts", None)
+    max_steps = knobs.pop("max_steps", None)
     base = dict(prompts_per_step=3, samples_per_prompt=2, max_concurrent=5, max_untrained_prompts=7, max_staleness=1)
     base.update(knobs)
-    return FlowPolicy.from_config(FlowConfig(strategy=strategy, **base), num_prompts=num_prompts)
+    return FlowPolicy.from_config(FlowConfig(strategy=strategy, **base), num_prompts=num_prompts, max_steps=max_steps)
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -344,3 +352,183 @@ def test_load_state_refuses_a_different_group_size():
     other = make("fully_async", samples_per_prompt=4)
     with pytest.raises(FlowError, match="samples_per_prompt"):
         other.load_state_dict(state)
+
+
+# ----------------------------------------------------------------------------------------------
+# Dynamic sampling
+# ----------------------------------------------------------------------------------------------
+
+
+def test_on_policy_drops_a_uniform_group_and_generates_a_new_prompt_for_the_same_batch():
+    pol = OnPolicy(prompts_per_step=2, samples_per_prompt=2, max_concurrent=4, num_prompts=4, dynamic_sampling=True)
+    assert pol.start() == [Dispatch(0, (0, 1), 0), Dispatch(1, (0, 1), 0)]
+    assert pol.on_sample_done(done(0, 0, reward=1.0)) == []
+    # Prompt 0's rewards are all 1: no signal. Prompt 2 replaces it in batch 0, on version 0.
+    assert pol.on_sample_done(done(0, 1, reward=1.0)) == [Dispatch(2, (0, 1), 0)]
+    assert pol.on_sample_done(done(1, 0, reward=0.0)) == []
+    assert pol.on_sample_done(done(1, 1, reward=1.0)) == []
+    assert pol.on_sample_done(done(2, 0, reward=1.0)) == []
+    assert pol.on_sample_done(done(2, 1, reward=0.5)) == [Train(0, (1, 2), dropped_groups=1)]
+    assert pol.on_train_done(0) == [Publish(1)]
+    assert pol.on_published(1) == [Dispatch(3, (0, 1), 1)]
+    pol.on_sample_done(done(3, 0, oldest=1, reward=0.0))
+    # The data is used up: the uniform prompt 3 is dropped unreplaced and its empty batch never trains.
+    assert pol.on_sample_done(done(3, 1, oldest=1, reward=0.0)) == [Finish("end_of_data")]
+    assert pol.filtered == [0, 3] and pol.counters.dropped_groups == 2
+    assert pol.counters.trained_prompts == 2 and pol.counters.dropped_prompts == 0
+
+
+def test_one_step_off_replaces_a_uniform_group_on_the_batchs_own_version_while_the_previous_batch_trains():
+    pol = OneStepOff(prompts_per_step=1, samples_per_prompt=2, max_concurrent=4, num_prompts=4, dynamic_sampling=True)
+    assert pol.start() == [Dispatch(0, (0, 1), 0)]
+    pol.on_sample_done(done(0, 0, reward=0.0))
+    assert pol.on_sample_done(done(0, 1, reward=1.0)) == [Train(0, (0,)), Dispatch(1, (0, 1), 0)]
+    pol.on_sample_done(done(1, 0, reward=0.0))
+    # Batch 1 is generated with version 0 (t - 1): so is the prompt that replaces its uniform group.
+    assert pol.on_sample_done(done(1, 1, reward=0.0)) == [Dispatch(2, (0, 1), 0)]
+    assert pol.on_train_done(0) == []  # batch 1 is still generating: weights must not change under it
+    pol.on_sample_done(done(2, 0, reward=0.0))
+    assert pol.on_sample_done(done(2, 1, reward=1.0)) == [Publish(1)]
+    assert pol.on_published(1) == [Train(1, (2,), dropped_groups=1), Dispatch(3, (0, 1), 1)]
+    assert pol.batches == [[0], [2], [3]] and pol.batch_versions == [0, 0, 1]
+
+
+def test_fully_async_admits_the_replacement_through_admission_control():
+    pol = FullyAsync(
+        prompts_per_step=1, samples_per_prompt=2, max_concurrent=4, max_untrained_prompts=2, dynamic_sampling=True
+    )
+    assert pol.start() == [Dispatch(0, (0, 1), 0), Dispatch(1, (0, 1), 0)]
+    pol.on_sample_done(done(0, 0, reward=1.0))
+    # Prompt 0 is dropped, which frees its admission slot (2 untrained at most) for prompt 2.
+    assert pol.on_sample_done(done(0, 1, reward=1.0)) == [Dispatch(2, (0, 1), 0)]
+    assert list(pol.untrained) == [1, 2]
+    pol.on_sample_done(done(1, 0, reward=0.0))
+    assert pol.on_sample_done(done(1, 1, reward=1.0)) == [Train(0, (1,), dropped_groups=1), Dispatch(3, (0, 1), 0)]
+    assert pol.on_train_done(0) == [Publish(1)]
+    assert pol.filtered == [0] and pol.counters.dropped_groups == 1
+
+
+def test_dynamic_sampling_needs_rewards_and_groups_of_two_or_more():
+    pol = OnPolicy(prompts_per_step=1, samples_per_prompt=2, num_prompts=1, dynamic_sampling=True)
+    pol.start()
+    with pytest.raises(FlowError, match="without a reward"):
+        pol.on_sample_done(done(0, 0))
+    with pytest.raises(ValueError, match="samples_per_prompt >= 2"):
+        OnPolicy(samples_per_prompt=1, dynamic_sampling=True)
+    with pytest.raises(ConfigError, match="samples_per_prompt >= 2"):
+        load_config(None, ["flow.dynamic_sampling=true", "flow.samples_per_prompt=1"], environ={})
+    with pytest.raises(ConfigError, match="max_dynamic_refills_per_step must be >= 1"):
+        load_config(None, ["flow.max_dynamic_refills_per_step=0"], environ={})
+
+
+def test_load_state_refuses_a_checkpoint_with_dynamic_sampling_switched():
+    state = make("fully_async").state_dict()
+    with pytest.raises(FlowError, match="dynamic_sampling"):
+        make("fully_async", dynamic_sampling=True).load_state_dict(state)
+
+
+def steps_apart(totals: list[int]) -> list[int]:
+    return [b - a for a, b in zip([0, *totals], totals, strict=False)]
+
+
+def uniform_rewards(seed: int, rate: float):
+    """Rewards where a seeded `rate` of prompts get 0 on every sample and the rest 0, 1, 0, ..."""
+
+    def is_uniform(p: int) -> bool:
+        return random.Random(f"{seed}:{p}").random() < rate
+
+    def reward(p: int, s: int) -> float:
+        return 0.0 if is_uniform(p) else float(s % 2)
+
+    return reward, is_uniform
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("strategy", ["on_policy", "one_step_off", "fully_async"])
+def test_dynamic_sampling_trains_full_batches_of_signal_and_every_prompt_at_most_once(strategy, seed):
+    reward, is_uniform = uniform_rewards(seed, 0.4)
+    pol = make(strategy, num_prompts=40, dynamic_sampling=True, max_staleness=1)
+    d = Driver(pol, random.Random(seed), reward=reward)
+    d.run()
+    assert d.finish == Finish("end_of_data")
+    trained = [p for _, ids in d.trained for p in ids]
+    assert len(trained) == len(set(trained)), "a prompt was trained twice"
+    assert not set(trained) & set(pol.filtered), "a dropped prompt was trained"
+    # Every prompt is trained or dropped, and exactly the uniform ones are dropped.
+    assert sorted(trained + pol.filtered) == list(range(40))
+    assert set(pol.filtered) == {p for p in range(40) if is_uniform(p)}
+    assert pol.counters.dropped_groups == len(pol.filtered) > 0
+    # Each step reports the groups dropped since the previous one (the rest fell after the last step).
+    assert [t.dropped_groups for t in d.trains] == steps_apart(d.dropped_at_train)
+    # Full batches (only the last one may be short: the data ended), each group with signal.
+    assert all(len(t.prompt_ids) == 3 for t in d.trains[:-1])
+    for t in d.trains:
+        assert all(len({reward(p, s) for s in range(2)}) == 2 for p in t.prompt_ids)
+    assert d.max_in_flight <= 5
+    if strategy == "fully_async":
+        assert d.max_untrained <= 7
+        for step, oldest in d.batch_oldest.items():
+            assert min(oldest) >= step - 1, f"step {step} consumed versions {oldest}"
+    else:
+        lag = 0 if strategy == "on_policy" else 1
+        for step, oldest in d.batch_oldest.items():
+            assert set(oldest) == {max(0, step - lag)}, f"batch {step} versions {set(oldest)}"
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("strategy", ["on_policy", "one_step_off", "fully_async"])
+def test_the_refill_budget_ends_the_refill_loop_when_every_group_is_uniform(strategy, seed):
+    reward, _ = uniform_rewards(seed, 1.0)
+    pol = make(strategy, max_steps=4, dynamic_sampling=True, max_dynamic_refills_per_step=2)
+    d = Driver(pol, random.Random(seed), reward=reward)
+    d.run()
+    # Data never ends here: without the budget this run would refill forever.
+    assert d.finish == Finish("max_steps")
+    assert [len(t.prompt_ids) for t in d.trains] == [3, 3, 3, 3]
+    dropped = [t.dropped_groups for t in d.trains]
+    if strategy == "fully_async":  # groups buffered past the budget may fill the next batch at once
+        assert all(n <= 2 for n in dropped)
+    else:
+        assert dropped == [2, 2, 2, 2]
+    assert pol.counters.dropped_groups == len(pol.filtered) >= sum(dropped)
+    assert dropped == steps_apart(d.dropped_at_train)
+    trained = [p for _, ids in d.trained for p in ids]
+    assert len(trained) == len(set(trained)) and not set(trained) & set(pol.filtered)
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("strategy", ["on_policy", "one_step_off", "fully_async"])
+def test_dynamic_sampling_state_round_trip_mid_run_gives_the_same_rest_of_the_run(strategy, seed):
+    reward, _ = uniform_rewards(seed, 0.4)
+    # Without partial rollout every request in flight runs the current version, so re-issuing it after
+    # the restore changes nothing: the resumed run must be the very same run.
+    knobs = dict(num_prompts=30, dynamic_sampling=True, partial_rollout=False)
+    pol = make(strategy, **knobs)
+    d = Driver(pol, random.Random(seed), reward=reward)
+    d.apply(pol.start())
+    rng = random.Random(seed + 1000)
+    for _ in range(rng.randrange(5, 50)):
+        if d.finish:
+            break
+        d.step()
+    if d.finish:
+        pytest.skip("the run ended before the snapshot")
+    state = json.loads(json.dumps(pol.state_dict()))
+    trains_before = len(d.trains) - (1 if isinstance(d.job, Train) else 0)  # an open Train is issued again
+    trained_before = len(d.trained)
+
+    pol2 = make(strategy, **knobs)
+    pol2.load_state_dict(state)
+    rng2 = random.Random()
+    rng2.setstate(d.rng.getstate())
+    d2 = Driver(pol2, rng2, version=d.version, finished_meta=dict(d.finished_meta), reward=reward)
+    d2.apply(pol2.start())
+    assert d2.in_flight == d.in_flight and d2.job == d.job
+
+    d.run()
+    d2.run()
+    assert d2.trains == d.trains[trains_before:]
+    assert d2.trained == d.trained[trained_before:]
+    assert pol2.filtered == pol.filtered
+    assert pol2.counters.dropped_groups == pol.counters.dropped_groups
+    assert pol2.counters.staleness == pol.counters.staleness

@@ -17,7 +17,7 @@ import pytest
 
 from common.config import FlowConfig
 from rollout.controller import CallbackError, ErrorBudgetExceeded, GenerationController, TransientError
-from rollout.flow.policy import FlowPolicy
+from rollout.flow.policy import FlowError, FlowPolicy
 from rollout.flow.runtime import FlowRuntime, SampleRequest, token_versions
 from rollout.flow.simulator import Costs, GeneratorPool, ThroughputModel, Workload, simulate
 
@@ -28,6 +28,7 @@ class FakeResult:
     index: int
     tokens: int
     weight_versions: tuple[int, ...]
+    reward: float | None = None
 
 
 class RealTimePool:
@@ -101,7 +102,7 @@ class FakeTrainer:
         self.trained: list[tuple[int, tuple[int, ...]]] = []
         self.versions: list[tuple[int, list[tuple[int, int]]]] = []
 
-    def train_step(self, step, groups):
+    def train_step(self, step, groups, dropped_groups):
         assert threading.current_thread() is threading.main_thread()
         tokens = sum(r.tokens + self.prompt_tokens for g in groups for r in g.samples)
         self.trained.append((step, tuple(g.prompt_id for g in groups)))
@@ -175,8 +176,9 @@ def test_runtime_reproduces_the_simulated_schedule(strategy):
     pytest.fail("runtime disagrees with the simulator on every attempt: " + "; ".join(problems))
 
 
-def instant_backend(seed: int = 0, fail=None):
-    """A fake backend that answers after a short seeded random sleep, on the version it is told."""
+def instant_backend(seed: int = 0, fail=None, reward=None):
+    """A fake backend that answers after a short seeded random sleep, on the version it is told;
+    `reward(prompt_id, index)` gives the result's reward (none without it)."""
     rng = random.Random(seed)
     state = {"version": 0}
 
@@ -185,20 +187,26 @@ def instant_backend(seed: int = 0, fail=None):
             fail(req)
         oldest = state["version"]
         await asyncio.sleep(rng.random() * 0.002)
-        return FakeResult(req.prompt_id, req.index, 1, (oldest, state["version"]))
+        r = None if reward is None else reward(req.prompt_id, req.index)
+        return FakeResult(req.prompt_id, req.index, 1, (oldest, state["version"]), r)
 
     return genable, state
 
 
-def run_simple(cfg: FlowConfig, prompts, *, genable=None, state=None, checkpoint=None, load=None, trained=None):
-    """Run to the end with a trainer that records (step, prompt ids); returns (report, trained)."""
+def run_simple(
+    cfg: FlowConfig, prompts, *, genable=None, state=None, checkpoint=None, load=None, trained=None, batches=None
+):
+    """Run to the end with a trainer that records (step, prompt ids), and in `batches` (step, groups,
+    dropped_groups); returns (report, trained)."""
     if genable is None:
         genable, state = instant_backend()
     trained = [] if trained is None else trained
 
-    def train_step(step, groups):
+    def train_step(step, groups, dropped_groups):
         assert all(len(g.samples) == cfg.samples_per_prompt for g in groups)
         trained.append((step, tuple(g.prompt_id for g in groups)))
+        if batches is not None:
+            batches.append((step, groups, dropped_groups))
 
     def publish(version):
         state["version"] = version
@@ -278,7 +286,7 @@ def test_a_raising_train_step_propagates_and_closes_cleanly():
     genable, state = instant_backend()
     cfg = flow("fully_async")
 
-    def train_step(step, groups):
+    def train_step(step, groups, dropped_groups):
         raise RuntimeError("CUDA out of memory")
 
     with GenerationController.from_config(genable, cfg) as ctl:
@@ -295,7 +303,7 @@ def test_results_without_versions_are_an_error_not_zeros():
     cfg = flow("on_policy")
     with pytest.raises(CallbackError) as info:
         with GenerationController.from_config(genable, cfg) as ctl:
-            FlowRuntime(FlowPolicy.from_config(cfg, num_prompts=2), ctl, [0, 1], lambda s, g: None, lambda v: None).run()
+            FlowRuntime(FlowPolicy.from_config(cfg, num_prompts=2), ctl, [0, 1], lambda s, g, d: None, lambda v: None).run()
     assert isinstance(info.value.__cause__, ValueError) and "weight_versions" in str(info.value.__cause__)
 
 
@@ -303,12 +311,48 @@ class Crash(Exception):
     pass
 
 
+def uniform_every_third(prompt_id: int, index: int) -> float:
+    """Every third prompt's samples all get reward 0 (no signal); the others get 0, 1, 0, ..."""
+    return 0.0 if prompt_id % 3 == 0 else float(index % 2)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("strategy", ["on_policy", "one_step_off", "fully_async"])
+def test_dynamic_sampling_trains_only_groups_with_signal_and_tells_the_trainer_what_it_dropped(strategy):
+    genable, state = instant_backend(reward=uniform_every_third)
+    cfg = flow(strategy, prompts_per_step=2, samples_per_prompt=2, dynamic_sampling=True)
+    batches: list = []
+    report, trained = run_simple(cfg, list(range(12)), genable=genable, state=state, batches=batches)
+    assert report.finish_reason == "end_of_data"
+    assert sorted(p for _, ids in trained for p in ids) == [1, 2, 4, 5, 7, 8, 10, 11]
+    assert sorted(report.filtered_prompts) == [0, 3, 6, 9] and report.counters.dropped_groups == 4
+    assert [len(groups) for _, groups, _ in batches] == [2, 2, 2, 2]
+    assert all(len({r.reward for r in g.samples}) == 2 for _, groups, _ in batches for g in groups)
+    dropped = [n for _, _, n in batches]
+    assert [s.dropped_groups for s in report.steps] == dropped
+    if strategy == "fully_async":  # a uniform group completing after the last batch counts in no step
+        assert 0 < sum(dropped) <= 4
+    else:
+        assert sum(dropped) == 4
+
+
+@pytest.mark.timeout(30)
+def test_dynamic_sampling_without_rewards_in_the_results_is_an_error():
+    cfg = flow("on_policy", dynamic_sampling=True)
+    with pytest.raises(CallbackError) as info:
+        run_simple(cfg, list(range(4)))
+    assert isinstance(info.value.__cause__, FlowError) and "reward" in str(info.value.__cause__)
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("strategy", ["on_policy", "one_step_off", "fully_async"])
 @pytest.mark.parametrize("with_results", [True, False])
-def test_resume_after_a_crash_trains_every_prompt_exactly_once(strategy, with_results):
-    cfg = flow(strategy, prompts_per_step=2, samples_per_prompt=3, max_concurrent=5, max_untrained_prompts=6)
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_resume_after_a_crash_trains_every_prompt_exactly_once(strategy, with_results, dynamic):
+    cfg = flow(strategy, prompts_per_step=2, samples_per_prompt=3, max_concurrent=5, max_untrained_prompts=6,
+               dynamic_sampling=dynamic)  # fmt: skip
     prompts = [f"prompt {i}" for i in range(15)]
+    genable, state = instant_backend(reward=uniform_every_third)
     saved = {}
 
     def checkpoint(step, state):
@@ -321,13 +365,17 @@ def test_resume_after_a_crash_trains_every_prompt_exactly_once(strategy, with_re
 
     before: list = []
     with pytest.raises(Crash):
-        run_simple(cfg, prompts, checkpoint=checkpoint, trained=before)
+        run_simple(cfg, prompts, genable=genable, state=state, checkpoint=checkpoint, trained=before)
     assert saved["policy"]["step"] == 2 and len(before) == 4
     # Steps 0 and 1 are in the checkpoint; the run continues from there in a new process.
     first = [(s, ids) for s, ids in before if s < 2]
-    report, second = run_simple(cfg, prompts, load=saved)
-    trained = sorted(p for _, ids in first + second for p in ids)
-    assert trained == list(range(15))
+    genable, state = instant_backend(seed=1, reward=uniform_every_third)
+    report, second = run_simple(cfg, prompts, genable=genable, state=state, load=saved)
+    trained = [p for _, ids in first + second for p in ids]
+    assert len(trained) == len(set(trained))
+    # Every prompt is trained once or, with dynamic sampling, dropped for its uniform rewards.
+    assert sorted(trained + report.filtered_prompts) == list(range(15))
+    assert sorted(report.filtered_prompts) == ([0, 3, 6, 9, 12] if dynamic else [])
     assert [s for s, _ in second][0] == 2
     if strategy == "fully_async" and saved["policy"]["in_flight"]:
         assert report.counters.reissued_samples >= len(saved["policy"]["in_flight"])

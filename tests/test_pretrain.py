@@ -7,7 +7,8 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from common.config import Config
-from trainer.pretrain import PretrainData, Pretrainer, RowSampler, main, token_rows
+from trainer.data.mixture import RowSampler
+from trainer.pretrain import PretrainData, Pretrainer, main, token_rows
 
 
 @pytest.fixture

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_prompt_sets import DEMO_MIXTURE
 
 from common.proc import experiment_processes
 
@@ -124,12 +125,14 @@ def test_two_expert_parallel_ranks_with_routing_replay_learn_fully_async_through
     drive the trainer's expert-parallel dispatch). SIGKILL of the rollout worker after step 3, of the router
     after step 6, of redis-server after step 9: the launcher restarts the worker and the router (which takes
     over its own name), the launcher's rendezvous starts Redis again from its append-only file, and the run
-    goes on to the end without losing a prompt. Then the run's sharded checkpoint loads into one unsharded
-    rank, equals the last version the workers loaded, and trains on. (One run for both: each demo launch
+    goes on to the end without losing a prompt. The prompts are a two-source mixture (the demo's arithmetic
+    70%, word problems 30%) under dynamic sampling: groups whose rewards are all equal are dropped, replaced
+    by new prompts, counted and logged. Then the run's sharded checkpoint loads into one unsharded rank,
+    equals the last version the workers loaded, and trains on. (One run for all of it: each demo launch
     costs two vLLM starts.)"""
     run = Launch(short_root, "rl-async", "flow.strategy=fully_async", "launch.roles.trainer.replicas=2",
                  "trainer.parallel.ep=2", "trainer.checkpoint.interval_steps=5",
-                 "trainer.rl.routing_replay=rollout")  # fmt: skip
+                 "trainer.rl.routing_replay=rollout", *DEMO_MIXTURE, "flow.dynamic_sampling=true")  # fmt: skip
     try:
         worker_pid = int(run.wait_for(r"started vllm/0 \(role vllm, pid (\d+)\)", 60).group(1))
         router_pid = int(run.wait_for(r"started router/0 \(role router, pid (\d+)\)", 60).group(1))
@@ -158,11 +161,18 @@ def test_two_expert_parallel_ranks_with_routing_replay_learn_fully_async_through
     assert len(trained) == len(set(trained)) == STEPS * demo_prompts_per_step(), "a prompt was trained twice"
     summary = json.loads((run.run_dir / "flow_summary.json").read_text())
     untrained = summary["untrained_prompts"]
-    assert not set(trained) & set(untrained)
-    # Every admitted prompt is accounted for: trained or still in the saved flow state (stale samples
-    # are re-queued in this config, so nothing is dropped).
+    filtered = summary["filtered_prompts"]
+    assert not set(trained) & set(untrained) and not set(filtered) & (set(trained) | set(untrained))
+    # Every admitted prompt is accounted for: trained, still in the saved flow state, or filtered by dynamic
+    # sampling (stale samples are re-queued in this config, so nothing is dropped as stale).
     assert summary["counters"]["dropped_prompts"] == 0
-    assert sorted(trained + untrained) == list(range(summary["admitted_prompts"]))
+    assert sorted(trained + untrained + filtered) == list(range(summary["admitted_prompts"]))
+    # Dynamic sampling dropped groups, counted in the flow state, per step in the metrics and in the log.
+    dropped = [int(n) for n in re.findall(r"\(dynamic sampling dropped (\d+)\)", log)]
+    assert summary["counters"]["dropped_groups"] == len(filtered) > 0 and sum(dropped) > 0, (summary, dropped)
+    # Both sources were trained, each prompt recorded with its source.
+    sources = [src for s in steps_done for src in s["sources"]]
+    assert len(sources) == len(trained) and set(sources) == {"arithmetic", "words"}
     assert_clear_rise(run)
     assert (run.run_dir / "report.png").stat().st_size > 10_000
     assert_replay_telemetry(run.run_dir)

@@ -139,3 +139,42 @@ def test_cli_simulate_takes_the_flow_section_from_a_config_and_flags_override(tm
 def test_cli_simulate_rejects_bad_knobs_with_a_named_error(capsys):
     assert cli_main(["--strategy", "fully_async", "--prompts-per-step", "8", "--max-untrained-prompts", "4"]) == 2
     assert "max_untrained_prompts" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("strategy", ["on_policy", "one_step_off", "fully_async"])
+def test_dynamic_sampling_replaces_uniform_groups_at_the_cost_of_more_generation(strategy):
+    def run(rate: float):
+        workload = Workload(median_tokens=256, sigma=0.5, prompt_tokens=64, seed=3, uniform_group_rate=rate)
+        cfg = FlowConfig(
+            strategy=strategy,
+            prompts_per_step=8,
+            samples_per_prompt=4,
+            max_concurrent=32,
+            max_untrained_prompts=24,
+            max_staleness=1,
+            dynamic_sampling=True,
+        )
+        return simulate(FlowPolicy.from_config(cfg, num_prompts=None, max_steps=8), workload, HW, TRAIN), workload
+
+    clean, _ = run(0.0)
+    r, workload = run(0.3)
+    assert clean.counters.dropped_groups == 0 and r.counters.dropped_groups > 0
+    # The same 8 full steps, every group with signal, paid for with the dropped groups' tokens.
+    assert len(r.steps) == 8 and all(len(s.prompt_ids) == 8 for s in r.steps)
+    assert all(len({workload.reward(p, i) for i in range(4)}) == 2 for s in r.steps for p in s.prompt_ids)
+    assert r.generated_tokens > clean.generated_tokens and r.makespan > clean.makespan
+    assert r.wasted_fraction > clean.wasted_fraction
+    assert max(p.concurrency for p in r.trace) <= 32 and max(r.counters.staleness) <= 1
+
+
+def test_cli_simulate_models_dynamic_sampling(capsys):
+    args = ["--strategy", "on_policy", "--prompts-per-step", "4", "--steps", "3", "--median-tokens", "64"]
+    assert cli_main([*args, "--dynamic-sampling", "--uniform-group-rate", "0.5"]) == 0
+    out = capsys.readouterr().out
+    assert "strategy on_policy: 3 steps, 48 samples" in out
+    dropped = int(out.split("dynamic sampling dropped ")[1].split()[0])
+    assert dropped > 0
+    assert cli_main([*args, "--uniform-group-rate", "0.5"]) == 0  # off: nothing dropped
+    assert "dynamic sampling dropped 0 zero-variance groups" in capsys.readouterr().out
+    assert cli_main([*args, "--dynamic-sampling", "--uniform-group-rate", "1.5"]) == 2
+    assert "--uniform-group-rate" in capsys.readouterr().err

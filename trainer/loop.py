@@ -62,6 +62,8 @@ from rollout.weights import (
 )
 from trainer.checkpoint import CheckpointSchedule, TrainState, checkpoint_steps
 from trainer.core import StepResult, TrainingCore, cross_entropy_loss
+from trainer.data.shards import data_root
+from trainer.data.tokenizer import data_tokenizer
 from trainer.pretrain import PretrainData, Pretrainer, initial_model, resolve_device
 from trainer.ranks import (
     BOOTSTRAP_TIMEOUT_S,
@@ -294,6 +296,16 @@ class TrainerRank:
         raise StopRequested("stopped while following rank 0")
 
 
+def ledger_record(step: int, groups: list[Group], task_name: str) -> dict[str, Any]:
+    """One line of trained_prompts.jsonl: the step, its prompts' flow indices and, aligned with them, the
+    source each prompt came from (the mixture source, or the task's name for a single-source task)."""
+    return {
+        "step": step,
+        "prompt_ids": [g.prompt_id for g in groups],
+        "sources": [g.prompt.source or task_name for g in groups],
+    }
+
+
 class RLTrainer(TrainerRank):
     """Rank 0 of an RL run: warm start, flow control, generation, publishing; `run()` returns the exit code."""
 
@@ -368,7 +380,9 @@ class RLTrainer(TrainerRank):
 
     # -- flow callbacks (trainer thread) -------------------------------------------------------
 
-    def train_step(self, step: int, groups: list[Group]) -> None:
+    def train_step(self, step: int, groups: list[Group], dropped_groups: int) -> None:
+        """One RL step on `groups`; `dropped_groups` zero-variance groups were dropped by flow.dynamic_sampling
+        (and replaced by new prompts) while the batch formed."""
         rl = self.cfg.trainer.rl
         t0 = time.perf_counter()
         rewards = torch.tensor([[r.reward for r in g.samples] for g in groups])
@@ -391,6 +405,7 @@ class RLTrainer(TrainerRank):
             "rl/reward_mean": reward_mean,
             "rl/accuracy": accuracy,
             "rl/groups_used": len(used),
+            "rl/dynamic_dropped_groups": dropped_groups,
             "rl/completion_tokens_mean": sum(len(r.sample.token_ids) for r in all_rollouts) / len(all_rollouts),
             "rl/staleness_mean": sum(staleness) / len(staleness),
             "rl/staleness_max": max(staleness),
@@ -400,10 +415,10 @@ class RLTrainer(TrainerRank):
         }
         self.metrics.log_many(step, figures)
         with self.audit.open("a") as fh:
-            fh.write(json.dumps({"step": step, "prompt_ids": [g.prompt_id for g in groups]}) + "\n")
+            fh.write(json.dumps(ledger_record(step, groups, self.task.name)) + "\n")
         log.info(
-            "step %d: reward %.3f accuracy %.3f groups %d/%d staleness<=%d %s",
-            step, reward_mean, accuracy, len(used), len(groups), max(staleness),
+            "step %d: reward %.3f accuracy %.3f groups %d/%d (dynamic sampling dropped %d) staleness<=%d %s",
+            step, reward_mean, accuracy, len(used), len(groups), dropped_groups, max(staleness),
             " ".join(f"{k}={v:.4g}" for k, v in stats.items() if k in ("loss", "clip_fraction", "iw_mean")),
         )  # fmt: skip
 
@@ -567,11 +582,12 @@ class RLTrainer(TrainerRank):
         self.metrics.log_many(self.state.step, {f"flow/{k}": float(v) for k, v in vars(c).items()
                                                 if isinstance(v, (int, float))})  # fmt: skip
         # The prompt ledger: every admitted prompt is trained (see trained_prompts.jsonl), still
-        # untrained in the saved flow state, or dropped (counted).
+        # untrained in the saved flow state, filtered by dynamic sampling (listed) or dropped stale (counted).
         summary = {
             "finish_reason": report.finish_reason,
             "admitted_prompts": policy.next_prompt,
             "untrained_prompts": sorted(policy.untrained),
+            "filtered_prompts": sorted(policy.filtered),
             "counters": dataclasses.asdict(c),
         }
         (self.ctx.run_dir / "flow_summary.json").write_text(json.dumps(summary, indent=1) + "\n")
@@ -735,8 +751,13 @@ def _pretrain(ctx: RunContext, ranks: Ranks) -> int:
     """trainer.mode = "pretrain" on this rank: trainer.data through the core, metrics to DuckDB (rank 0)."""
     cfg = ctx.cfg
     d = cfg.trainer.data
-    tokenizer = d.tokenizer or (str(resolve_model(cfg, ctx.run_dir)) if d.path.endswith(".jsonl") else "")
-    data = PretrainData(d.path, d.seq_len, d.batch_size, tokenizer, d.text_key)
+    if d.sources:  # prepped by `slipstream prep`: the tokenizer only checks that they match
+        root = data_root(cfg)
+        tokenizer = str(data_tokenizer(cfg, root))
+        data = PretrainData("", d.seq_len, d.batch_size, tokenizer, sources=d.sources, root=str(root))
+    else:
+        tokenizer = d.tokenizer or (str(resolve_model(cfg, ctx.run_dir)) if d.path.endswith(".jsonl") else "")
+        data = PretrainData(d.path, d.seq_len, d.batch_size, tokenizer, d.text_key)
     with MetricsWriter(ctx.run_dir, ctx.exp, "trainer", ranks.rank) as metrics:
         Pretrainer(cfg, data, ctx.run_dir, metrics, ranks=ranks).run()
     return 0

@@ -1,5 +1,6 @@
 """Next-token pretraining, a driver of the training core (trainer/core.py): JSONL text through a
-tokenizer, or pre-tokenized arrays, packed into fixed-length rows; the core does the rest (ranks,
+tokenizer, or pre-tokenized arrays, or a mixture of sources prepped into token shards by `slipstream prep`
+(trainer/data/), packed into fixed-length rows; the core does the rest (ranks,
 optimizer, schedule, checkpoints). `ROLE=trainer` with `trainer.mode = "pretrain"` runs it on every
 trainer rank (trainer/loop.py); `python -m trainer.pretrain` runs one rank without the rendezvous. Loss, gradient norm, throughput and per-MoE-layer router telemetry
 go to a metrics writer (anything with `log(tag, step, value)`, e.g. common.metrics.MetricsWriter).
@@ -15,16 +16,19 @@ import json
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 import torch
 
-from common.config import Config, load_config
+from common.config import Config, DataSourceConfig, load_config
 from trainer.checkpoint import CheckpointSchedule, TrainState, load_model_weights
 from trainer.core import TrainingCore, cross_entropy_loss
+from trainer.data.mixture import Mixture, effective_probabilities
+from trainer.data.shards import open_prepped
+from trainer.data.tokenizer import TokenizerIdentity, load_tokenizer
 from trainer.experts import select_backend
 from trainer.hf import load_hf_state
 from trainer.model import Transformer, build_model
@@ -54,24 +58,27 @@ class PretrainData:
     """Field of each JSONL object that holds the text."""
     eos_id: int | None = None
     """Id appended after every document; None = the tokenizer's eos token."""
+    sources: list[DataSourceConfig] = field(default_factory=list)
+    """Instead of `path`: a mixture of sources prepped under `root` (trainer.data.sources); `tokenizer` must be
+    the one they were prepped with."""
+    root: str = ""
+    """Directory of the prepped sources (trainer.data.root resolved)."""
 
 
-def load_tokenizer(path: str) -> tuple[Callable[[str], list[int]], int | None]:
-    """(encode, eos id) of an HF tokenizer directory or tokenizer.json file."""
-    from tokenizers import Tokenizer
+def open_rows(data: PretrainData, seed: int, encode: Callable[[str], list[int]] | None = None) -> Mixture:
+    """The run's row stream: the mixture of `data.sources`, or `data.path` as a mixture of one source.
 
-    p = Path(path)
-    file = p / "tokenizer.json" if p.is_dir() else p
-    if not file.is_file():
-        raise FileNotFoundError(f"no tokenizer.json at {path}; pass an HF tokenizer directory")
-    tok = Tokenizer.from_file(str(file))
-    eos_id = None
-    cfg_file = file.parent / "tokenizer_config.json"
-    if cfg_file.is_file():
-        eos = json.loads(cfg_file.read_text()).get("eos_token")
-        eos = eos.get("content") if isinstance(eos, dict) else eos
-        eos_id = tok.token_to_id(eos) if eos else None
-    return (lambda text: tok.encode(text, add_special_tokens=False).ids), eos_id
+    Prepped sources are only read: one that is not prepped raises NotPrepped naming `slipstream prep CONFIG`.
+    Tokenizing them here instead would hold every rank (and its accelerator) idle for as long as the corpus
+    takes, inside the launcher's restart policy and the ranks' collective timeouts; prep runs once, on as many
+    cores as it is given, and is shared by every run under the same data root."""
+    if not data.sources:
+        return Mixture([(Path(data.path).stem, token_rows(data, encode))], [1.0], seed)
+    tok = TokenizerIdentity.of(data.tokenizer)
+    root = Path(data.root)
+    rows = [(src.name, open_prepped(root, i, src, tok, data.seq_len)) for i, src in enumerate(data.sources)]
+    probs = effective_probabilities([s.weight for s in data.sources], [s.temperature for s in data.sources])
+    return Mixture(rows, probs, seed)
 
 
 def token_rows(data: PretrainData, encode: Callable[[str], list[int]] | None = None) -> np.ndarray:
@@ -113,38 +120,6 @@ def token_rows(data: PretrainData, encode: Callable[[str], list[int]] | None = N
     # Rows overlap by one token so every token except the very first is a target exactly once.
     idx = np.arange(n_rows)[:, None] * data.seq_len + np.arange(width)[None, :]
     return stream[idx]
-
-
-class RowSampler:
-    """Shuffled pass after pass over the rows; the cursor (epoch, position) is all its state."""
-
-    def __init__(self, rows: np.ndarray, seed: int) -> None:
-        self.rows = rows
-        self.seed = seed
-        self.epoch = 0
-        self.position = 0
-        self._order = self._shuffle(0)
-
-    def _shuffle(self, epoch: int) -> np.ndarray:
-        return np.random.default_rng([self.seed, epoch]).permutation(len(self.rows))
-
-    def next_batch(self, size: int) -> torch.Tensor:
-        picked = []
-        while len(picked) < size:
-            if self.position == len(self.rows):
-                self.epoch, self.position = self.epoch + 1, 0
-                self._order = self._shuffle(self.epoch)
-            take = min(size - len(picked), len(self.rows) - self.position)
-            picked.extend(self._order[self.position : self.position + take])
-            self.position += take
-        return torch.from_numpy(self.rows[np.asarray(picked)])
-
-    def cursor(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "position": self.position}
-
-    def restore(self, cursor: dict[str, Any]) -> None:
-        self.epoch, self.position = int(cursor["epoch"]), int(cursor["position"])
-        self._order = self._shuffle(self.epoch)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -191,7 +166,7 @@ class Pretrainer:
         self.ckpt_root = self.run_dir / "checkpoints"
         self.metrics = metrics
         self.data = data
-        self.sampler = RowSampler(token_rows(data, encode), cfg.run.seed)
+        self.sampler = open_rows(data, cfg.run.seed, encode)
         self.core = TrainingCore(cfg, self.ranks, initial_model(cfg, self.device))
         self.model, self.optimizer = self.core.model, self.core.optimizer
         self.state = self.core.resume(self.ckpt_root) or TrainState()

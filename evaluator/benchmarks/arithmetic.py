@@ -44,7 +44,17 @@ class HeldOutArithmetic(Benchmark):
         t = self.train_task
         if t is None:
             return spec
-        if t.kind != "arithmetic":
+        if t.kind == "mixture":
+            # A prompt mixture is followed through its one arithmetic generator (same field names).
+            generators = [src for src in t.sources if src.format == "arithmetic"]
+            if len(generators) != 1:
+                raise BenchmarkError(
+                    f"benchmark 'arithmetic' follows the training task's arithmetic generator, but the prompt "
+                    f"mixture has {len(generators)} sources of format 'arithmetic'; give it exactly one, or "
+                    "evaluate another benchmark"
+                )
+            t = generators[0]
+        elif t.kind != "arithmetic":
             raise BenchmarkError(
                 f"benchmark 'arithmetic' follows the training task, but rollout.task.kind = {t.kind!r}; "
                 "evaluate another benchmark or train on arithmetic"

@@ -8,8 +8,15 @@ version t+1. A prompt is a group of `samples_per_prompt` samples; a batch is `pr
 complete groups. The trainer is one serial resource: at most one `Train` or `Publish` is outstanding
 at a time, and the driver reports its end before the policy issues the next. Staleness of a sample is
 `step - oldest`, where `step` is the trainer's version when the sample is consumed and `oldest` the
-oldest weight version among its tokens. The whole state is a plain dict (`state_dict`) for
-checkpoints; `start()` on a restored policy re-issues whatever was in flight.
+oldest weight version among its tokens. With dynamic sampling on (DAPO-style), a group whose samples
+all got the same reward carries no GRPO signal: it is dropped when it completes (`filtered`, never
+trained) and a new prompt from the data cursor takes its place, admitted like any other prompt, so a
+batch still holds `prompts_per_step` groups with signal. At most `max_dynamic_refills_per_step` groups
+are dropped per train step; past that, uniform groups are kept (trained with zero advantage), so a
+step always fills and a saturated task cannot burn the data in an endless refill loop. At the end of
+the data a dropped group is not replaced and the last batch is partial (`end_of_data` decides). The
+whole state is a plain dict (`state_dict`) for checkpoints; `start()` on a restored policy re-issues
+whatever was in flight.
 """
 
 from __future__ import annotations
@@ -37,12 +44,14 @@ class FlowError(RuntimeError):
 
 @dataclass(frozen=True)
 class SampleDone:
-    """One sample finished generating; versions are the oldest and newest weight version of its tokens."""
+    """One sample finished generating; versions are the oldest and newest weight version of its tokens,
+    `reward` the task's reward of it (required with dynamic sampling, which filters on it)."""
 
     prompt_id: int
     index: int
     oldest_version: int
     newest_version: int
+    reward: float | None = None
 
 
 @dataclass(frozen=True)
@@ -63,10 +72,12 @@ class Abort:
 
 @dataclass(frozen=True)
 class Train:
-    """Run optimizer step `step` on these complete prompt groups; it produces version step + 1."""
+    """Run optimizer step `step` on these complete prompt groups; it produces version step + 1.
+    `dropped_groups` counts the zero-variance groups dynamic sampling dropped while the batch formed."""
 
     step: int
     prompt_ids: tuple[int, ...]
+    dropped_groups: int = 0
 
 
 @dataclass(frozen=True)
@@ -88,7 +99,8 @@ Action = Dispatch | Abort | Train | Publish | Finish
 
 @dataclass
 class FlowCounters:
-    """What happened to the samples of a run; `staleness` maps staleness -> trained samples."""
+    """What happened to the samples of a run; `staleness` maps staleness -> trained samples.
+    `dropped_prompts` are stale drops; `dropped_groups` are dynamic sampling's zero-variance drops."""
 
     dispatched_samples: int = 0
     completed_samples: int = 0
@@ -101,6 +113,7 @@ class FlowCounters:
     requeued_samples: int = 0
     dropped_prompts: int = 0
     dropped_samples: int = 0
+    dropped_groups: int = 0
     staleness: dict[int, int] = field(default_factory=dict)
 
 
@@ -125,6 +138,8 @@ class FlowPolicy:
         stale_policy: str = "requeue",
         partial_rollout: bool = True,
         end_of_data: str = "train_partial",
+        dynamic_sampling: bool = False,
+        max_dynamic_refills_per_step: int = 32,
         num_prompts: int | None = None,
         max_steps: int | None = None,
     ) -> None:
@@ -133,11 +148,17 @@ class FlowPolicy:
             ("samples_per_prompt", samples_per_prompt),
             ("max_concurrent", max_concurrent),
             ("max_untrained_prompts", max_untrained_prompts),
+            ("max_dynamic_refills_per_step", max_dynamic_refills_per_step),
         ):
             if value < 1:
                 raise ValueError(f"flow.{name} must be >= 1, got {value}")
         if max_staleness < 0:
             raise ValueError(f"flow.max_staleness must be >= 0, got {max_staleness}")
+        if dynamic_sampling and samples_per_prompt < 2:
+            raise ValueError(
+                "flow.dynamic_sampling drops groups whose rewards are all equal, which a group of one sample "
+                f"always is (flow.samples_per_prompt = {samples_per_prompt}); use samples_per_prompt >= 2"
+            )
         if stale_policy not in ("drop", "requeue"):
             raise ValueError(f"flow.stale_policy must be 'drop' or 'requeue', got {stale_policy!r}")
         if end_of_data not in ("train_partial", "drop"):
@@ -154,6 +175,8 @@ class FlowPolicy:
         self.stale_policy = stale_policy
         self.partial_rollout = partial_rollout
         self.end_of_data = end_of_data
+        self.dynamic_sampling = dynamic_sampling
+        self.max_dynamic_refills_per_step = max_dynamic_refills_per_step
         self.max_steps = max_steps
 
         self.step = 0  # optimizer steps done = the trainer's weight version
@@ -167,6 +190,10 @@ class FlowPolicy:
         self.done: dict[int, dict[int, tuple[int, int]]] = {}  # prompt -> index -> (oldest, newest)
         self.untrained: dict[int, None] = {}  # admitted prompts not yet handed to the trainer (ordered set)
         self.ready: list[int] = []  # complete groups, in completion order
+        self.rewards: dict[int, dict[int, float]] = {}  # dynamic sampling: prompt -> index -> reward, as `done`
+        self.filtered: list[int] = []  # prompts dropped by dynamic sampling (zero reward variance), in order
+        self.job_dropped = 0  # dropped_groups of the outstanding Train
+        self._redo: tuple[tuple[int, ...], int] | None = None  # an interrupted Train to re-issue as it was
         self.finished = False
         self.counters = FlowCounters()
 
@@ -187,6 +214,8 @@ class FlowPolicy:
             stale_policy=cfg.stale_policy,
             partial_rollout=cfg.partial_rollout,
             end_of_data=cfg.end_of_data,
+            dynamic_sampling=cfg.dynamic_sampling,
+            max_dynamic_refills_per_step=cfg.max_dynamic_refills_per_step,
             num_prompts=num_prompts,
             max_steps=max_steps,
         )
@@ -208,7 +237,9 @@ class FlowPolicy:
             self.counters.reissued_samples += len(keys)
         if self.job is not None:
             if self.job[0] == "train":
-                # Interrupted mid-step: the batch goes back to the head of the buffer, untouched.
+                # Interrupted mid-step: the batch goes back to the head of the buffer, untouched, and is
+                # trained again with the dropped-group count it had.
+                self._redo = (tuple(self.job_groups), self.job_dropped)
                 for pid, group in self.job_groups.items():
                     self.done[pid] = group
                     self.untrained[pid] = None
@@ -227,14 +258,38 @@ class FlowPolicy:
                 f"sample {key} reports versions {sample.oldest_version}..{sample.newest_version} but the "
                 f"generators run version {self.published}; report the oldest and newest token versions"
             )
+        if self.dynamic_sampling and sample.reward is None:
+            raise FlowError(
+                f"sample {key} finished without a reward; flow.dynamic_sampling needs every sample's reward "
+                "in SampleDone (the genable's result must carry it)"
+            )
         del self.in_flight[key]
         self._check_sample(sample)
         group = self.done.setdefault(sample.prompt_id, {})
         group[sample.index] = (sample.oldest_version, sample.newest_version)
+        if self.dynamic_sampling and sample.reward is not None:  # never None here: checked above
+            self.rewards.setdefault(sample.prompt_id, {})[sample.index] = float(sample.reward)
         self.counters.completed_samples += 1
         if len(group) == self.samples_per_prompt:
-            self.ready.append(sample.prompt_id)
+            self._group_complete(sample.prompt_id)
         return self._run()
+
+    def _group_complete(self, pid: int) -> None:
+        """A group is judged whenever it becomes complete (again, after re-generated samples)."""
+        uniform = self.dynamic_sampling and len(set(self.rewards[pid].values())) == 1
+        if uniform and self._refills_left():
+            self._filter(pid)
+        else:
+            self.ready.append(pid)
+
+    def _filter(self, pid: int) -> None:
+        """Dynamic sampling drops a zero-variance group for good; the strategy brings in a new prompt."""
+        self.done.pop(pid)
+        self.rewards.pop(pid)
+        self.untrained.pop(pid)
+        self.filtered.append(pid)
+        self.counters.dropped_groups += 1
+        self._replace(pid)
 
     def on_sample_failed(self, prompt_id: int, index: int) -> list[Action]:
         """A request failed for good (after the controller's retries): generate the sample again."""
@@ -255,6 +310,8 @@ class FlowPolicy:
                 self.counters.staleness[lag] = self.counters.staleness.get(lag, 0) + 1
             self.counters.trained_samples += len(group)
         self.counters.trained_prompts += len(self.job_groups)
+        for pid in self.job_groups:
+            self.rewards.pop(pid, None)
         self.job = None
         self.job_groups = {}
         self.step = step + 1
@@ -288,7 +345,7 @@ class FlowPolicy:
 
     # -- checkpoint ----------------------------------------------------------------------------
 
-    IDENTITY: ClassVar[tuple[str, ...]] = ("prompts_per_step", "samples_per_prompt")
+    IDENTITY: ClassVar[tuple[str, ...]] = ("prompts_per_step", "samples_per_prompt", "dynamic_sampling")
 
     def state_dict(self) -> dict[str, Any]:
         """The policy state as plain JSON-able data (ints, strings, lists, dicts with string keys)."""
@@ -296,6 +353,7 @@ class FlowPolicy:
             "strategy": self.strategy,
             "prompts_per_step": self.prompts_per_step,
             "samples_per_prompt": self.samples_per_prompt,
+            "dynamic_sampling": self.dynamic_sampling,
             "step": self.step,
             "published": self.published,
             "job": list(self.job) if self.job else None,
@@ -307,6 +365,9 @@ class FlowPolicy:
             "done": [[p, s, o, n] for p, group in self.done.items() for s, (o, n) in group.items()],
             "untrained": list(self.untrained),
             "ready": list(self.ready),
+            "rewards": [[p, s, r] for p, group in self.rewards.items() for s, r in group.items()],
+            "filtered": list(self.filtered),
+            "job_dropped": self.job_dropped,
             "finished": self.finished,
             "counters": {**dataclasses.asdict(self.counters), "staleness": _str_keys(self.counters.staleness)},
             **self._extra_state(),
@@ -323,9 +384,10 @@ class FlowPolicy:
                 "resume with the checkpoint's strategy"
             )
         for name in self.IDENTITY:
-            if state[name] != getattr(self, name):
+            saved = state.get(name, False)  # checkpoints from before dynamic sampling existed ran without it
+            if saved != getattr(self, name):
                 raise FlowError(
-                    f"checkpoint flow.{name} = {state[name]} differs from the config's {getattr(self, name)}; "
+                    f"checkpoint flow.{name} = {saved} differs from the config's {getattr(self, name)}; "
                     "it defines the run, so resume with the checkpoint's value"
                 )
         self.step = state["step"]
@@ -344,6 +406,11 @@ class FlowPolicy:
             self.done.setdefault(p, {})[s] = (o, n)
         self.untrained = dict.fromkeys(state["untrained"])
         self.ready = list(state["ready"])
+        self.rewards = {}
+        for p, s, r in state.get("rewards", []):
+            self.rewards.setdefault(p, {})[s] = r
+        self.filtered = list(state.get("filtered", []))
+        self.job_dropped = state.get("job_dropped", 0)
         self.finished = state["finished"]
         counters = dict(state["counters"])
         counters["staleness"] = {int(k): v for k, v in counters["staleness"].items()}
@@ -361,6 +428,7 @@ class FlowPolicy:
             del group[s]
             if not group:
                 del self.done[p]
+            self._forget_reward(p, s)
             if p in self.ready:
                 self.ready.remove(p)
             self.pending.appendleft((p, s))
@@ -407,6 +475,25 @@ class FlowPolicy:
     def _forget_prompts(self, prompt_ids: list[int]) -> None:
         pass
 
+    def _refills_left(self) -> bool:
+        """Whether dynamic sampling may still drop a group of the batch being formed."""
+        raise NotImplementedError
+
+    def _replace(self, pid: int) -> None:
+        """Dynamic sampling dropped `pid`'s group (already out of `done` and `untrained`)."""
+        raise NotImplementedError
+
+    def _take_dropped(self) -> int:
+        """Groups dropped while the batch now handed to the trainer formed (resets per-step counts)."""
+        raise NotImplementedError
+
+    def _forget_reward(self, pid: int, index: int) -> None:
+        group = self.rewards.get(pid)
+        if group is not None:
+            group.pop(index, None)
+            if not group:
+                del self.rewards[pid]
+
     def _steps_left(self) -> bool:
         return self.max_steps is None or self.step < self.max_steps
 
@@ -447,17 +534,21 @@ class FlowPolicy:
 
     def _train(self, prompt_ids: list[int], actions: list[Action]) -> None:
         """Hand these complete groups to the trainer (the moment of consumption)."""
+        redo, self._redo = self._redo, None
+        dropped = redo[1] if redo is not None and redo[0] == tuple(prompt_ids) else self._take_dropped()
         for pid in prompt_ids:
             self.job_groups[pid] = self.done.pop(pid)
             self.untrained.pop(pid, None)
             if pid in self.ready:
                 self.ready.remove(pid)
         self.job = ("train", self.step)
-        actions.append(Train(self.step, tuple(prompt_ids)))
+        self.job_dropped = dropped
+        actions.append(Train(self.step, tuple(prompt_ids), dropped))
 
     def _drop(self, prompt_ids: list[int]) -> None:
         for pid in prompt_ids:
             group = self.done.pop(pid, {})
+            self.rewards.pop(pid, None)
             self.untrained.pop(pid, None)
             if pid in self.ready:
                 self.ready.remove(pid)
@@ -475,8 +566,10 @@ def _str_keys(d: dict[int, int]) -> dict[str, int]:
 
 
 class _SyncPolicy(FlowPolicy):
-    """Batch b is a fixed set of prompts, all generated with version max(0, b - lag). The generators
-    work on one batch at a time; weights change only while they are idle, so a batch is pure."""
+    """Batch b is a set of prompts, all generated with version max(0, b - lag). The generators work on
+    one batch at a time; weights change only while they are idle, so a batch is pure. A group dynamic
+    sampling drops leaves its batch and a new prompt joins it, dispatched at once on the batch's
+    version (the generators are still busy with the batch, so its weights cannot have changed)."""
 
     lag: ClassVar[int] = 0
 
@@ -484,15 +577,48 @@ class _SyncPolicy(FlowPolicy):
         super().__init__(**knobs)
         self.batches: list[list[int]] = []  # prompt ids of batch b
         self.batch_versions: list[int] = []  # the version batch b is generated with
+        self.batch_dropped: list[int] = []  # groups of batch b dropped by dynamic sampling
         self.batch_of: dict[int, int] = {}
 
     def _extra_state(self) -> dict[str, Any]:
-        return {"batches": [list(b) for b in self.batches], "batch_versions": list(self.batch_versions)}
+        return {
+            "batches": [list(b) for b in self.batches],
+            "batch_versions": list(self.batch_versions),
+            "batch_dropped": list(self.batch_dropped),
+        }
 
     def _load_extra_state(self, state: dict[str, Any]) -> None:
         self.batches = [list(b) for b in state["batches"]]
         self.batch_versions = list(state["batch_versions"])
+        self.batch_dropped = list(state.get("batch_dropped", [0] * len(self.batches)))
         self.batch_of = {p: b for b, batch in enumerate(self.batches) for p in batch}
+
+    def _refills_left(self) -> bool:
+        return self.batch_dropped[-1] < self.max_dynamic_refills_per_step
+
+    def _replace(self, pid: int) -> None:
+        b = self.batch_of.pop(pid)
+        if b != len(self.batches) - 1:
+            raise FlowError(
+                f"{self.strategy}: prompt {pid} of batch {b} completed while batch {len(self.batches) - 1} is "
+                "generated; the generators work on one batch at a time"
+            )
+        self.batches[b].remove(pid)
+        self.batch_dropped[b] += 1
+        if self._data_left():
+            new = self._admit()
+            self.batches[b].append(new)
+            self.batch_of[new] = b
+        elif not self.batches[b]:
+            self._pop_batch()
+
+    def _take_dropped(self) -> int:
+        return self.batch_dropped[self.step]
+
+    def _pop_batch(self) -> None:
+        self.batches.pop()
+        self.batch_versions.pop()
+        self.batch_dropped.pop()
 
     def _check_sample(self, sample: SampleDone) -> None:
         expected = self.batch_versions[self.batch_of[sample.prompt_id]]
@@ -512,8 +638,7 @@ class _SyncPolicy(FlowPolicy):
         for p in gone:
             self.batch_of.pop(p, None)
         if not last:
-            self.batches.pop()
-            self.batch_versions.pop()
+            self._pop_batch()
 
     def _batch_complete(self, b: int) -> bool:
         return all(len(self.done.get(p, ())) == self.samples_per_prompt for p in self.batches[b])
@@ -531,8 +656,7 @@ class _SyncPolicy(FlowPolicy):
                         self._drop(batch)
                         for p in batch:
                             self.batch_of.pop(p, None)
-                        self.batches.pop()
-                        self.batch_versions.pop()
+                        self._pop_batch()
                     else:
                         self._train(batch, actions)
                     progressed = True
@@ -550,6 +674,7 @@ class _SyncPolicy(FlowPolicy):
                 batch = [self._admit() for _ in range(n)]
                 self.batches.append(batch)
                 self.batch_versions.append(self.published)
+                self.batch_dropped.append(0)
                 self.batch_of.update((p, b) for p in batch)
                 progressed = True
             progressed |= self._dispatch(actions)
@@ -591,17 +716,36 @@ class FullyAsync(FlowPolicy):
     `prompts_per_step` complete groups, in completion order, all of whose samples pass the staleness
     check at consumption; a stale sample is re-generated (requeue) or its prompt dropped (drop).
     Weights are published after every step; in-flight requests keep going across the update when
-    `partial_rollout` is on and are aborted and re-issued otherwise."""
+    `partial_rollout` is on and are aborted and re-issued otherwise. A group dynamic sampling drops
+    frees its admission slot, which a new prompt takes through the same admission control; the
+    refill budget counts the groups dropped since the last batch was handed to the trainer."""
 
     strategy = "fully_async"
 
     def __init__(self, **knobs: Any) -> None:
         super().__init__(**knobs)
+        self.dropped_since_train = 0
         if self.max_untrained_prompts < self.prompts_per_step:
             raise ValueError(
                 f"flow.max_untrained_prompts ({self.max_untrained_prompts}) is below flow.prompts_per_step "
                 f"({self.prompts_per_step}): a batch could never fill; raise max_untrained_prompts"
             )
+
+    def _extra_state(self) -> dict[str, Any]:
+        return {"dropped_since_train": self.dropped_since_train}
+
+    def _load_extra_state(self, state: dict[str, Any]) -> None:
+        self.dropped_since_train = state.get("dropped_since_train", 0)
+
+    def _refills_left(self) -> bool:
+        return self.dropped_since_train < self.max_dynamic_refills_per_step
+
+    def _replace(self, pid: int) -> None:
+        self.dropped_since_train += 1  # the freed admission slot is refilled by `_advance`
+
+    def _take_dropped(self) -> int:
+        dropped, self.dropped_since_train = self.dropped_since_train, 0
+        return dropped
 
     def _is_stale(self, oldest: int) -> bool:
         return oldest < self.step - self.max_staleness
@@ -623,6 +767,7 @@ class FullyAsync(FlowPolicy):
             self.ready.remove(pid)
             for s in stale:
                 del group[s]
+                self._forget_reward(pid, s)
                 requeue.append((pid, s))
         self.counters.requeued_samples += len(requeue)
         self.pending.extendleft(reversed(requeue))  # re-generated before any new prompt

@@ -3,7 +3,8 @@ event loop (every policy event is handled there, one at a time, so generation ke
 while the trainer computes); the trainer's work (train steps, weight publishes, checkpoints) runs in
 the caller's thread, the trainer's main thread, through plain callables. Prompts come from a sequence
 or a `prompt_at(index)` function (prompt ids are data indices); each sample is one controller item,
-a `SampleRequest`, and its result must tell the weight versions of its tokens (`token_versions`).
+a `SampleRequest`, and its result must tell the weight versions of its tokens (`token_versions`) and,
+for dynamic sampling, its reward (`sample_reward`).
 The runtime's state (policy state, results of finished samples, attempt numbers) is a snapshot taken
 right after every train step and handed to the checkpoint callback; a runtime restored from it
 re-issues what was in flight, so every prompt is trained exactly once across a resume.
@@ -59,22 +60,25 @@ class Group:
 
 @dataclass
 class StepTiming:
-    """When train step `step` ran, in seconds since `run()` started."""
+    """When train step `step` ran, in seconds since `run()` started; `dropped_groups` as in `Train`."""
 
     step: int
     start: float
     end: float
     prompt_ids: tuple[int, ...]
+    dropped_groups: int = 0
 
 
 @dataclass
 class FlowReport:
-    """How a run went: why it ended, the steps and publishes it ran, and the policy's counters."""
+    """How a run went: why it ended, the steps and publishes it ran, the policy's counters and the
+    prompts dynamic sampling dropped (never trained)."""
 
     finish_reason: str
     steps: list[StepTiming]
     publishes: list[tuple[int, float, float]]
     counters: FlowCounters
+    filtered_prompts: list[int]
 
 
 def token_versions(result: Any) -> tuple[int, int]:
@@ -89,10 +93,17 @@ def token_versions(result: Any) -> tuple[int, int]:
     return min(versions), max(versions)
 
 
+def sample_reward(result: Any) -> float | None:
+    """A result's reward, read from its `reward`; None when it has none (only dynamic sampling needs it)."""
+    reward = getattr(result, "reward", None)
+    return None if reward is None else float(reward)
+
+
 @dataclass
 class _TrainJob:
     step: int
     groups: list[Group]
+    dropped_groups: int
 
 
 @dataclass
@@ -118,12 +129,15 @@ class FlowRuntime:
         policy: FlowPolicy,
         controller: GenerationController,
         prompts: Sequence[Any] | Callable[[int], Any | None],
-        train_step: Callable[[int, list[Group]], None],
+        train_step: Callable[[int, list[Group], int], None],
         publish: Callable[[int], None],
         *,
         checkpoint: Callable[[int, dict[str, Any]], None] | None = None,
         versions: Callable[[Any], tuple[int, int]] = token_versions,
+        rewards: Callable[[Any], float | None] = sample_reward,
     ) -> None:
+        """`train_step(step, groups, dropped_groups)` trains one batch; `dropped_groups` is how many
+        zero-variance groups dynamic sampling dropped while it formed (0 without dynamic sampling)."""
         self.policy = policy
         self.controller = controller
         self.prompts = prompts
@@ -131,6 +145,7 @@ class FlowRuntime:
         self.publish = publish
         self.checkpoint = checkpoint
         self.versions = versions
+        self.rewards = rewards
         self._s = _LoopState()
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._last_state: dict[str, Any] | None = None
@@ -151,9 +166,10 @@ class FlowRuntime:
             self.controller.check()
             if isinstance(job, _TrainJob):
                 start = time.monotonic() - t0
-                self.train_step(job.step, job.groups)
+                self.train_step(job.step, job.groups, job.dropped_groups)
                 end = time.monotonic() - t0
-                steps.append(StepTiming(job.step, start, end, tuple(g.prompt_id for g in job.groups)))
+                ids = tuple(g.prompt_id for g in job.groups)
+                steps.append(StepTiming(job.step, start, end, ids, job.dropped_groups))
                 state = self._in_loop(lambda step=job.step: self._train_done(step))
                 log.info("flow: step %d trained on %d groups in %.2fs", job.step, len(job.groups), end - start)
                 if self.checkpoint is not None:
@@ -165,7 +181,7 @@ class FlowRuntime:
                 self._in_loop(lambda v=job.version: self._apply(self.policy.on_published(v)))
             elif isinstance(job, Finish):
                 log.info("flow: finished (%s) after %d steps", job.reason, self.policy.step)
-                return FlowReport(job.reason, steps, publishes, self.policy.counters)
+                return FlowReport(job.reason, steps, publishes, self.policy.counters, list(self.policy.filtered))
             # anything else is the controller's wake-up marker; check() above found nothing
 
     def state_dict(self) -> dict[str, Any]:
@@ -231,7 +247,7 @@ class FlowRuntime:
             elif isinstance(a, Train):
                 spp = self.policy.samples_per_prompt
                 groups = [Group(p, self._prompt(p), [s.results[(p, i)] for i in range(spp)]) for p in a.prompt_ids]
-                self._jobs.put(_TrainJob(a.step, groups))
+                self._jobs.put(_TrainJob(a.step, groups, a.dropped_groups))
             elif isinstance(a, (Publish, Finish)):
                 self._jobs.put(a)
 
@@ -242,8 +258,9 @@ class FlowRuntime:
         del self._s.tickets[key]
         if out.ok:
             oldest, newest = self.versions(out.result)
+            reward = self.rewards(out.result)
             self._s.results[key] = out.result
-            self._apply(self.policy.on_sample_done(SampleDone(key[0], key[1], oldest, newest)))
+            self._apply(self.policy.on_sample_done(SampleDone(key[0], key[1], oldest, newest, reward)))
         else:
             log.warning("flow: sample %s failed for good (%r); it is generated again", key, out.error)
             self._apply(self.policy.on_sample_failed(*key))

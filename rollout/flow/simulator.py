@@ -5,8 +5,11 @@ is processor sharing: every in-flight request advances at `tokens_per_s(c) / c` 
 for the weight-sync time (keep mode: requests resume afterwards) and bumps its version, and a train
 step occupies the trainer for `overhead + s_per_token * tokens`. Sample lengths come from a seeded
 per-(prompt, sample, attempt) lognormal distribution, so a run is reproducible and a re-generated
-sample draws a new length. It reports makespan, utilisations, throughput, the staleness histogram and
-dropped samples, and renders the schedule as ASCII and as a PNG. `cli_main` is `slipstream simulate`.
+sample draws a new length. Rewards are modelled only as far as dynamic sampling needs them: a seeded
+fraction `uniform_group_rate` of prompts gets the same reward on every sample (a group with no
+signal, which dynamic sampling drops and replaces), the others a spread of rewards. It reports
+makespan, utilisations, throughput, the staleness histogram, dropped samples and groups, and renders
+the schedule as ASCII and as a PNG. `cli_main` is `slipstream simulate`.
 """
 
 from __future__ import annotations
@@ -46,15 +49,25 @@ class SimulationError(RuntimeError):
 
 @dataclass
 class Workload:
-    """The prompts and the lengths of their samples (seeded, lognormal with a cap like max_tokens)."""
+    """The prompts and the lengths of their samples (seeded, lognormal with a cap like max_tokens), and
+    which prompts' groups have zero reward variance (seeded, `uniform_group_rate` of them)."""
 
-    num_prompts: int = 1280
+    num_prompts: int | None = 1280  # None: as many as the run asks for
     median_tokens: float = 1024.0
     sigma: float = 1.0
     prompt_sigma: float = 0.0
     prompt_tokens: int = 512
     max_tokens: int = 16384
     seed: int = 0
+    uniform_group_rate: float = 0.0
+
+    def reward(self, prompt_id: int, index: int) -> float:
+        """A sample's reward: 0 on every sample of a uniform prompt (too hard or, alike for dynamic
+        sampling, too easy), else alternating 0 and 1 over the group, so the group has signal. Per
+        prompt, so a re-generated sample keeps its group's kind."""
+        if random.Random(f"{self.seed}:uniform:{prompt_id}").random() < self.uniform_group_rate:
+            return 0.0
+        return float(index % 2)
 
     def tokens(self, prompt_id: int, index: int, attempt: int) -> int:
         """Generated tokens of one sample; `prompt_sigma` spreads the per-prompt median (hard prompts
@@ -189,6 +202,8 @@ class SimResult:
                 f"{self.wasted_fraction:.1%}",
                 f"staleness histogram {{{hist}}}; stale samples {c.stale_samples}, requeued {c.requeued_samples}, "
                 f"dropped {c.dropped_samples} samples ({c.dropped_prompts} prompts), aborted {c.aborted_samples}",
+                f"dynamic sampling dropped {c.dropped_groups} zero-variance groups; generated "
+                f"{self.generated_tokens:.0f} tokens, trained {self.trained_completion_tokens}",
             ]
         )
 
@@ -331,7 +346,7 @@ def simulate(
         if t_gen <= job_end:
             pool.advance(t_gen)
             for (p, s), oldest in pool.pop_finished():
-                apply(policy.on_sample_done(SampleDone(p, s, oldest, pool.version)))
+                apply(policy.on_sample_done(SampleDone(p, s, oldest, pool.version, workload.reward(p, s))))
         else:
             pool.advance(job_end)
             ended, job, job_end = job, None, math.inf
@@ -484,6 +499,8 @@ def _flow_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--stale-policy", choices=["drop", "requeue"])
     g.add_argument("--partial-rollout", action=argparse.BooleanOptionalAction, default=None)
     g.add_argument("--end-of-data", choices=["train_partial", "drop"])
+    g.add_argument("--dynamic-sampling", action=argparse.BooleanOptionalAction, default=None)
+    g.add_argument("--max-dynamic-refills-per-step", type=int)
 
 
 def flow_from_args(args: argparse.Namespace) -> FlowConfig:
@@ -511,13 +528,24 @@ def build_parser() -> argparse.ArgumentParser:
     w, m, c = Workload(), ThroughputModel(), Costs()
     g = p.add_argument_group("workload")
     g.add_argument("--steps", type=int, default=20, help="optimizer steps to simulate (default %(default)s)")
-    g.add_argument("--num-prompts", type=int, help="prompts in the data (default: steps * prompts_per_step)")
+    g.add_argument(
+        "--num-prompts",
+        type=int,
+        help="prompts in the data (default: steps * prompts_per_step; with dynamic sampling, as many as it takes)",
+    )
     g.add_argument("--median-tokens", type=float, default=w.median_tokens, help="median sample length")
     g.add_argument("--sigma", type=float, default=w.sigma, help="lognormal sigma of sample lengths")
     g.add_argument("--prompt-sigma", type=float, default=w.prompt_sigma, help="lognormal sigma of prompt medians")
     g.add_argument("--prompt-tokens", type=int, default=w.prompt_tokens)
     g.add_argument("--max-tokens", type=int, default=w.max_tokens, help="cap of a sample's length")
     g.add_argument("--seed", type=int, default=w.seed)
+    g.add_argument(
+        "--uniform-group-rate",
+        type=float,
+        default=w.uniform_group_rate,
+        help="fraction of prompts whose samples all get the same reward (default %(default)s: every group has "
+        "signal); a run's 1 - rl/groups_used / prompts_per_step estimates it",
+    )
     g = p.add_argument_group("hardware model")
     g.add_argument("--peak-tokens-per-s", type=float, default=m.peak_tokens_per_s)
     g.add_argument("--half-concurrency", type=float, default=m.half_concurrency)
@@ -549,7 +577,9 @@ def cli_main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     try:
         flow = flow_from_args(args)
-        num_prompts = args.num_prompts if args.num_prompts is not None else args.steps * flow.prompts_per_step
+        num_prompts = args.num_prompts
+        if num_prompts is None and not flow.dynamic_sampling:
+            num_prompts = args.steps * flow.prompts_per_step
         workload = Workload(
             num_prompts=num_prompts,
             median_tokens=args.median_tokens,
@@ -558,7 +588,10 @@ def cli_main(argv: list[str]) -> int:
             prompt_tokens=args.prompt_tokens,
             max_tokens=args.max_tokens,
             seed=args.seed,
+            uniform_group_rate=args.uniform_group_rate,
         )
+        if not 0.0 <= args.uniform_group_rate <= 1.0:
+            raise ValueError(f"--uniform-group-rate must be within [0, 1], got {args.uniform_group_rate}")
         model = ThroughputModel(args.peak_tokens_per_s, args.half_concurrency)
         costs = Costs(args.train_s_per_token, args.train_overhead_s, args.sync_s)
         strategies = [flow.strategy]

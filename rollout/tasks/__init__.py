@@ -21,6 +21,8 @@ class Problem:
     id: str
     prompt: str
     answer: str
+    source: str = ""
+    """Name of the mixture source the problem came from ("" for single-source tasks)."""
 
 
 @runtime_checkable
@@ -50,6 +52,10 @@ def load_task(cfg: TaskConfig) -> Task:
         from rollout.tasks.jsonl_math import JsonlMathTask
 
         return JsonlMathTask.from_config(cfg)
+    if cfg.kind == "mixture":
+        from rollout.tasks.mixture import MixtureTask
+
+        return MixtureTask.from_config(cfg)
     module_name, _, attr = cfg.import_path.partition(":")
     try:
         factory = getattr(importlib.import_module(module_name), attr)

@@ -3,33 +3,17 @@ completion's final answer (last \\boxed{}, else last number) with the reference 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from common.config import TaskConfig
-from rollout.tasks import Problem
+from rollout.tasks import Problem, sources
 from rollout.tasks.mathanswer import answers_equal, extract_answer
 
 
 def read_problems(path: str | Path) -> list[Problem]:
     """Problems of a JSONL file; a malformed line is an error naming the file and line."""
-    problems = []
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"rollout.task.path {str(path)!r} does not exist; give a JSONL file of prompt/answer")
-    for lineno, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-            problems.append(Problem(str(record.get("id", f"{path.stem}-{lineno}")), record["prompt"],
-                                    str(record["answer"])))
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise ValueError(f"{path}:{lineno}: expected a JSON object with 'prompt' and 'answer' ({exc})") from None
-    if not problems:
-        raise ValueError(f"{path} holds no problems")
-    return problems
+    return sources.read_problems(path, "jsonl")
 
 
 @dataclass(frozen=True)
