@@ -1,7 +1,8 @@
 """The router's HTTP layer and lifecycle. `make_app` builds the aiohttp application (the proxied
-OpenAI and vLLM routes, /health, /workers, /metrics, bearer-token auth, the body-size limit) over a
-WorkerPool; `Router` runs it: one ClientSession, the pool kept in step with Redis, the listening
-socket, and the router's URL published under `Keys.router(name)` with a heartbeat. The name is
+OpenAI and vLLM routes, /health, /workers, /metrics, bearer-token auth, the body-size limit, and
+OpenAI-style JSON errors for unknown paths and wrong methods) over a WorkerPool; `Router` runs it: one
+ClientSession, the pool kept in step with Redis, the listening socket, and the router's URL published
+under `Keys.router(name)` with a heartbeat. The name is
 claimed with SET NX, so a second router of the same name refuses to start, naming the running one.
 `main` is the `ROLE=router slipstream run CFG` entry point.
 """
@@ -43,8 +44,10 @@ CONNECT_TIMEOUT_S = 5.0
 # Below the 5 s keep-alive of vLLM's uvicorn server, so the router never reuses a connection the
 # worker is about to close.
 UPSTREAM_KEEPALIVE_S = 4.0
-# In-flight requests get this long to finish when the router stops (the launcher kills after 10 s).
-SHUTDOWN_GRACE_S = 5.0
+# In-flight requests get this long to finish when the router stops. aiohttp waits up to this long for a
+# handler, cancels it and waits up to this long again, so a request no worker answers holds the stop for
+# twice this: it must fit in the launcher's SIGTERM grace (launch.stop_timeout_s / 2, 5 s by default).
+SHUTDOWN_GRACE_S = 2.0
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -62,6 +65,23 @@ async def _dead(url: str) -> bool:
     if parsed.hostname is None or parsed.port is None:
         return False
     return await asyncio.to_thread(refuses, parsed.hostname, parsed.port, CONNECT_TIMEOUT_S)
+
+
+@web.middleware
+async def json_routing_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """An unknown path (404) or a wrong method (405) answered as an OpenAI-style JSON error, like every
+    other error of the router, so OpenAI clients show the message instead of failing to parse text."""
+    try:
+        return await handler(request)
+    except web.HTTPMethodNotAllowed as exc:
+        allowed = ", ".join(sorted(exc.allowed_methods))
+        return json_error(405, f"{request.method} {request.path} is not allowed; use {allowed}",
+                          "method_not_allowed", headers={"Allow": allowed})  # fmt: skip
+    except web.HTTPNotFound:
+        served = sorted({f"{r.method} {r.resource.canonical}" for r in request.app.router.routes()
+                         if r.method != "HEAD" and r.resource is not None})  # fmt: skip
+        return json_error(404, f"no route {request.method} {request.path}; the router serves {', '.join(served)}",
+                          "not_found")  # fmt: skip
 
 
 def make_app(
@@ -110,7 +130,7 @@ def make_app(
     async def prometheus(request: web.Request) -> web.Response:
         return web.Response(text=metrics.render(pool.workers.values()), content_type="text/plain", charset="utf-8")
 
-    app = web.Application(client_max_size=cfg.max_body_bytes)
+    app = web.Application(client_max_size=cfg.max_body_bytes, middlewares=[json_routing_errors])
     for method, path in PROXIED_ROUTES:
         app.router.add_route(method, path, guarded(proxy.handle))
     app.router.add_get("/health", health)  # open, for liveness probes; it reveals only counts

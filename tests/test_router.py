@@ -249,6 +249,26 @@ async def test_no_healthy_worker_is_a_503_that_says_so(rz, http):
     assert "no healthy worker" in json.loads(raw)["error"]["message"]
 
 
+async def test_unknown_paths_and_wrong_methods_get_openai_style_json_errors(rz, http):
+    async with router(rz, exp="empty") as r:
+        answers = []
+        for method, path in (("POST", "/v1/embeddings"), ("GET", "/nothing/here"), ("GET", "/v1/completions"),
+                             ("DELETE", "/workers")):  # fmt: skip
+            async with http.request(method, r.url + path) as resp:
+                answers.append((resp.status, resp.headers["Content-Type"], resp.headers.get("Allow"),
+                                await resp.json(content_type=None)))  # fmt: skip
+    for status, content_type, _, body in answers:
+        assert content_type.startswith("application/json") and set(body["error"]) == {"message", "type", "param",
+                                                                                    "code"}  # fmt: skip
+        assert body["error"]["code"] == status
+    (s1, _, _, b1), (s2, _, _, b2), (s3, _, allow3, b3), (s4, _, allow4, b4) = answers
+    assert (s1, s2, s3, s4) == (404, 404, 405, 405)
+    assert b1["error"]["type"] == "not_found" and "no route POST /v1/embeddings" in b1["error"]["message"]
+    assert "POST /v1/completions" in b2["error"]["message"]  # says what is served
+    assert b3["error"]["type"] == "method_not_allowed" and allow3 == "POST" and "use POST" in b3["error"]["message"]
+    assert allow4 == "GET, HEAD"
+
+
 async def test_other_routes_are_proxied(rz, backends, http):
     async with router(rz) as r:
         async with http.get(r.url + "/v1/models") as resp:
@@ -412,3 +432,23 @@ async def test_routing_goes_on_with_the_last_known_pool_when_redis_is_gone(backe
     finally:
         private.close()
         await client.aclose()
+
+
+async def test_a_router_stopping_with_a_request_no_worker_answers_is_down_within_the_launchers_grace(rz, backends):
+    """aiohttp waits up to its shutdown timeout for an in-flight handler, cancels it, and waits up to that long
+    again: with a request that no worker answers, the router's stop took twice SHUTDOWN_GRACE_S. It must end
+    well inside the launcher's SIGTERM grace (launch.stop_timeout_s / 2 = 5 s by default), or the role is
+    reported as having ignored SIGTERM (seen in CI: a worker admitted as the run was torn down)."""
+    from router.server import SHUTDOWN_GRACE_S
+
+    async with aiohttp.ClientSession() as session, router(rz) as r:
+        body = {"prompt": "p", "hang_on": [b.worker_id for b in backends]}
+        request = asyncio.ensure_future(session.post(r.url + "/v1/completions", json=body))
+        await asyncio.sleep(0.3)  # the request is in flight at a worker that never answers
+        assert not request.done()
+        started = time.monotonic()
+        await r.stop()
+        took = time.monotonic() - started
+        with contextlib.suppress(aiohttp.ClientError):
+            (await request).release()
+    assert took <= 2 * SHUTDOWN_GRACE_S + 0.5 and took < 4.5, f"the router took {took:.1f}s to stop"
