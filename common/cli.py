@@ -55,6 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config", help="TOML config file")
     p.add_argument("other", nargs="?", help="a second config: print only the differences")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p = sub.add_parser("dash", help="serve the run dashboard of a run root (all its runs) or of one run dir")
+    p.add_argument("path", nargs="?", default="runs", metavar="RUN_ROOT|RUN_DIR", help="default: runs")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind; beyond loopback needs --token")
+    p.add_argument("--port", type=int, default=0, help="port to bind; 0 picks a free one (printed)")
+    p.add_argument("--token", help="required secret (as ?token=T once, or 'Authorization: Bearer T')")
     for name, (_, help_text) in DELEGATED.items():
         sub.add_parser(name, help=help_text, add_help=False)
     return parser
@@ -118,6 +123,22 @@ def _cmd_scripts(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_dash(args: argparse.Namespace) -> int:
+    import uvloop
+
+    from common.dash.server import serve
+    from common.dash.sources import DashError
+
+    try:
+        uvloop.run(serve(args.path, args.host, args.port, args.token))
+    except DashError as exc:
+        print(f"slipstream: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in DELEGATED:
@@ -125,7 +146,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         module_name, func = target.split(":")
         return int(getattr(importlib.import_module(module_name), func)(argv[1:]))
     args = build_parser().parse_args(argv)
-    commands = {"show": _cmd_show, "run": _cmd_run, "launch": _cmd_launch, "scripts": _cmd_scripts}
+    commands = {
+        "show": _cmd_show, "run": _cmd_run, "launch": _cmd_launch, "scripts": _cmd_scripts, "dash": _cmd_dash,
+    }  # fmt: skip
     try:
         return commands[args.command](args)
     except ConfigError as exc:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from dash_check import check_run_page
 
 from common.proc import experiment_processes
 
@@ -127,7 +128,7 @@ MIXTURE = (
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
 def test_two_expert_parallel_ranks_with_routing_replay_learn_fully_async_through_killed_worker_router_and_redis(
-    short_root,
+    short_root, tmp_path
 ):
     """The demo, fully async, with the trainer as 2 ranks (EP = 2: each holds 4 of the 8 experts and writes
     them into every published version) and rollout routing replay (the experts vLLM chose for every token
@@ -137,8 +138,8 @@ def test_two_expert_parallel_ranks_with_routing_replay_learn_fully_async_through
     goes on to the end without losing a prompt. The prompts are a two-source mixture (the demo's arithmetic
     80%, word problems 20%) under dynamic sampling: groups whose rewards are all equal are dropped, replaced
     by new prompts, counted and logged. Then the run's sharded checkpoint loads into one unsharded rank,
-    equals the last version the workers loaded, and trains on. (One run for all of it: each demo launch
-    costs two vLLM starts.)"""
+    equals the last version the workers loaded, and trains on, and its dashboard page shows every figure the
+    run wrote. (One run for all of it: each demo launch costs two vLLM starts.)"""
     run = Launch(short_root, "rl-async", "flow.strategy=fully_async", "launch.roles.trainer.replicas=2",
                  "trainer.parallel.ep=2", "trainer.checkpoint.interval_steps=5",
                  "trainer.rl.routing_replay=rollout", *MIXTURE, "flow.dynamic_sampling=true")  # fmt: skip
@@ -186,6 +187,10 @@ def test_two_expert_parallel_ranks_with_routing_replay_learn_fully_async_through
     assert (run.run_dir / "report.png").stat().st_size > 10_000
     assert_replay_telemetry(run.run_dir)
     assert_checkpoint_is_the_last_version_and_trains_on_one_rank(run.run_dir)
+    # The dashboard of this real finished run, in chromium: no console error, every chart draws DuckDB's
+    # points; the screenshots stay in tmp_path (docs/dashboard.png is one of them).
+    drawn = check_run_page(run.run_dir, tmp_path / "dash")
+    assert drawn.get("rl/reward_mean") == STEPS and drawn.get("eval/arithmetic/accuracy/mean", 0) >= STEPS, drawn
 
 
 def assert_replay_telemetry(run_dir: Path) -> None:

@@ -64,6 +64,7 @@ from trainer.checkpoint import CheckpointSchedule, TrainState, checkpoint_steps
 from trainer.core import StepResult, TrainingCore, cross_entropy_loss
 from trainer.data.shards import data_root
 from trainer.data.tokenizer import data_tokenizer
+from trainer.optim import RouterStats, router_figures
 from trainer.pretrain import PretrainData, Pretrainer, initial_model, resolve_device
 from trainer.ranks import (
     BOOTSTRAP_TIMEOUT_S,
@@ -326,6 +327,7 @@ class RLTrainer(TrainerRank):
         self._t0 = time.monotonic()
         self._samples_trained = 0
         self._mismatch: list[float] = []  # trainer-vs-vLLM log-prob gap on fresh samples, per step
+        self._router: list[RouterStats] = []  # the last RL update's per-layer router telemetry
         self.lineage = Lineage()  # which published version holds which step's weights (trainer/versions.py)
         ck = self.cfg.trainer.checkpoint
         self.schedule = CheckpointSchedule(ck.interval_steps, ck.interval_minutes)
@@ -412,6 +414,7 @@ class RLTrainer(TrainerRank):
             "perf/step_s": time.perf_counter() - t0,
             "perf/samples_per_s": self._samples_trained / (time.monotonic() - self._t0),
             **{f"loss/{k}": v for k, v in stats.items()},
+            **(router_figures(self._router) if rollouts else {}),
         }
         self.metrics.log_many(step, figures)
         with self.audit.open("a") as fh:
@@ -452,6 +455,7 @@ class RLTrainer(TrainerRank):
         if compared > 0:
             figures["routing_disagreement"] = differ / compared
         figures["grad_norm"] = sum(u.grad_norm for u in result.updates) / len(result.updates)
+        self._router = result.optim.router  # logged by train_step beside the step's figures, as pretraining does
         return figures
 
     def publish(self, step: int) -> None:

@@ -65,6 +65,16 @@ class StepStats:
     router: list[RouterStats] = field(default_factory=list)
 
 
+def router_figures(stats: list[RouterStats]) -> dict[str, float]:
+    """The per-layer router telemetry as metric tags: router/layer<i>/load_cv, entropy, bias_range."""
+    out: dict[str, float] = {}
+    for r in stats:
+        out[f"router/layer{r.layer}/load_cv"] = r.load_cv
+        out[f"router/layer{r.layer}/entropy"] = r.load_entropy
+        out[f"router/layer{r.layer}/bias_range"] = r.bias_max - r.bias_min
+    return out
+
+
 def router_stats(model: nn.Module) -> list[RouterStats]:
     """Telemetry of every MoE layer from the token counts accumulated since the last bias update."""
     out = []

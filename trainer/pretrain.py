@@ -32,7 +32,7 @@ from trainer.data.tokenizer import TokenizerIdentity, load_tokenizer
 from trainer.experts import select_backend
 from trainer.hf import load_hf_state
 from trainer.model import Transformer, build_model
-from trainer.optim import StepStats
+from trainer.optim import StepStats, router_figures
 from trainer.ranks import Ranks
 
 log = logging.getLogger(__name__)
@@ -197,10 +197,8 @@ class Pretrainer:
             ("train/bias_rate", stats.bias_rate),
         ):
             self.metrics.log(tag, step, value)
-        for r in stats.router:
-            self.metrics.log(f"router/layer{r.layer}/load_cv", step, r.load_cv)
-            self.metrics.log(f"router/layer{r.layer}/entropy", step, r.load_entropy)
-            self.metrics.log(f"router/layer{r.layer}/bias_range", step, r.bias_max - r.bias_min)
+        for tag, value in router_figures(stats.router).items():
+            self.metrics.log(tag, step, value)
 
     def save(self) -> Path:
         self.state.data_cursor = self.sampler.cursor()

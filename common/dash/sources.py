@@ -1,0 +1,229 @@
+"""Where the dashboard reads a run from: the registry (SQLite), the metrics (DuckDB, through
+common/metrics.py's readers, read-only while the roles write), the run dir's flow_summary.json, and
+the experiment's live Redis (through the meet dir's redis.json). Blocking reads; the server runs them
+in threads. A Redis that is gone or slow is "not running", never an error or a wait."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import time
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import redis
+
+from common.config import ConfigError, diff, from_dict
+from common.keys import Keys
+from common.metrics import read_metrics
+from common.registry import Registry, RunRecord
+from common.rendezvous import RedisInfo
+
+# redis.json and run.json: the names the rendezvous and the launcher write.
+REDIS_FILE = "redis.json"
+RUN_FILE = "run.json"
+# The newest lifecycle events shown on a live run's page.
+EVENTS_SHOWN = 8
+# A page asks Redis every poll: a server that does not answer within this is reported as not running.
+REDIS_TIMEOUT_S = 0.5
+
+
+class DashError(ValueError):
+    """The dashboard cannot serve what was asked; the message names the input and the fix."""
+
+
+@dataclass(frozen=True)
+class Run:
+    """A run as the dashboard lists it: its registry row (or run.json alone) and where its files are."""
+
+    id: str
+    name: str
+    status: str
+    git_sha: str
+    git_dirty: bool | None
+    started_at: float | None
+    ended_at: float | None
+    config_toml: str
+    run_dir: Path
+    meet_dir: Path
+
+
+@dataclass(frozen=True)
+class TaggedPoint:
+    step: int
+    ts_ms: int
+    value: float
+
+
+@dataclass
+class LiveState:
+    """What Redis says about a running experiment; `running` False with the reason when it cannot."""
+
+    running: bool
+    reason: str = ""
+    weights_current: int | None = None
+    workers: list[dict[str, object]] = field(default_factory=list)
+    roles: list[dict[str, object]] = field(default_factory=list)
+    # newest first: (time, role, event, detail JSON) of the experiment's events stream
+    events: list[tuple[str, str, str, str]] = field(default_factory=list)
+
+
+def _paths_from_config(config_toml: str, root: Path, run_id: str) -> tuple[Path, Path]:
+    """(run dir, meet dir) named by a run's resolved config (the launcher writes both), with the
+    defaults of common/roles.py where empty."""
+    data = tomllib.loads(config_toml) if config_toml else {}
+    run_dir = Path(data.get("run", {}).get("dir") or root / run_id)
+    meet = data.get("rendezvous", {}).get("meet_dir") or run_dir / "meet"
+    return run_dir, Path(meet)
+
+
+class RunSource:
+    """The runs under one run root (its registry), or the single run of one run dir."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path).resolve()
+        if (self.path / "registry.sqlite").is_file():
+            self.root, self.single = self.path, None
+        elif (self.path / RUN_FILE).is_file():
+            self.root, self.single = self.path.parent, self.path
+        elif not self.path.is_dir():
+            raise DashError(f"{path}: no such directory; pass a run root (e.g. runs/) or one run dir (runs/<exp>)")
+        else:
+            raise DashError(
+                f"{path} is neither a run root (no registry.sqlite) nor a run dir (no {RUN_FILE}); pass the "
+                "run.root of your config (default runs/) or one of its run dirs"
+            )
+
+    def _registry(self) -> Registry | None:
+        path = self.root / "registry.sqlite"
+        return Registry(path) if path.is_file() else None
+
+    def _from_record(self, r: RunRecord) -> Run:
+        run_dir, meet = _paths_from_config(r.config, self.root, r.id)
+        return Run(r.id, r.name, r.status, r.git_sha, r.git_dirty, r.started_at, r.ended_at, r.config, run_dir, meet)
+
+    def runs(self) -> list[Run]:
+        """Newest first."""
+        registry = self._registry()
+        records = registry.list() if registry is not None else []
+        if self.single is None:
+            return [self._from_record(r) for r in reversed(records)]
+        exp = json.loads((self.single / RUN_FILE).read_text())["exp"]
+        for r in records:
+            if r.id == exp:
+                return [self._from_record(r)]
+        # A run dir whose registry is elsewhere (or gone): what its own files say.
+        config_file = self.single / "config.toml"
+        config = config_file.read_text() if config_file.is_file() else ""
+        _, meet = _paths_from_config(config, self.root, exp)
+        return [Run(exp, exp, "unknown (not in a registry)", "unknown", None, None, None, config, self.single, meet)]
+
+    def run(self, run_id: str) -> Run:
+        for r in self.runs():
+            if r.id == run_id:
+                return r
+        raise KeyError(f"run {run_id!r} is not in {self.path}")
+
+
+def config_diff(a: Run, b: Run) -> list[tuple[str, object, object]]:
+    """common/config.py's diff of two runs' resolved configs."""
+    configs = []
+    for r in (a, b):
+        try:
+            configs.append(from_dict(tomllib.loads(r.config_toml)))
+        except (ConfigError, tomllib.TOMLDecodeError) as exc:
+            raise DashError(f"run {r.id}: its recorded config does not load here ({exc}); compare it by hand") from None
+    return diff(configs[0], configs[1])
+
+
+def metrics_signature(run_dir: Path) -> str:
+    """Changes whenever a metrics file (or flow_summary.json) of the run changes: the key of the page's cache."""
+    parts = []
+    for path in sorted((run_dir / "metrics").glob("*")) + [run_dir / "flow_summary.json"]:
+        with contextlib.suppress(FileNotFoundError):
+            st = path.stat()
+            parts.append(f"{path.name}:{st.st_mtime_ns}:{st.st_size}")
+    return hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
+
+
+def read_series(run_dir: Path) -> dict[str, dict[int, TaggedPoint]]:
+    """tag -> step -> point of every role and rank of a run; a step written twice (a resumed run) keeps
+    its newest point, as common/metrics.py's step_series does."""
+    series: dict[str, dict[int, TaggedPoint]] = {}
+    if not (run_dir / "metrics").is_dir():
+        return series
+    for p in read_metrics(run_dir):  # ordered by tag, step, time: the newest point of a step comes last
+        series.setdefault(p.tag, {})[p.step] = TaggedPoint(p.step, p.ts_ms, p.value)
+    return series
+
+
+def read_flow_summary(run_dir: Path) -> dict | None:
+    """The trainer's flow_summary.json (written once at the end of the run), or None before it exists."""
+    path = run_dir / "flow_summary.json"
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except json.JSONDecodeError as exc:
+        raise DashError(f"{path} is not valid JSON ({exc}); the trainer writes it at the end of a run") from None
+
+
+def read_live(run: Run) -> LiveState:
+    """Workers (both pools) with their versions and liveness, role heartbeats, the served version and the
+    newest lifecycle events."""
+    try:
+        data = json.loads((run.meet_dir / REDIS_FILE).read_text())
+    except FileNotFoundError:
+        return LiveState(False, f"no {REDIS_FILE} in {run.meet_dir}")
+    except (OSError, json.JSONDecodeError) as exc:
+        return LiveState(False, f"{run.meet_dir / REDIS_FILE}: {exc}")
+    info = RedisInfo(**data)
+    if info.stopped:
+        return LiveState(False, "its Redis was stopped at the end of the run")
+    keys = Keys(run.id)
+    client = info.client(timeout_s=REDIS_TIMEOUT_S, retry=False)
+    try:
+        state = LiveState(True)
+        current = client.get(keys.weights_current)
+        state.weights_current = None if current is None else int(current)
+        for pool, hash_key in (("train", keys.workers), ("eval", keys.eval_workers)):
+            entries = {str(k): str(v) for k, v in client.hgetall(hash_key).items()}
+            ids = sorted(entries)
+            ttls = [client.pttl(keys.worker_alive(i)) for i in ids]
+            for worker_id, ttl in zip(ids, ttls, strict=True):
+                try:
+                    record = json.loads(entries[worker_id])
+                except json.JSONDecodeError:
+                    record = {"url": f"unreadable record {entries[worker_id][:80]!r}"}
+                state.workers.append(
+                    {
+                        "id": worker_id,
+                        "pool": pool,
+                        "url": record.get("url"),
+                        "version": record.get("weight_version"),
+                        "alive": ttl > 0,
+                        "ttl_s": round(ttl / 1000, 1) if ttl > 0 else None,
+                    }  # fmt: skip
+                )
+        for key in sorted(client.scan_iter(match=keys.role_pattern("*"), count=500)):
+            _, role, instance = key[len(keys.prefix) : -len(":alive")].split(":", 2)
+            ttl = client.pttl(key)
+            state.roles.append({"role": role, "instance": instance, "ttl_s": round(ttl / 1000, 1) if ttl > 0 else None})
+        for _, raw in client.xrevrange(keys.events, count=EVENTS_SHOWN) or []:
+            fields = {str(k): str(v) for k, v in (raw or {}).items()}
+            ts = float(fields.get("ts", 0))
+            state.events.append((age(ts), fields.get("role", "?"), fields.get("event", "?"), fields.get("detail", "")))
+        return state
+    except (redis.ConnectionError, redis.TimeoutError) as exc:
+        return LiveState(False, f"Redis at {info.host}:{info.port} does not answer ({exc})")
+    except redis.AuthenticationError as exc:
+        return LiveState(False, f"Redis at {info.host}:{info.port} rejects the password of {REDIS_FILE} ({exc})")
+    finally:
+        client.close()
+
+
+def age(ts: float | None) -> str:
+    """A registry time as UTC text."""
+    return "-" if ts is None else time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(ts))
