@@ -10,12 +10,17 @@ evaluation started at, otherwise `VersionMoved` is raised and nothing of that ch
 watcher then moves on to the newest version). Against a plain URL the probe is its /weight_info (vLLM
 dev mode) or, when that route is absent, a fixed label (`--weight-version`, else "unversioned",
 stated in the summary).
+
+`eval_plan` is the one place that turns a run's `[evaluator]` section and its `rollout.task` into
+benchmarks and generation settings: the evaluator role and `slipstream eval --config` both build from
+it, so the command reproduces a score the run recorded for a version.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -28,6 +33,7 @@ from typing import Any, Protocol
 
 import aiohttp
 
+from common.config import Config, ConfigError, EvaluatorConfig, TaskConfig, load_config
 from common.log import setup as setup_logging
 from evaluator.backend import Backend, Generation, RequestError, RetryPolicy
 from evaluator.benchmark import BENCHMARKS, Benchmark, BenchmarkError, Case, EvalOptions, SampleScore, load_benchmark
@@ -99,6 +105,27 @@ class EvalResult:
     summary_path: str
     cases_path: str
     options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class EvalPlan:
+    """Benchmarks and generation settings of a run's evaluations."""
+
+    benchmarks: list[Benchmark]
+    options: EvalOptions
+    max_concurrent: int
+    chunk_cases: int
+
+
+def eval_plan(ev: EvaluatorConfig, train_task: TaskConfig | None) -> EvalPlan:
+    """The evaluations `ev` asks for, each benchmark built over `ev.data_root` and following `train_task`
+    (None: the benchmarks' own data files decide, e.g. held-out arithmetic's knobs)."""
+    return EvalPlan(
+        benchmarks=[load_benchmark(name, ev.data_root, train_task) for name in ev.benchmarks],
+        options=EvalOptions(limit=ev.limit or None, max_tokens=ev.max_tokens or None),
+        max_concurrent=ev.max_concurrent,
+        chunk_cases=ev.chunk_cases,
+    )
 
 
 def output_paths(out_dir: Path, benchmark: str, version: str) -> tuple[Path, Path]:
@@ -228,21 +255,32 @@ async def evaluate(
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="slipstream eval",
-        description="Run benchmarks against an OpenAI-compatible URL (the router, a vLLM server, ...).",
+        description="Run benchmarks against an OpenAI-compatible URL (the router, a vLLM server, ...). With "
+        "--config or --run-dir, the benchmarks are built exactly as that run's evaluator role builds them "
+        "(evaluator.benchmarks, data_root, limit, max_tokens, max_concurrent, the training task's knobs, "
+        "rollout.served_model_name), so a score the run recorded for a version is reproduced; flags given on "
+        "the command line win over the config.",
     )
     p.add_argument("--url", required=True, help="base URL of the server, e.g. http://127.0.0.1:8000")
-    p.add_argument("--benchmark", action="append", required=True, choices=sorted(BENCHMARKS),
-                   help="benchmark to run (repeat for several)")  # fmt: skip
-    p.add_argument("--model", help="served model name (default: the only one the server lists)")
+    run = p.add_mutually_exclusive_group()
+    run.add_argument("--config", help="the run's TOML config (e.g. configs/demo.toml): evaluate as its evaluator does")
+    run.add_argument("--run-dir", help="a run dir made by `slipstream launch`: use its config.toml as --config")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a value of --config / --run-dir's config, e.g. --set evaluator.limit=50")  # fmt: skip
+    p.add_argument("--benchmark", action="append", choices=sorted(BENCHMARKS),
+                   help="benchmark to run (repeat for several; default with a config: evaluator.benchmarks)")  # fmt: skip
+    p.add_argument("--model", help="served model name (default: rollout.served_model_name with a config, else the "
+                   "only one the server lists)")  # fmt: skip
     p.add_argument("--out", default="runs/eval", help="output dir: cache.jsonl, per-case JSONL, summary JSON")
-    p.add_argument("--data-root", default="evaluator/data", help="directory holding the benchmarks' data")
+    p.add_argument("--data-root", help="directory holding the benchmarks' data (default: evaluator.data_root, "
+                   "evaluator/data)")  # fmt: skip
     p.add_argument("--samples", type=int, help="samples per prompt (enables pass@k)")
     p.add_argument("--temperature", type=float)
     p.add_argument("--top-p", type=float)
     p.add_argument("--max-tokens", type=int, help="largest completion; clamped to max_model_len - prompt tokens")
     p.add_argument("--seed", type=int, help="sampling seed sent with every request")
     p.add_argument("--limit", type=int, help="evaluate only the first N cases")
-    p.add_argument("--max-concurrent", type=int, default=32, help="requests in flight at once")
+    p.add_argument("--max-concurrent", type=int, help="requests in flight at once (default: evaluator.max_concurrent)")
     p.add_argument("--tokenizer", help="tokenizer dir for counting prompt tokens (default: the served model's)")
     p.add_argument("--weight-version", help="version label when the server has no /weight_info route")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request before it is retried")
@@ -250,6 +288,38 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--token", default=os.environ.get("SLIPSTREAM_TOKEN", ""),
                    help="bearer token (default: $SLIPSTREAM_TOKEN)")  # fmt: skip
     return p
+
+
+def run_config(args: argparse.Namespace) -> Config | None:
+    """The config named by --config or --run-dir (with --set applied), or None when neither was given."""
+    if args.run_dir is not None:
+        path = Path(args.run_dir) / "config.toml"
+        if not path.is_file():
+            raise ConfigError(f"--run-dir {args.run_dir}: no config.toml there; give a run dir that "
+                              "`slipstream launch` created, or pass --config CONFIG")  # fmt: skip
+        return load_config(path, args.overrides)
+    if args.config is not None:
+        return load_config(args.config, args.overrides)
+    if args.overrides:
+        raise ConfigError(f"--set {args.overrides[0]} needs a config to apply to; pass --config CONFIG or --run-dir")
+    return None
+
+
+def cli_plan(args: argparse.Namespace, cfg: Config | None) -> EvalPlan:
+    """What `slipstream eval` evaluates: `eval_plan` of the config's evaluator section and training task, with
+    the flags given applied on top. Without a config: the flags over EvaluatorConfig's defaults, and no
+    training task (held-out arithmetic then takes its data file's knobs)."""
+    ev = cfg.evaluator if cfg is not None else EvaluatorConfig(benchmarks=[])
+    flags = {"benchmarks": args.benchmark, "data_root": args.data_root, "limit": args.limit,
+             "max_tokens": args.max_tokens, "max_concurrent": args.max_concurrent}  # fmt: skip
+    ev = dataclasses.replace(ev, **{k: v for k, v in flags.items() if v is not None})
+    if not ev.benchmarks:
+        raise BenchmarkError("no benchmark to run: pass --benchmark NAME (or --config CONFIG to run the config's "
+                             "evaluator.benchmarks)")  # fmt: skip
+    result = eval_plan(ev, cfg.rollout.task if cfg is not None else None)
+    extra = {"samples": args.samples, "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed}
+    options = dataclasses.replace(result.options, **{k: v for k, v in extra.items() if v is not None})
+    return dataclasses.replace(result, options=options)
 
 
 async def probe_for(backend: Backend, label: str | None) -> VersionProbe:
@@ -268,27 +338,32 @@ async def probe_for(backend: Backend, label: str | None) -> VersionProbe:
 
 
 async def run_cli(args: argparse.Namespace) -> list[EvalResult]:
-    options = EvalOptions(args.samples, args.temperature, args.top_p, args.max_tokens, args.seed, args.limit)
+    cfg = run_config(args)
+    todo = cli_plan(args, cfg)
+    model = args.model or (cfg.rollout.served_model_name if cfg is not None else None)
     out = Path(args.out)
     results = []
     async with aiohttp.ClientSession() as session:
-        backend = Backend(session, args.url, args.model, args.timeout, RetryPolicy(args.max_retries), args.token)
+        backend = Backend(session, args.url, model, args.timeout, RetryPolicy(args.max_retries), args.token)
         await backend.describe()
         await backend.choose_counter(args.tokenizer)
         probe = await probe_for(backend, args.weight_version)
         with ResultCache(out / "cache.jsonl") as cache:
-            for name in args.benchmark:
-                bench = load_benchmark(name, args.data_root)
-                results.append(await evaluate(bench, backend, cache, out, probe, options, args.max_concurrent))
+            for bench in todo.benchmarks:
+                results.append(await evaluate(bench, backend, cache, out, probe, todo.options, todo.max_concurrent,
+                                              todo.chunk_cases))  # fmt: skip
     return results
 
 
 def cli_main(argv: Sequence[str]) -> int:
-    """`slipstream eval ...`: print one line per benchmark; exit 1 on a request or data error."""
+    """`slipstream eval ...`: print one line per benchmark; exit 1 on a request or data error, 2 on a config error."""
     args = build_parser().parse_args(list(argv))
     setup_logging("eval", "-")
     try:
         results = asyncio.run(run_cli(args))
+    except ConfigError as exc:
+        print(f"slipstream eval: config error: {exc}", file=sys.stderr)
+        return 2
     except (RequestError, BenchmarkError, VersionMoved) as exc:
         print(f"slipstream eval: {exc}", file=sys.stderr)
         return 1

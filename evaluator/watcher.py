@@ -27,9 +27,9 @@ from common.metrics import MetricsWriter
 from common.net import bearer
 from common.roles import RunContext, announce
 from evaluator.backend import Backend, RequestError, RetryPolicy
-from evaluator.benchmark import Benchmark, EvalOptions, load_benchmark
+from evaluator.benchmark import Benchmark
 from evaluator.cache import ResultCache
-from evaluator.runner import EvalResult, Snapshot, VersionMoved, evaluate
+from evaluator.runner import EvalPlan, EvalResult, Snapshot, VersionMoved, eval_plan, evaluate
 
 log = logging.getLogger(__name__)
 
@@ -155,16 +155,15 @@ class Watcher:
         self,
         ctx: RunContext,
         client: redis.asyncio.Redis,
-        benchmarks: list[Benchmark],
+        plan: EvalPlan,
         cache: ResultCache,
         metrics: MetricsWriter,
     ) -> None:
         self.ctx, self.client = ctx, client
-        self.benchmarks, self.cache, self.metrics = benchmarks, cache, metrics
+        self.benchmarks, self.cache, self.metrics = plan.benchmarks, cache, metrics
         ev = ctx.cfg.evaluator
         self.every_n, self.until = ev.every_n_versions, ev.until_version
-        self.options = EvalOptions(limit=ev.limit or None, max_tokens=ev.max_tokens or None)
-        self.max_concurrent, self.chunk_cases = ev.max_concurrent, ev.chunk_cases
+        self.options, self.max_concurrent, self.chunk_cases = plan.options, plan.max_concurrent, plan.chunk_cases
         self.out_dir = ctx.run_dir / "evals"
         self.done: set[tuple[int, str]] = set()
 
@@ -214,9 +213,9 @@ class VerifyWatcher(Watcher):
     (every discard is logged): run an eval-pool worker (pin mode), or evaluate fewer cases.
     """
 
-    def __init__(self, ctx: RunContext, client: redis.asyncio.Redis, benchmarks: list[Benchmark], cache: ResultCache,
+    def __init__(self, ctx: RunContext, client: redis.asyncio.Redis, plan: EvalPlan, cache: ResultCache,
                  metrics: MetricsWriter, backend: Backend, probe: FleetProbe) -> None:  # fmt: skip
-        super().__init__(ctx, client, benchmarks, cache, metrics)
+        super().__init__(ctx, client, plan, cache, metrics)
         self.backend, self.probe = backend, probe
 
     async def settled(self) -> FleetSnapshot:
@@ -304,9 +303,9 @@ class PinWatcher(Watcher):
     leaves is replaced by the next live one. Nothing is evaluated before the first publish.
     """
 
-    def __init__(self, ctx: RunContext, client: redis.asyncio.Redis, benchmarks: list[Benchmark], cache: ResultCache,
+    def __init__(self, ctx: RunContext, client: redis.asyncio.Redis, plan: EvalPlan, cache: ResultCache,
                  metrics: MetricsWriter, session: aiohttp.ClientSession) -> None:  # fmt: skip
-        super().__init__(ctx, client, benchmarks, cache, metrics)
+        super().__init__(ctx, client, plan, cache, metrics)
         self.session = session
         self.worker: EvalWorker | None = None
         self.published: dict[int, str] = {}  # version -> location
@@ -487,7 +486,8 @@ async def main(ctx: RunContext) -> int:
     """`ROLE=evaluator slipstream run CFG`: evaluate published versions until cancelled (or until_version)."""
     cfg = ctx.cfg
     ev = cfg.evaluator
-    benchmarks = [load_benchmark(name, ev.data_root, cfg.rollout.task) for name in ev.benchmarks]
+    # The same plan `slipstream eval --config` builds, so the command reproduces these scores.
+    plan = eval_plan(ev, cfg.rollout.task)
     client = ctx.async_redis()
     metrics = MetricsWriter(ctx.run_dir, ctx.exp, "evaluator", 0)
     cache = ResultCache(ctx.run_dir / "evals" / "cache.jsonl")
@@ -511,7 +511,7 @@ async def main(ctx: RunContext) -> int:
                 log.info("evaluating %s on an eval-pool worker pinned to each version (every %d version(s))",
                          ", ".join(ev.benchmarks), ev.every_n_versions)  # fmt: skip
                 try:
-                    return await PinWatcher(ctx, client, benchmarks, cache, metrics, session).run()
+                    return await PinWatcher(ctx, client, plan, cache, metrics, session).run()
                 except EvaluatorError as exc:
                     log.error("%s", exc)
                     return 2
@@ -519,7 +519,7 @@ async def main(ctx: RunContext) -> int:
             await backend.choose_counter(tokenize_urls=tuple((await probe.live_workers()).values()))
             log.info("evaluating %s through %s (every %d version(s))", ", ".join(ev.benchmarks), url,
                      ev.every_n_versions)  # fmt: skip
-            return await VerifyWatcher(ctx, client, benchmarks, cache, metrics, backend, probe).run()
+            return await VerifyWatcher(ctx, client, plan, cache, metrics, backend, probe).run()
     finally:
         cache.close()
         metrics.close()

@@ -4,11 +4,12 @@ all three benchmarks end to end through the router and counts the requests the r
 other runs ROLE=evaluator as a process during a sequence of publishes (WeightPublisher of
 rollout/weights.py, publishing the original weights again so later tests see version-0 weights):
 every evaluated version gets exactly one result row with its number, a version that moves during
-its evaluation gets none, and an evaluator killed (SIGKILL) mid-version and restarted regenerates
-only the cases its cache lacked (counted by the router's /metrics). The last starts an eval-pool worker
-role process (rollout.pool = "eval", same run and model) and the evaluator in pin mode, then publishes
-versions faster than one evaluation takes: every version gets exactly one row, measured on its own
-weights, while the train worker follows every publish untouched by the evaluator."""
+its evaluation gets none, an evaluator killed (SIGKILL) mid-version and restarted regenerates only
+the cases its cache lacked (counted by the router's /metrics), and `slipstream eval --config` against
+the worker reproduces the score recorded for the version it serves, case by case. The last starts an
+eval-pool worker role process (rollout.pool = "eval", same run and model) and the evaluator in pin
+mode, then publishes versions faster than one evaluation takes: every version gets exactly one row,
+measured on its own weights, while the train worker follows every publish untouched by the evaluator."""
 
 from __future__ import annotations
 
@@ -31,13 +32,14 @@ from common.metrics import read_metrics
 from evaluator.backend import Backend
 from evaluator.benchmark import EvalOptions, load_benchmark
 from evaluator.cache import ResultCache
-from evaluator.runner import evaluate
+from evaluator.runner import build_parser, evaluate, run_cli
 from evaluator.watcher import FleetProbe
 from rollout.weights import WeightPublisher, served_version
 
 pytestmark = [pytest.mark.slow]
 
-DATA = Path(__file__).resolve().parent.parent / "evaluator" / "data"
+ROOT = Path(__file__).resolve().parent.parent
+DATA = ROOT / "evaluator" / "data"
 ROUTE = "/v1/completions"
 
 
@@ -90,6 +92,12 @@ async def test_all_benchmarks_run_end_to_end_through_the_router_against_vllm(dee
     assert proxied(run, "/v1/chat/completions") - before["/v1/chat/completions"] == 5
 
 
+def answered(cases_jsonl: Path) -> list[tuple[str, str, list[str]]]:
+    """(case id, prompt, completions) of every line of a per-case JSONL."""
+    lines = [json.loads(line) for line in cases_jsonl.read_text().splitlines()]
+    return [(line["case"], line["prompt"], line["completions"]) for line in lines]
+
+
 def evals(run) -> list[tuple[int, str]]:
     return [(int(f["version"]), f["benchmark"]) for _, f in run.redis.xrange(run.keys.evals)]
 
@@ -105,7 +113,7 @@ def cached_for(cache: Path, version: int) -> int:
     return count
 
 
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(540)
 async def test_live_evaluator_records_each_version_exactly_and_resumes_from_its_cache(deepseek_run, tmp_path,
                                                                                      monkeypatch):  # fmt: skip
     run = deepseek_run
@@ -160,6 +168,19 @@ async def test_live_evaluator_records_each_version_exactly_and_resumes_from_its_
         summary = json.loads((eval_dir / "evals" / f"arithmetic.v{version}.summary.json").read_text())
         assert summary["version"] == str(version) and summary["cases"] == n_cases
     assert os.path.exists(eval_dir / "evals" / f"arithmetic.v{v0 + 1}.summary.json") is False
+    # `slipstream eval --config` against the worker (its /weight_info says which version) reproduces the row the
+    # evaluator recorded for that version: same cases, same completions, the same score. Same config and
+    # environment overrides as the role process, and its working directory (evaluator.data_root is relative).
+    monkeypatch.chdir(ROOT)
+    (worker_url,) = [rec["url"] for rec in run.workers().values()]
+    cli_out = tmp_path / "cli"
+    args = build_parser().parse_args(["--url", worker_url, "--config", str(run.config), "--out", str(cli_out)])
+    (again,) = await run_cli(args)
+    recorded = json.loads((eval_dir / "evals" / f"arithmetic.v{v0 + 3}.summary.json").read_text())
+    assert (again.version, again.cases, again.generated) == (str(v0 + 3), n_cases, n_cases)
+    print(f"slipstream eval --config at version {v0 + 3}: {again.score} (recorded {recorded['score']})")
+    assert again.score == recorded["score"] and again.metrics == recorded["metrics"]
+    assert answered(Path(again.cases_path)) == answered(eval_dir / "evals" / f"arithmetic.v{v0 + 3}.cases.jsonl")
 
 
 def perturbed(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -3,13 +3,16 @@ server standing in for vLLM: /v1/models, /tokenize counting characters, completi
 /weight_info, scripted failure statuses and a version bump after a given number of requests). It
 checks: summary and per-case files, max_tokens clamping, retries only on transport errors and
 408/425/429/5xx, permanent 4xx failing at once with the server's text, resuming an interrupted run
-from the cache without regenerating finished cases, discarding a chunk whose version moved, the
-`slipstream eval` command, and waiting for a served model with one log line per wait, not per attempt."""
+from the cache without regenerating finished cases, discarding a chunk whose version moved, a cached
+answer never served for another prompt under the same case id, the `slipstream eval` command (with
+--config / --run-dir building the benchmarks exactly as the evaluator role does, flags winning), and
+waiting for a served model with one log line per wait, not per attempt."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,13 +22,19 @@ import pytest
 from aiohttp import web
 
 from common.cli import main as slipstream_main
+from common.config import load_config, to_toml
+from common.keys import Keys
+from common.roles import RunContext
 from evaluator.backend import Backend, RequestError, RetryPolicy
-from evaluator.benchmark import EvalOptions, load_benchmark
-from evaluator.cache import ResultCache
-from evaluator.runner import VersionMoved, WeightInfoProbe, evaluate
+from evaluator.benchmark import Case, EvalOptions, Sampling, load_benchmark
+from evaluator.cache import ResultCache, fingerprint
+from evaluator.runner import VersionMoved, WeightInfoProbe, build_parser, cli_plan, eval_plan, evaluate, run_config
+from evaluator.watcher import Watcher
 from rollout.tasks.arithmetic import evaluate as arith_value
 
-DATA = Path(__file__).resolve().parent.parent / "evaluator" / "data"
+ROOT = Path(__file__).resolve().parent.parent
+DATA = ROOT / "evaluator" / "data"
+DEMO = ROOT / "configs" / "demo.toml"
 FAST_RETRY = RetryPolicy(max_retries=4, backoff_s=0.01)
 
 
@@ -206,6 +215,73 @@ def test_cache_drops_a_torn_last_line_and_keeps_appending(tmp_path):
         assert set(cache.records) == {"a"}
         cache.put("c", {"texts": ["3"]})
     assert set(ResultCache(path).records) == {"a", "c"}
+
+
+def test_a_cached_answer_is_never_served_for_another_prompt_under_the_same_case_id():
+    # Case ids of older versions repeated across configs (arith-1000003-0 for 7+3= and for 15-4=): the key
+    # holds the prompt, so an old cache entry can only be found by the very prompt it answered.
+    sampling = Sampling(max_tokens=16)
+    a, b = Case("arith-1000003-0", "7+3=", sampling), Case("arith-1000003-0", "15-4=", sampling)
+    assert fingerprint("5", "policy", a) != fingerprint("5", "policy", b)
+    assert fingerprint("5", "policy", a) == fingerprint("5", "policy", Case(a.id, "7+3=", sampling))
+
+
+def role_cases(cfg) -> dict[str, list[Case]]:
+    """The cases the evaluator role generates for each benchmark of `cfg` (its Watcher's benchmarks and options)."""
+    ctx = RunContext(cfg, "evaluator", "t", Path(cfg.run.dir), Path(cfg.run.dir), "i0", None, Keys("t"))  # type: ignore[arg-type]
+    watcher = Watcher(ctx, None, eval_plan(cfg.evaluator, cfg.rollout.task), None, None)  # type: ignore[arg-type]
+    return {b.name: watcher.options.apply(b.cases()) for b in watcher.benchmarks}
+
+
+def test_eval_with_the_demo_config_builds_the_cases_the_evaluator_role_builds(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)  # evaluator.data_root is relative, for the command as for the role
+    cfg = load_config(DEMO, [f"run.dir={tmp_path}"])
+    expected = role_cases(cfg)
+    args = build_parser().parse_args(["--url", "http://127.0.0.1:1", "--config", str(DEMO)])
+    todo = cli_plan(args, run_config(args))
+    got = {b.name: todo.options.apply(b.cases()) for b in todo.benchmarks}
+    assert list(got) == ["arithmetic"] and got == expected
+    assert (todo.max_concurrent, todo.chunk_cases) == (cfg.evaluator.max_concurrent, cfg.evaluator.chunk_cases)
+    cases = got["arithmetic"]
+    # The run's knobs (operands 0..6), not the data file's (0..20); greedy, the data file's max_tokens.
+    assert len(cases) == 200 and max(int(v) for c in cases for v in re.findall(r"\d+", c.prompt)) == 6
+    assert {c.sampling for c in cases} == {Sampling(temperature=0.0, max_tokens=16)}
+    # Without the config the command takes the data file's own problems, which the demo never trained on.
+    bare = build_parser().parse_args(["--url", "http://127.0.0.1:1", "--benchmark", "arithmetic"])
+    assert [c.prompt for c in cli_plan(bare, None).benchmarks[0].cases()] != [c.prompt for c in cases]
+
+
+def test_eval_flags_win_over_the_config_and_set_applies_to_it(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    argv = ["--url", "http://127.0.0.1:1", "--config", str(DEMO), "--set", "evaluator.max_tokens=8", "--limit", "5",
+            "--temperature", "0.5", "--samples", "3", "--max-concurrent", "2"]  # fmt: skip
+    args = build_parser().parse_args(argv)
+    todo = cli_plan(args, run_config(args))
+    (cases,) = [todo.options.apply(b.cases()) for b in todo.benchmarks]
+    assert len(cases) == 5 and todo.max_concurrent == 2
+    assert {(c.sampling.temperature, c.sampling.max_tokens, c.samples) for c in cases} == {(0.5, 8, 3)}
+    assert max(int(v) for c in cases for v in re.findall(r"\d+", c.prompt)) <= 6
+
+
+@pytest.mark.timeout(60)
+async def test_eval_run_dir_evaluates_its_config_and_a_missing_config_names_the_fix(fake, tmp_path, capsys,
+                                                                                  monkeypatch):  # fmt: skip
+    monkeypatch.chdir(ROOT)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.toml").write_text(to_toml(load_config(DEMO, [f"run.dir={run_dir}", "evaluator.limit=7"])))
+    argv = ["eval", "--url", fake.url, "--run-dir", str(run_dir), "--out", str(tmp_path / "out"), "--max-retries", "1"]
+    assert await asyncio.to_thread(slipstream_main, argv) == 0
+    assert "arithmetic version=0 accuracy/mean=1.0000 cases=7 generated=7" in capsys.readouterr().out
+    sent = [body["prompt"] for body in fake.generations]
+    assert sent == [c.prompt for c in role_cases(load_config(run_dir / "config.toml"))["arithmetic"]]
+    assert all(body["model"] == "policy" and body["max_tokens"] == 16 for body in fake.generations)
+    rc = await asyncio.to_thread(slipstream_main, [*argv[:3], "--run-dir", str(tmp_path)])
+    assert rc == 2 and f"--run-dir {tmp_path}: no config.toml there" in capsys.readouterr().err
+    rc = await asyncio.to_thread(slipstream_main, ["eval", "--url", fake.url, "--set", "evaluator.limit=3"])
+    assert rc == 2 and "needs a config to apply to; pass --config CONFIG or --run-dir" in capsys.readouterr().err
+    rc = await asyncio.to_thread(slipstream_main, ["eval", "--url", fake.url])
+    assert rc == 1 and "no benchmark to run: pass --benchmark NAME" in capsys.readouterr().err
 
 
 @pytest.mark.timeout(60)

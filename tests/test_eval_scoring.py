@@ -1,6 +1,7 @@
 """The benchmark protocol and the math scorers (pure, fast): unbiased pass@k against brute force,
 summaries, option overrides, the GSM8K reference and completion answer extraction through the RL
-task's verifier, held-out arithmetic through the RL task's generator and verifier, cheap imports."""
+task's verifier, held-out arithmetic through the RL task's generator and verifier, case ids that never
+name two different prompts, cheap imports."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from common.config import TaskConfig
+from common.config import TaskConfig, load_config
 from evaluator.benchmark import (
     BenchmarkError,
     EvalOptions,
@@ -162,6 +163,31 @@ def test_held_out_arithmetic_follows_the_one_arithmetic_generator_of_a_prompt_mi
     two = TaskConfig(kind="mixture", sources=[gen, dataclasses.replace(gen, name="arith2")])
     with pytest.raises(BenchmarkError, match="has 2 sources of format 'arithmetic'"):
         load_benchmark("arithmetic", DATA, two).cases()
+
+
+def test_case_ids_are_unique_and_never_name_two_different_prompts():
+    demo = load_config(ROOT / "configs" / "demo.toml").rollout.task
+    tasks = [None, demo, TaskConfig(operators="-+"), TaskConfig(operators="*", min_operands=3, max_operands=3),
+             TaskConfig(max_value=9), TaskConfig(min_operands=2, max_operands=3)]  # fmt: skip
+    sets = [load_benchmark("arithmetic", DATA, t).cases() for t in tasks]
+    sets += [load_benchmark(name, DATA).cases() for name in ("gsm8k", "ifeval")]
+    prompt_of: dict[str, object] = {}
+    for cases in sets:
+        assert len({c.id for c in cases}) == len(cases)
+        for c in cases:
+            assert prompt_of.setdefault(c.id, c.prompt) == c.prompt, f"id {c.id} names two different prompts"
+    # The demo's held-out set and the data file's default set share the seed, yet no id (before: arith-1000003-0).
+    default, demo_set = sets[0], sets[1]
+    assert default[0].prompt != demo_set[0].prompt and default[0].id != demo_set[0].id
+    assert demo_set[0].id == "arith-1000003-2to2ops-max6-pm-0"
+
+
+def test_held_out_operators_outside_the_generators_are_refused_naming_the_file(tmp_path):
+    (tmp_path / "arithmetic").mkdir()
+    spec = json.loads((DATA / "arithmetic" / "heldout.json").read_text()) | {"operators": "+/"}
+    (tmp_path / "arithmetic" / "heldout.json").write_text(json.dumps(spec))
+    with pytest.raises(BenchmarkError, match=r"heldout.json: operators = '\+/'; use a non-empty subset of '\+-\*'"):
+        load_benchmark("arithmetic", tmp_path).cases()
 
 
 @pytest.mark.timeout(60)

@@ -73,12 +73,13 @@ def pin_watcher(client, keys: Keys, tmp_path) -> PinWatcher:
     from common.config import Config
     from common.metrics import MetricsWriter
     from common.roles import RunContext
-    from evaluator.benchmark import load_benchmark
     from evaluator.cache import ResultCache
+    from evaluator.runner import eval_plan
 
-    data = Path(__file__).resolve().parent.parent / "evaluator" / "data"
-    ctx = RunContext(Config(), "evaluator", keys.exp, tmp_path, tmp_path / "meet", "i0", None, keys)  # type: ignore[arg-type]
-    return PinWatcher(ctx, client, [load_benchmark("arithmetic", data)], ResultCache(tmp_path / "cache.jsonl"),
+    cfg = Config()
+    cfg.evaluator.data_root = str(Path(__file__).resolve().parent.parent / "evaluator" / "data")
+    ctx = RunContext(cfg, "evaluator", keys.exp, tmp_path, tmp_path / "meet", "i0", None, keys)  # type: ignore[arg-type]
+    return PinWatcher(ctx, client, eval_plan(cfg.evaluator, None), ResultCache(tmp_path / "cache.jsonl"),
                       MetricsWriter(tmp_path, keys.exp, "evaluator", 0), None)  # type: ignore[arg-type]  # fmt: skip
 
 

@@ -1,10 +1,13 @@
 """Held-out arithmetic: problems of the RL arithmetic task (`rollout.tasks.arithmetic`: same generator,
 same prompt rendering, same exact verifier) drawn from a held-out seed that differs from the training
-seed. `<data_root>/arithmetic/heldout.json` fixes the seed, the number of problems and the generator's
-knobs; given the run's task config (`train_task`), the knobs follow training instead, so the held-out
+seed. `<data_root>/arithmetic/heldout.json` fixes the seed, the number of problems, max_tokens and the
+generator's knobs; the shipped file asks for 200 problems of two operands in 0..20 joined by + or -.
+Given the run's task config (`train_task`, which the evaluator role and `slipstream eval --config`
+pass), the knobs (operand counts, max_value, operators) follow training instead, so the held-out
 problems come from the distribution the policy is trained on, and a held-out seed equal to the
-training seed is refused. Seeds are disjoint, problems need not be: a small problem space (the demo's
-two operands up to 20) repeats problems across any two seeds.
+training seed is refused. Seeds are disjoint, problems need not be: a small problem space (two
+operands in 0..6 are 98 facts) repeats problems across any two seeds. A case id names the seed, every
+knob and the index (`case_id`), so two different prompts never share an id, whatever the config.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from evaluator.benchmark import Benchmark, BenchmarkError, Case, SampleScore, Sa
 from rollout.tasks.arithmetic import ArithmeticTask, verify
 
 DATA_FILE = "arithmetic/heldout.json"
+# Operators spelled as letters in case ids ("2+3-1" style ids would be unreadable).
+OPERATOR_LETTERS = {"+": "p", "-": "m", "*": "t"}
 
 
 @dataclass(frozen=True)
@@ -30,6 +35,13 @@ class HeldOutSpec:
     max_tokens: int
 
 
+def case_id(spec: HeldOutSpec, index: int) -> str:
+    """`arith-<seed>-<min>to<max>ops-max<max_value>-<operators as letters>-<index>`: the problem is a pure
+    function of exactly these, so equal ids mean equal prompts (the count and max_tokens change no prompt)."""
+    ops = "".join(OPERATOR_LETTERS[op] for op in spec.operators)
+    return f"arith-{spec.seed}-{spec.min_operands}to{spec.max_operands}ops-max{spec.max_value}-{ops}-{index}"
+
+
 class HeldOutArithmetic(Benchmark):
     name = "arithmetic"
     primary = "accuracy/mean"
@@ -41,6 +53,9 @@ class HeldOutArithmetic(Benchmark):
             spec = HeldOutSpec(**json.loads(path.read_text()))
         except (json.JSONDecodeError, TypeError) as exc:
             raise BenchmarkError(f"{path}: expected a JSON object with the fields of HeldOutSpec ({exc})") from None
+        if not spec.operators or set(spec.operators) - set(OPERATOR_LETTERS):
+            raise BenchmarkError(f"{path}: operators = {spec.operators!r}; use a non-empty subset of "
+                                 f"{''.join(OPERATOR_LETTERS)!r}")  # fmt: skip
         t = self.train_task
         if t is None:
             return spec
@@ -77,9 +92,8 @@ class HeldOutArithmetic(Benchmark):
             operators=s.operators,
         )
         sampling = Sampling(temperature=0.0, max_tokens=s.max_tokens)
-        return [
-            Case(p.id, p.prompt, sampling, 1, {"answer": p.answer}) for p in (task.problem(i) for i in range(len(task)))
-        ]
+        problems = [task.problem(i) for i in range(len(task))]
+        return [Case(case_id(s, i), p.prompt, sampling, 1, {"answer": p.answer}) for i, p in enumerate(problems)]
 
     def cases(self) -> list[Case]:
         return self._cases
