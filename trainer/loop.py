@@ -328,6 +328,7 @@ class RLTrainer(TrainerRank):
         self._samples_trained = 0
         self._mismatch: list[float] = []  # trainer-vs-vLLM log-prob gap on fresh samples, per step
         self._router: list[RouterStats] = []  # the last RL update's per-layer router telemetry
+        self._perf: dict[str, float] = {}  # the last RL update's parts (seconds) and trained tokens per second
         self.lineage = Lineage()  # which published version holds which step's weights (trainer/versions.py)
         ck = self.cfg.trainer.checkpoint
         self.schedule = CheckpointSchedule(ck.interval_steps, ck.interval_minutes)
@@ -414,7 +415,7 @@ class RLTrainer(TrainerRank):
             "perf/step_s": time.perf_counter() - t0,
             "perf/samples_per_s": self._samples_trained / (time.monotonic() - self._t0),
             **{f"loss/{k}": v for k, v in stats.items()},
-            **(router_figures(self._router) if rollouts else {}),
+            **(router_figures(self._router) | self._perf if rollouts else {}),
         }
         self.metrics.log_many(step, figures)
         with self.audit.open("a") as fh:
@@ -429,7 +430,9 @@ class RLTrainer(TrainerRank):
         self, step: int, rollouts: list[Rollout], advantages: torch.Tensor, group_sizes: list[int]
     ) -> dict[str, float]:
         """The step's optimizer updates (trainer.rl.mini_batches of whole groups) on the decoupled PPO loss
-        over every rank; returns the loss statistics."""
+        over every rank; returns the loss statistics (the step's parts and router telemetry go to `_perf`
+        and `_router`, which train_step logs under perf/ and router/)."""
+        t0 = time.perf_counter()
         tokens, targets, behaviour, mask = padded_batch(rollouts, self.tokenizer.pad_token_id)
         n_tokens = int(mask.sum())
         fresh = torch.tensor([float(all(self.lineage.step_of(v) == step for v in r.weight_versions)) for r in rollouts])
@@ -443,7 +446,9 @@ class RLTrainer(TrainerRank):
             batch["routing"] = routing_batch([r.sample for r in rollouts], tokens.shape[1], layers,
                                              self.cfg.trainer.model.num_experts_per_tok)  # fmt: skip
         rows = mini_batch_rows(group_sizes, self.cfg.trainer.rl.mini_batches)
+        t1 = time.perf_counter()
         result = self.command(Command("rl", batch, step=step, mini_batches=rows))
+        t2 = time.perf_counter()
         assert result is not None
         figures = dict(result.figures)
         figures["updates"] = len(result.updates)
@@ -456,6 +461,9 @@ class RLTrainer(TrainerRank):
             figures["routing_disagreement"] = differ / compared
         figures["grad_norm"] = sum(u.grad_norm for u in result.updates) / len(result.updates)
         self._router = result.optim.router  # logged by train_step beside the step's figures, as pretraining does
+        # The parts of a step: building the batch, the proximal pass and the updates on every rank (the rest of
+        # perf/step_s is rewards, advantages and bookkeeping); trained tokens per second of the whole update.
+        self._perf = {"perf/batch_s": t1 - t0, "perf/update_s": t2 - t1, "perf/train_tokens_per_s": n_tokens / (t2 - t0)}
         return figures
 
     def publish(self, step: int) -> None:
