@@ -906,6 +906,18 @@ def source_format(src: PromptSourceConfig) -> str:
     return _SOURCE_SUFFIXES.get(Path(src.path).suffix.lower(), "")
 
 
+def _validate_arithmetic(key: str, t: TaskConfig | PromptSourceConfig) -> None:
+    """The arithmetic generator's knobs, of the task or of a mixture's arithmetic source at `key`."""
+    _require(
+        bool(t.operators) and set(t.operators) <= set("+-*"),
+        f'{key}.operators {t.operators!r} must be a non-empty subset of "+-*"',
+    )
+    _require(
+        1 <= t.min_operands <= t.max_operands,
+        f"{key}.min_operands ({t.min_operands}) must be within [1, max_operands ({t.max_operands})]",
+    )
+
+
 def _validate_task_sources(t: TaskConfig) -> None:
     if t.kind != "mixture":
         _require(not t.sources, f"rollout.task.sources is read only by kind = 'mixture' (kind is {t.kind!r}): "
@@ -935,14 +947,7 @@ def _validate_task_sources(t: TaskConfig) -> None:
             _require(not src.path, f"{key} is the arithmetic generator and reads no file: drop path = {src.path!r}")
             _require(not src.repeat, f"{key}: an arithmetic source does not repeat; raise its num_problems instead")
             _require(src.num_problems >= 1, f"{key}.num_problems must be >= 1, got {src.num_problems}")
-            _require(
-                bool(src.operators) and set(src.operators) <= set("+-*"),
-                f'{key}.operators {src.operators!r} must be a non-empty subset of "+-*"',
-            )
-            _require(
-                1 <= src.min_operands <= src.max_operands,
-                f"{key}.min_operands ({src.min_operands}) must be within [1, max_operands ({src.max_operands})]",
-            )
+            _validate_arithmetic(key, src)
             continue
         _require(bool(src.path), f"{key} has no path: give a .jsonl/.parquet file or a datasets directory, or "
                                  "format = 'arithmetic' for the generator")  # fmt: skip
@@ -992,14 +997,7 @@ def validate(cfg: Config) -> None:
         f"rollout.max_tokens ({ro.max_tokens}) must be positive and below rollout.max_model_len ({ro.max_model_len})",
     )
     t = ro.task
-    _require(
-        bool(t.operators) and set(t.operators) <= set("+-*"),
-        f'rollout.task.operators {t.operators!r} must be a non-empty subset of "+-*"',
-    )
-    _require(
-        1 <= t.min_operands <= t.max_operands,
-        f"rollout.task.min_operands ({t.min_operands}) must be within [1, max_operands ({t.max_operands})]",
-    )
+    _validate_arithmetic("rollout.task", t)
     _require(t.kind != "jsonl_math" or bool(t.path), "rollout.task.kind = 'jsonl_math' needs rollout.task.path")
     _require(
         t.kind != "import" or ":" in t.import_path,

@@ -8,8 +8,9 @@ trailing characters of a completion, and symbolic comparisons run under a time l
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from common.config import TaskConfig
 
@@ -42,6 +43,18 @@ class Task(Protocol):
         ...
 
 
+def import_factory(spec: str, key: str) -> Callable[..., Any]:
+    """The object `spec` ('package.module:factory') names; `key` (the config key that gave it) names it in errors."""
+    module_name, _, attr = spec.partition(":")
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(
+            f"{key} {spec!r} cannot be loaded ({exc}); "
+            "it must name 'package.module:factory' importable from the trainer's environment"
+        ) from None
+
+
 def load_task(cfg: TaskConfig) -> Task:
     """The task a config names."""
     if cfg.kind == "arithmetic":
@@ -56,15 +69,7 @@ def load_task(cfg: TaskConfig) -> Task:
         from rollout.tasks.mixture import MixtureTask
 
         return MixtureTask.from_config(cfg)
-    module_name, _, attr = cfg.import_path.partition(":")
-    try:
-        factory = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(
-            f"rollout.task.import_path {cfg.import_path!r} cannot be loaded ({exc}); "
-            "it must name 'package.module:factory' importable from the trainer's environment"
-        ) from None
-    task = factory(cfg)
+    task = import_factory(cfg.import_path, "rollout.task.import_path")(cfg)
     if not isinstance(task, Task):
         raise TypeError(
             f"rollout.task.import_path {cfg.import_path!r} returned {type(task).__name__}, which lacks "

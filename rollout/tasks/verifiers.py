@@ -9,12 +9,11 @@ both stripped of surrounding whitespace. import calls a user factory with the so
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from common.config import PromptSourceConfig, TaskConfig
-from rollout.tasks import Problem
+from rollout.tasks import Problem, import_factory
 from rollout.tasks import arithmetic as arith
 from rollout.tasks.mathanswer import answers_equal, extract_answer
 
@@ -70,15 +69,7 @@ def make_verifier(src: PromptSourceConfig, task: TaskConfig, config_key: str) ->
         return ArithmeticVerifier(task.max_completion_chars)
     if name == "exact":
         return ExactVerifier(task.max_completion_chars)
-    module_name, _, attr = src.verifier_import.partition(":")
-    try:
-        factory = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(
-            f"{config_key}.verifier_import {src.verifier_import!r} cannot be loaded ({exc}); it must name "
-            "'package.module:factory' importable from the trainer's environment"
-        ) from None
-    verifier = factory(src)
+    verifier = import_factory(src.verifier_import, f"{config_key}.verifier_import")(src)
     if not callable(verifier):
         raise TypeError(
             f"{config_key}.verifier_import {src.verifier_import!r} returned {type(verifier).__name__}, which is not "
