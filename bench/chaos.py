@@ -74,7 +74,8 @@ class Run:
         sets = [f"run.root={root / 'runs'}", f"run.seed={seed}", f"trainer.steps={steps}",
                 "trainer.checkpoint.interval_steps=3", "rendezvous.heartbeat_period_s=0.5",
                 "rendezvous.heartbeat_ttl_s=2.0", "trainer.final_eval_wait_s=300", *extra]  # fmt: skip
-        cmd = [sys.executable, "-m", "common.cli", "launch", "configs/demo.toml"]
+        # --verbose: the figures below are read from every role's lines in one file.
+        cmd = [sys.executable, "-m", "common.cli", "launch", "--verbose", "configs/demo.toml"]
         for s in sets:
             cmd += ["--set", s]
         env = {k: v for k, v in os.environ.items() if not k.startswith("SLIPSTREAM")} | {"SLIPSTREAM_EXP": exp}

@@ -48,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="continue the experiment of this run dir from its newest checkpoint (CONFIG defaults to its "
         "config.toml); the run must not be running",
     )
+    p.add_argument("--verbose", action="store_true",
+                   help="print every line of every role (default: warnings, errors and one progress line; the "
+                   "whole output is in <run dir>/logs either way)")  # fmt: skip
     p = sub.add_parser("scripts", help="write one script per role replica plus Slurm and Kubernetes files")
     _add_config_args(p)
     p.add_argument("outdir", help="directory to write the scripts into")
@@ -103,7 +106,7 @@ def _cmd_launch(args: argparse.Namespace) -> int:
 
     if args.config is None and args.resume is None:
         raise ConfigError("slipstream launch needs a CONFIG (e.g. configs/demo.toml) or --resume RUN_DIR")
-    return launch(args.config, args.overrides, resume=args.resume)
+    return launch(args.config, args.overrides, resume=args.resume, verbose=args.verbose)
 
 
 def _cmd_scripts(args: argparse.Namespace) -> int:

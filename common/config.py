@@ -615,6 +615,11 @@ class LaunchConfig:
     shared_volume_size: str = "100Gi"
     """Size requested by the manifest's ReadWriteMany volume, mounted at the run dir in every pod (meet
     dir, published weights and checkpoints live there)."""
+    dash: bool = False
+    """Serve the run dashboard (`slipstream dash`) from the launcher on loopback while the run goes on, and
+    print its URL; for a bind beyond loopback run `slipstream dash --host H --token T` instead."""
+    dash_port: int = 0
+    """Port of the launcher's dashboard; 0 picks a free one (printed)."""
 
 
 @dataclass

@@ -4,8 +4,9 @@ The launcher resolves the experiment id, run dir and meet dir, writes the resolv
 run dir, records the run in the registry, becomes the rendezvous leader (so Redis outlives any role
 restart), and starts every replica of every `launch.roles` entry as a child process with ROLE,
 SLIPSTREAM_EXP, SLIPSTREAM_MEET_DIR, SLIPSTREAM_REPLICA and SLIPSTREAM_REPLICAS set (trainer replicas are
-its ranks). Child output is prefixed with
-`role/replica`. A replica that fails is restarted when its entry says so (by default the router, vLLM
+its ranks). Each replica's output goes to <run dir>/logs/<entry>-<i>.log; the console (common/console.py)
+shows the launcher's own lines, the roles' warnings and errors and one progress line, or with `verbose`
+every child line prefixed with `entry/replica`. A replica that fails is restarted when its entry says so (by default the router, vLLM
 workers and the evaluator, which rejoin the experiment by themselves), after a doubling backoff and up
 to max_restarts. The run ends when every critical entry exited 0, or at the first failure not
 restarted (whose exit code the launcher returns), or on SIGINT/SIGTERM; in every case the whole process
@@ -40,17 +41,20 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import psutil
 import yaml
 
 from common import log as logsetup
 from common.config import ENV_PREFIX, Config, RoleSpec, load_config, to_toml
+from common.console import LOGS, Console, ConsoleHandler, ProgressLine, Shown, elapsed, log_path
+from common.dash.server import DashServer
+from common.dash.sources import RunSource, read_live
 from common.proc import die_with_parent
 from common.registry import Registry
 from common.rendezvous import Rendezvous
-from common.roles import new_exp_id, resolve_meet_dir, resolve_run_dir
+from common.roles import REPORT_FILE, new_exp_id, resolve_meet_dir, resolve_run_dir
 
 log = logging.getLogger(__name__)
 
@@ -173,6 +177,10 @@ def env_of(rep: Replica, prep: Prepared) -> dict[str, str]:
     }
 
 
+# What of a failed replica's log the console shows when nothing of its last life reached it.
+TAIL_LINES = 12
+TAIL_BYTES = 16384
+
 # Put into the exit queue by a restart timer: start that replica again.
 RESTART = -(10**6)
 
@@ -193,14 +201,18 @@ def restarts_together(rep: Replica) -> bool:
 class Launcher:
     """Runs the replicas of a prepared run as children and tears them all down at the end."""
 
-    def __init__(self, prep: Prepared, out: object = None) -> None:
+    def __init__(self, prep: Prepared, console: Console, verbose: bool = False) -> None:
         self.prep = prep
         self.replicas = replicas_of(prep.cfg)
-        self.out = out or sys.stdout
+        self.console = console
+        self.verbose = verbose
         self._exits: queue.Queue[tuple[Replica | None, int]] = queue.Queue()
-        self._print_lock = threading.Lock()
         self._signal: int | None = None
         self._stopped: set[str] = set()  # replicas this launcher stopped for a restart: their exit is no failure
+        self._shown: dict[str, Shown] = {}  # per replica: what its current life put on the console
+
+    def log_of(self, rep: Replica) -> Path:
+        return log_path(self.prep.run_dir, f"{rep.entry}-{rep.index}")
 
     def _start(self, rep: Replica) -> None:
         """Start one replica; call it from the main thread only (see `preexec_fn`)."""
@@ -219,16 +231,27 @@ class Launcher:
             # (Started from the main thread only, which lives as long as the launcher.)
             preexec_fn=die_with_parent,
         )
+        # Appended: a restarted replica (or a resumed run) continues the log of the ones before it.
+        logfile = self.log_of(rep).open("ab", buffering=0)
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        logfile.write(f"---- {stamp} {rep.label} started by the launcher (pid {rep.proc.pid}) ----\n".encode())
+        self._shown[rep.label] = Shown(self.log_of(rep))
         log.info("started %s (role %s, pid %d)", rep.label, rep.role, rep.proc.pid)
-        threading.Thread(target=self._pump, args=(rep, rep.proc), daemon=True, name=f"pump {rep.label}").start()
+        threading.Thread(target=self._pump, args=(rep, rep.proc, logfile), daemon=True,
+                         name=f"pump {rep.label}").start()  # fmt: skip
 
-    def _pump(self, rep: Replica, proc: subprocess.Popen[bytes]) -> None:
+    def _pump(self, rep: Replica, proc: subprocess.Popen[bytes], logfile: BinaryIO) -> None:
         assert proc.stdout is not None
         prefix = f"[{rep.label}] "
-        for raw in proc.stdout:
-            line = raw.decode(errors="replace").rstrip("\n")
-            with self._print_lock:
-                print(prefix + line, file=self.out, flush=True)  # type: ignore[call-overload]
+        shown = self._shown[rep.label]
+        with logfile:
+            for raw in proc.stdout:
+                logfile.write(raw)
+                line = raw.decode(errors="replace").rstrip("\n")
+                if self.verbose:
+                    self.console.line(prefix + line)
+                elif (text := shown(line)) is not None:
+                    self.console.line(prefix + text)
         code = proc.wait()
         self._exits.put((rep, code))
 
@@ -283,6 +306,7 @@ class Launcher:
                 log.warning("%s exited with code %d: restarting%s (%d/%d) in %.1fs", rep.label, code,
                             "" if len(group) == 1 else f" all {len(group)} replicas of {rep.entry}", rep.restarts,
                             rep.spec.max_restarts, delay)  # fmt: skip
+                self._show_tail(rep, code)
                 # Started by this (main) thread when the timer says so: the parent-death signal of a child is
                 # tied to the thread that forked it.
                 for member in group:
@@ -292,8 +316,20 @@ class Launcher:
                 continue
             spent = f" after {rep.restarts} restart(s), the most launch.roles.{rep.entry}.max_restarts allows" if (
                 restarts_on_failure(rep)) else ""  # fmt: skip
-            log.error("%s failed with exit code %d%s: stopping the run", rep.label, code, spent)
+            log.error("%s failed with exit code %d%s: stopping the run (its log: %s)", rep.label, code, spent,
+                      self.log_of(rep))  # fmt: skip
+            self._show_tail(rep, code)
             return code
+
+    def _show_tail(self, rep: Replica, code: int) -> None:
+        """A replica that exited with an error code but put no warning or error on the console: its last
+        lines say why (one killed by a signal, code >= 128, has nothing to say about it)."""
+        if self.verbose or self._shown[rep.label].count or not 0 < code < 128:
+            return
+        lines = self.log_of(rep).read_bytes()[-TAIL_BYTES:].decode(errors="replace").splitlines()[-TAIL_LINES:]
+        self.console.line(f"[{rep.label}] the last lines of its log:")
+        for line in lines:
+            self.console.line(f"[{rep.label}]   {line.rsplit(chr(13), 1)[-1]}")
 
     def teardown(self) -> None:
         """SIGTERM every child's group and descendants, SIGKILL what survives the grace period."""
@@ -344,11 +380,16 @@ def _stop_group(procs: Sequence[subprocess.Popen[bytes]], grace_s: float) -> Non
     psutil.wait_procs(alive, timeout=5)
 
 
-def launch(config_path: str | None, overrides: Sequence[str] = (), resume: str | None = None) -> int:
+def launch(
+    config_path: str | None, overrides: Sequence[str] = (), resume: str | None = None, verbose: bool = False
+) -> int:
     """`slipstream launch`: run every role of the config on this machine (or continue the run of the run dir
-    `resume`); returns the exit code."""
+    `resume`); returns the exit code. `verbose` prints every line of every role instead of the quiet console."""
     prep = prepare(config_path, overrides, resume=resume)
-    logsetup.setup("launch", prep.exp, prep.cfg.run.log_level)
+    console = Console(sys.stdout)
+    (prep.run_dir / LOGS).mkdir(exist_ok=True)
+    own_log = logging.FileHandler(log_path(prep.run_dir, "launch"))
+    logsetup.setup("launch", prep.exp, prep.cfg.run.log_level, handlers=[ConsoleHandler(console), own_log])
     if not prep.cfg.launch.roles:
         raise ValueError(f"{config_path}: [launch.roles] is empty; add e.g. [launch.roles.trainer] critical = true")
     registry = Registry.for_root(prep.cfg.run.root)
@@ -371,16 +412,53 @@ def launch(config_path: str | None, overrides: Sequence[str] = (), resume: str |
                 f"`slipstream launch --resume {prep.run_dir}`, or unset SLIPSTREAM_EXP for a new one"
             ) from None
         log.info("experiment %s, run dir %s", prep.exp, prep.run_dir)
+    log.info("each role's whole output is in %s%s", prep.run_dir / LOGS,
+             "" if verbose else " (the console shows warnings, errors and progress; --verbose shows every line)")  # fmt: skip
+    started = time.time()
     code = 1
+    run = RunSource(prep.run_dir).run(prep.exp)
+    dash = None
+    progress = None
     try:
         rendezvous.connect()
-        code = Launcher(prep).run()
+        if prep.cfg.launch.dash:
+            dash = start_dashboard(prep)
+            log.info("dashboard: %s", dash.url(f"/run/{prep.exp}"))
+        if not verbose:
+            progress = ProgressLine(console, prep.run_dir, prep.cfg.trainer.steps, prep.cfg.trainer.warmup.steps,
+                                    lambda: read_live(run))  # fmt: skip
+            progress.start()
+        code = Launcher(prep, console, verbose).run()
     finally:
+        if progress is not None:
+            progress.stop()
+        if dash is not None:
+            dash.stop()
         rendezvous.close()
         status = "succeeded" if code == 0 else "interrupted" if code in (130, 143) else "failed"
         registry.finish(prep.exp, status)
-        log.info("run %s %s (exit code %d)", prep.exp, status, code)
+        if not verbose:
+            show_report(console, prep.run_dir, started)
+        log.info("run %s %s (exit code %d) after %s; logs: %s; dashboard: slipstream dash %s", prep.exp, status,
+                 code, elapsed(time.time() - started), prep.run_dir / LOGS, prep.run_dir)  # fmt: skip
     return code
+
+
+def start_dashboard(prep: Prepared) -> DashServer:
+    """The dashboard of the run root on loopback (launch.dash); a port that cannot be bound stops the launch."""
+    try:
+        return DashServer(prep.cfg.run.root, port=prep.cfg.launch.dash_port)
+    except OSError as exc:
+        raise LaunchError(f"launch.dash: cannot serve the dashboard on port {prep.cfg.launch.dash_port} ({exc}); "
+                          "set launch.dash_port to a free port, or 0 for any") from None  # fmt: skip
+
+
+def show_report(console: Console, run_dir: Path, since: float) -> None:
+    """The trainer's end-of-run report (report.txt), if this launch wrote one; the role logs hold it too."""
+    report = run_dir / REPORT_FILE
+    if report.is_file() and report.stat().st_mtime >= since:
+        for line in report.read_text().splitlines():
+            console.line(line)
 
 
 # ----------------------------------------------------------------------------------------------

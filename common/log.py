@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from collections.abc import Sequence
 
 _FORMAT = "%(asctime)s.%(msecs)03dZ %(levelname)-7s %(role)s %(exp)s | %(message)s"
 
@@ -23,17 +24,18 @@ class _Context(logging.Filter):
         return True
 
 
-def setup(role: str, exp: str, level: str = "info") -> None:
-    """Route all logging of this process to stderr in the common format, tagged with role and experiment."""
-    handler = logging.StreamHandler(sys.stderr)
+def setup(role: str, exp: str, level: str = "info", handlers: Sequence[logging.Handler] = ()) -> None:
+    """Route all logging of this process to `handlers` (default: stderr) in the common format, tagged with
+    role and experiment."""
     formatter = logging.Formatter(_FORMAT, datefmt="%Y-%m-%dT%H:%M:%S")
     formatter.converter = time.gmtime
-    handler.setFormatter(formatter)
-    handler.addFilter(_Context(role, exp))
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)
-    root.addHandler(handler)
+    for handler in handlers or [logging.StreamHandler(sys.stderr)]:
+        handler.setFormatter(formatter)
+        handler.addFilter(_Context(role, exp))
+        root.addHandler(handler)
     root.setLevel(level.upper())
     # Third-party chatter at INFO drowns the run's own lines.
     for noisy in ("aiohttp.access", "urllib3", "asyncio", "filelock"):

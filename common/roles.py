@@ -38,6 +38,8 @@ ROLE_MAINS = {
     "evaluator": "evaluator.watcher:main",
 }
 EVENTS_MAXLEN = 10_000
+# The trainer's end-of-run report (table and summary) in the run dir; the launcher's console prints it.
+REPORT_FILE = "report.txt"
 
 
 class RoleError(RuntimeError):

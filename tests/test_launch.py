@@ -4,10 +4,12 @@ exit codes propagate, signals tear the whole process tree down, and nothing surv
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import psutil
@@ -33,10 +35,10 @@ def make_config(tmp_path: Path, *roles: str) -> Path:
     return path
 
 
-def start_launch(cfg: Path, exp: str) -> subprocess.Popen[str]:
+def start_launch(cfg: Path, exp: str, *flags: str) -> subprocess.Popen[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLIPSTREAM")} | {"SLIPSTREAM_EXP": exp}
     return subprocess.Popen(
-        [sys.executable, "-m", "common.cli", "launch", str(cfg)],
+        [sys.executable, "-m", "common.cli", "launch", str(cfg), *flags],
         cwd=REPO,
         env=env,
         stdout=subprocess.PIPE,
@@ -79,10 +81,14 @@ def test_a_failing_role_stops_the_run_with_its_exit_code(tmp_path):
     launcher = start_launch(cfg, "lt-fail")
     out, _ = launcher.communicate(timeout=60)
     assert launcher.returncode == 7, out
-    assert "broken/0 failed with exit code 7" in out
     run_dir = tmp_path / "runs" / "lt-fail"
-    # Every stand-in printed what the launcher gave it, prefixed with its label.
-    assert f"[helper/0] role=helper exp=lt-fail meet={run_dir / 'meet'}" in out
+    assert f"broken/0 failed with exit code 7: stopping the run (its log: {run_dir / 'logs' / 'broken-0.log'})" in out
+    # Every stand-in printed what the launcher gave it: into its own log, not onto the quiet console, except
+    # the broken one's last lines (it printed no error of its own, so they are all the console can say of it).
+    given = f"role=helper exp=lt-fail meet={run_dir / 'meet'}"
+    assert given in (run_dir / "logs" / "helper-0.log").read_text() and given not in out, out
+    assert "[broken/0] the last lines of its log:" in out and "[broken/0]   role=broken exp=lt-fail" in out, out
+    assert "started helper/0" in (run_dir / "logs" / "launch.log").read_text()
     pids = recorded_pids(run_dir)
     assert len(pids) == 4  # three roles and the grandchild in its own session
     wait_for(lambda: not survivors(pids), 5, "all processes to be gone")
@@ -164,6 +170,47 @@ def test_success_of_the_critical_roles_ends_the_run_with_zero(tmp_path):
 
 
 @pytest.mark.timeout(120)
+def test_verbose_prints_every_line_of_every_role_with_its_label(tmp_path):
+    cfg = make_config(
+        tmp_path,
+        role("trainerish", "exit0", critical=True, extra='env = {EXIT_AFTER_S = "0.5"}\nreplicas = 2\n'),
+    )
+    launcher = start_launch(cfg, "lt-verbose", "--verbose")
+    out, _ = launcher.communicate(timeout=60)
+    assert launcher.returncode == 0, out
+    run_dir = tmp_path / "runs" / "lt-verbose"
+    for i in (0, 1):
+        assert f"[trainerish/{i}] role=trainerish exp=lt-verbose meet={run_dir / 'meet'}" in out, out
+    # The logs are written as without --verbose: a restarted replica appends below a line naming its start.
+    log = (run_dir / "logs" / "trainerish-1.log").read_text().splitlines()
+    assert len(log) == 2 and "trainerish/1 started by the launcher (pid" in log[0], log
+    assert log[1] == f"role=trainerish exp=lt-verbose meet={run_dir / 'meet'}", log
+
+
+@pytest.mark.timeout(120)
+def test_launch_dash_serves_the_run_page_while_the_run_goes_on_and_prints_its_url(tmp_path):
+    cfg = make_config(tmp_path, role("trainerish", "exit0", critical=True, extra='env = {EXIT_AFTER_S = "4"}\n'))
+    launcher = start_launch(cfg, "lt-dash", "--set", "launch.dash=true")
+    try:
+        assert launcher.stdout is not None
+        lines = []
+        for line in launcher.stdout:
+            lines.append(line)
+            if found := re.search(r"dashboard: (http://127\.0\.0\.1:\d+/run/lt-dash)$", line.strip()):
+                break
+        else:
+            raise AssertionError("".join(lines))
+        with urllib.request.urlopen(found.group(1), timeout=30) as page:
+            assert page.status == 200 and "lt-dash" in page.read().decode()
+        out, _ = launcher.communicate(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.communicate()
+    assert launcher.returncode == 0, "".join(lines) + out
+
+
+@pytest.mark.timeout(120)
 def test_on_failure_restarts_a_replica_up_to_its_limit(tmp_path):
     cfg = make_config(
         tmp_path,
@@ -176,6 +223,9 @@ def test_on_failure_restarts_a_replica_up_to_its_limit(tmp_path):
     assert "restarting (1/2) in 0.3s" in out and "restarting (2/2) in 0.6s" in out, out
     assert "failed with exit code 3 after 2 restart(s), the most launch.roles.flaky.max_restarts allows" in out
     assert len(recorded_pids(tmp_path / "runs" / "lt-restart")) == 3
+    # The three lives of the replica, one after the other in its log.
+    log = (tmp_path / "runs" / "lt-restart" / "logs" / "flaky-0.log").read_text()
+    assert log.count("flaky/0 started by the launcher") == 3 and log.count("role=flaky exp=lt-restart") == 3, log
 
 
 def test_restart_auto_restarts_every_role_but_not_a_command_of_ones_own():

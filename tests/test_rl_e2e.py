@@ -42,12 +42,20 @@ def demo_prompts_per_step() -> int:
     return load_config(REPO / "configs" / "demo.toml").flow.prompts_per_step
 
 
+# A role's own log under <run dir>/logs (entry-replica.log); vllm-<worker id>.log is vLLM's server output.
+ROLE_LOG = re.compile(r"^[a-z_]+-\d+\.log$")
+
+
 class Launch:
+    """`slipstream launch` of the demo. Quiet (the default console) or `verbose` (every role line on it)."""
+
     def __init__(
-        self, root: Path, exp: str, *overrides: str, resume: bool = False, log_name: str = "launch.log"
-    ) -> None:
+        self, root: Path, exp: str, *overrides: str, resume: bool = False, log_name: str = "launch.log",
+        verbose: bool = False,
+    ) -> None:  # fmt: skip
         self.log_path = root / log_name
         self.run_dir = root / "runs" / exp
+        self.verbose = verbose
         env = {k: v for k, v in os.environ.items() if not k.startswith("SLIPSTREAM")} | {"SLIPSTREAM_EXP": exp}
         sets = [f"run.root={root / 'runs'}", f"trainer.steps={STEPS}", "rendezvous.heartbeat_period_s=0.5",
                 "rendezvous.heartbeat_ttl_s=2.0", "trainer.final_eval_wait_s=300", *overrides]  # fmt: skip
@@ -56,10 +64,20 @@ class Launch:
             cmd += ["--set", s]
         if resume:
             cmd += ["--resume", str(self.run_dir)]
+        if verbose:
+            cmd.append("--verbose")
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self.log_path.open("wb"), stderr=subprocess.STDOUT)
 
-    def log(self) -> str:
+    def console(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+    def log(self) -> str:
+        """Every line the run wrote: the console, then (when quiet) each role's log. A quiet launch's role logs
+        hold every launch of the run dir: only a first launch reads them."""
+        if self.verbose:
+            return self.console()
+        logs = sorted(p for p in (self.run_dir / "logs").glob("*.log") if ROLE_LOG.match(p.name))
+        return "\n".join([self.console(), *(p.read_text(errors="replace") for p in logs)])
 
     def wait_for(self, pattern: str, timeout_s: float) -> re.Match[str]:
         deadline = time.monotonic() + timeout_s
@@ -160,6 +178,14 @@ def test_two_expert_parallel_ranks_with_routing_replay_learn_fully_async_through
     finally:
         run.stop()
     assert not experiment_processes("rl-async")
+    # The quiet console: launcher lines, progress lines and the report, not one line of vLLM's; every line of
+    # every role is in its log under the run dir.
+    console = run.console().splitlines()
+    assert len(console) < 150 and not any("[vllm " in line for line in console), "\n".join(console)
+    assert any(f"step {STEPS}/{STEPS} | reward" in line for line in console), "\n".join(console)
+    assert any(line.split() == ["step", "reward", "train", "acc", "held-out", "acc", "max", "stale"]
+               for line in console), "\n".join(console)  # fmt: skip
+    assert "step 3: reward" in (run.run_dir / "logs" / "trainer-0.log").read_text()
     log = run.log()
     assert not noise_in(log), "\n".join(noise_in(log)[:40])
     assert "1 data-parallel replica(s) x expert-parallel 2" in log
@@ -236,7 +262,7 @@ def assert_checkpoint_is_the_last_version_and_trains_on_one_rank(run_dir: Path) 
 NOISE = ("Traceback", "Task exception was never retrieved", "Unclosed client session", "never awaited",
          "Task was destroyed but it is pending", "ignored SIGTERM")  # fmt: skip
 # vLLM's own output, relayed by the worker role as `[vllm <worker id>] ...`.
-VLLM_LINE = re.compile(r"\] \[vllm \S+\] ")
+VLLM_LINE = re.compile(r"(^|\] )\[vllm \S+\] ")
 
 
 def noise_in(log: str) -> list[str]:
@@ -266,7 +292,7 @@ def test_a_killed_trainer_resumes_exactly_and_a_relaunch_after_the_launchers_dea
     sets = ("flow.strategy=one_step_off", f"trainer.steps={steps}", "trainer.warmup.steps=10",
             f"flow.prompts_per_step={prompts}", "trainer.checkpoint.interval_steps=4",
             "launch.roles.evaluator.replicas=0", "launch.roles.vllm_eval.replicas=0")  # fmt: skip
-    run = Launch(short_root, "rl-resume", *sets)
+    run = Launch(short_root, "rl-resume", *sets, verbose=True)
     try:
         trainer_pid = int(run.wait_for(r"started trainer/0 \(role trainer, pid (\d+)\)", 60).group(1))
         run.wait_for(r"step 6: reward", 900)
@@ -293,7 +319,7 @@ def test_a_killed_trainer_resumes_exactly_and_a_relaunch_after_the_launchers_dea
         run.stop()
     first_log = run.log()
     published_first = [int(v) for v in re.findall(r"published weight version (\d+)", first_log)]
-    relaunch = Launch(short_root, "rl-resume", *sets, resume=True, log_name="relaunch.log")
+    relaunch = Launch(short_root, "rl-resume", *sets, resume=True, log_name="relaunch.log", verbose=True)
     try:
         relaunch.finish(900)
     finally:

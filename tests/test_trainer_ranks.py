@@ -96,10 +96,11 @@ critical = true
 
 
 def launch(cfg: Path, exp: str, timeout_s: float = 150) -> tuple[int, str]:
-    """Run `slipstream launch CFG`; (exit code, output). A run still going after timeout_s (well inside the
-    test's own limit) is stopped with SIGINT and fails the test with what it printed."""
+    """Run `slipstream launch --verbose CFG`; (exit code, output: every line of every rank). A run still going
+    after timeout_s (well inside the test's own limit) is stopped with SIGINT and fails the test with what it
+    printed."""
     env = {**os.environ, "SLIPSTREAM_EXP": exp, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "common.cli", "launch", str(cfg)], cwd=REPO, env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "common.cli", "launch", "--verbose", str(cfg)], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
     try:
         out, _ = proc.communicate(timeout=timeout_s)
@@ -203,8 +204,8 @@ def test_a_killed_rank_restarts_the_whole_trainer_which_resumes_exactly(tmp_path
     losses and weights (each re-trained step's loss equals the first one's: the resume is exact)."""
     cfg = pretrain_config(tmp_path, "gang", 2, 2)
     env = {**os.environ, "SLIPSTREAM_EXP": "pt-gang", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "common.cli", "launch", str(cfg)], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "-m", "common.cli", "launch", "--verbose", str(cfg)], cwd=REPO,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
     out: list[str] = []
     try:
         assert proc.stdout is not None

@@ -43,7 +43,7 @@ import torch
 from common.config import Config
 from common.metrics import MetricsWriter
 from common.net import advertised
-from common.roles import RunContext
+from common.roles import REPORT_FILE, RunContext
 from rollout.client import NoRouterError, RolloutClient, RolloutError, Sample
 from rollout.controller import ControllerClosed, GenerationController
 from rollout.flow.policy import FlowPolicy
@@ -635,16 +635,20 @@ class RLTrainer(TrainerRank):
         # The table is by step: a version holds the weights of one step (several, after a resume).
         by_step = {self.lineage.step_of(v): score for v, score in sorted(heldout.items()) if v in self.lineage}
         rows = build_rows(self.ctx.run_dir, by_step)
-        print(format_table(rows, every=max(1, len(rows) // 20)), flush=True)
+        lines = [format_table(rows, every=max(1, len(rows) // 20))]
         png = save_png(rows, self.ctx.run_dir / "report.png", f"{self.ctx.exp}: {self.cfg.flow.strategy}")
         if heldout:
             first, final = min(heldout), max(heldout)
-            log.info("held-out %s: %.3f at version %d -> %.3f at version %d (%+.1f points)", benchmark,
-                     heldout[first], first, heldout[final], final, 100 * (heldout[final] - heldout[first]))  # fmt: skip
+            lines.append(f"held-out {benchmark}: {heldout[first]:.3f} at version {first} -> {heldout[final]:.3f} at "
+                         f"version {final} ({100 * (heldout[final] - heldout[first]):+.1f} points)")  # fmt: skip
         if self._mismatch:
-            log.info("trainer-vs-vLLM log-prob mismatch on fresh samples: mean %.3g, max %.3g nats per token (%d steps)",
-                     sum(self._mismatch) / len(self._mismatch), max(self._mismatch), len(self._mismatch))  # fmt: skip
-        log.info("report: %s; metrics: %s", png, self.ctx.run_dir / "metrics")
+            lines.append(f"trainer-vs-vLLM log-prob mismatch on fresh samples: mean "
+                         f"{sum(self._mismatch) / len(self._mismatch):.3g}, max {max(self._mismatch):.3g} nats per "
+                         f"token ({len(self._mismatch)} steps)")  # fmt: skip
+        lines.append(f"report: {png}; metrics: {self.ctx.run_dir / 'metrics'}")
+        text = "\n".join(lines)
+        print(text, flush=True)
+        (self.ctx.run_dir / REPORT_FILE).write_text(text + "\n")
 
 
 def _thread(fn: Callable[[], int], name: str) -> asyncio.Future[int]:

@@ -9,7 +9,7 @@ listed under the charts, so nothing the run wrote is hidden."""
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from common.dash import charts
@@ -46,10 +46,10 @@ def _matching(series: Tagged, keep: Callable[[str], bool]) -> list[str]:
     return sorted(t for t in series if keep(t))
 
 
-def _eval_tags(series: Tagged) -> dict[str, list[str]]:
-    """benchmark -> its score tags eval/<benchmark>/<metric> (std and counts left out)."""
+def eval_score_tags(tags: Iterable[str]) -> dict[str, list[str]]:
+    """benchmark -> its score tags eval/<benchmark>/<metric>, sorted (std and counts left out)."""
     out: dict[str, list[str]] = {}
-    for tag in sorted(series):
+    for tag in sorted(tags):
         parts = tag.split("/")
         if parts[0] != "eval" or len(parts) < 3:
             continue
@@ -94,7 +94,7 @@ def build_panels(series: Tagged, flow_summary: dict | None, summary_problem: str
         _lines("reward", "Reward and train accuracy", series, ["rl/reward_mean", "rl/accuracy"], "step", "fraction",
                "rl/reward_mean, rl/accuracy"),
     ]  # fmt: skip
-    evals = _eval_tags(series)
+    evals = eval_score_tags(series)
     for bench, tags in evals.items():
         panels.append(_lines(f"heldout-{bench}", f"Held-out {bench} per policy version", series, tags,
                              "policy version", "score", f"eval/{bench}/*"))  # fmt: skip
