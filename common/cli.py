@@ -110,8 +110,8 @@ def _cmd_launch(args: argparse.Namespace) -> int:
 
 
 def _cmd_scripts(args: argparse.Namespace) -> int:
-    from common.launch import write_scripts
     from common.net import is_loopback
+    from common.scripts import write_scripts
 
     for path in write_scripts(args.config, args.overrides, args.outdir):
         print(path)

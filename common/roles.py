@@ -38,6 +38,8 @@ ROLE_MAINS = {
     "evaluator": "evaluator.watcher:main",
 }
 EVENTS_MAXLEN = 10_000
+# The experiment id of a run dir, written by its first launch: `--resume RUN_DIR` and the dashboard read it.
+RUN_FILE = "run.json"
 # The trainer's end-of-run report (table and summary) in the run dir; the launcher's console prints it.
 REPORT_FILE = "report.txt"
 

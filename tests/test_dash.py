@@ -21,10 +21,10 @@ from common.dash import DashServer
 from common.dash.charts import Series, line_chart, nice_ticks
 from common.dash.sources import DashError, RunSource
 from common.keys import Keys
-from common.launch import RUN_FILE
 from common.metrics import MetricsWriter
 from common.registry import Registry
 from common.rendezvous import Rendezvous
+from common.roles import RUN_FILE
 from rollout.flow.policy import FlowCounters
 from tests.dash_check import (
     check_run_page,

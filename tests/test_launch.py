@@ -15,8 +15,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from common.launch import write_scripts
 from common.registry import Registry
+from common.scripts import write_scripts
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -20,10 +20,10 @@ from common.keys import Keys
 from common.metrics import read_metrics
 from common.registry import Registry, RunRecord
 from common.rendezvous import RedisInfo
+from common.roles import RUN_FILE
 
-# redis.json and run.json: the names the rendezvous and the launcher write.
+# redis.json: the name the rendezvous writes.
 REDIS_FILE = "redis.json"
-RUN_FILE = "run.json"
 # The newest lifecycle events shown on a live run's page.
 EVENTS_SHOWN = 8
 # A page asks Redis every poll: a server that does not answer within this is reported as not running.
