@@ -37,18 +37,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-import aiohttp
 import torch
 
 from common.config import Config
 from common.metrics import MetricsWriter
 from common.net import advertised
 from common.roles import REPORT_FILE, RunContext
-from rollout.client import NoRouterError, RolloutClient, RolloutError, Sample
 from rollout.controller import ControllerClosed, GenerationController
 from rollout.flow.policy import FlowPolicy
-from rollout.flow.runtime import FlowRuntime, Group, SampleRequest
-from rollout.tasks import Problem, Task, load_task
+from rollout.flow.runtime import FlowRuntime, Group
+from rollout.generator import Rollout, SampleGenerator
+from rollout.tasks import load_task
 from rollout.tinykit import resolve_model
 from rollout.weights import (
     PartReport,
@@ -85,8 +84,6 @@ from trainer.versions import Lineage
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-# How often a generation request that found no worker (all restarting) tries again.
-_NO_WORKER_RETRY_S = 1.0
 # How long a stopping trainer waits for its training thread to notice (it is a daemon thread: the role
 # exits after this even if the thread is inside a long step; an unfinished checkpoint is never loaded).
 STOP_TIMEOUT_S = 5.0
@@ -98,86 +95,6 @@ DEAD_RANK_GRACE_S = 3.0
 
 class StopRequested(RuntimeError):
     """The role was told to stop (SIGTERM) while training."""
-
-
-@dataclass
-class Rollout:
-    """One sample of one prompt: the generation with its behaviour log-probs, and its reward."""
-
-    sample: Sample
-    reward: float
-    text: str
-
-    @property
-    def weight_versions(self) -> list[int]:
-        return self.sample.versions
-
-
-class _Generator:
-    """The genable: one sample of one prompt through the router, rewarded by the task.
-
-    It lives on the controller's event loop (its HTTP session and Redis client are created there on
-    first use). When no worker can serve (every worker restarting), it waits for one, bounded by
-    `rollout.startup_timeout_s`, instead of burning the error budget.
-    """
-
-    def __init__(self, cfg: Config, ctx: RunContext, task: Task, tokenizer: Any) -> None:
-        self.cfg, self.ctx, self.task, self.tokenizer = cfg, ctx, task, tokenizer
-        self._client: RolloutClient | None = None
-        self._encoded: dict[str, list[int]] = {}
-
-    def encode(self, text: str) -> list[int]:
-        ids = self._encoded.get(text)
-        if ids is None:
-            ids = self._encoded[text] = list(self.tokenizer(text)["input_ids"])
-        return ids
-
-    async def __call__(self, req: SampleRequest) -> Rollout:
-        if self._client is None:
-            self._client = RolloutClient(
-                self.cfg.rollout.served_model_name,
-                redis_client=self.ctx.async_redis(),
-                keys=self.ctx.keys,
-                router_name=self.cfg.router.name,
-                affinity_header=self.cfg.router.affinity_header,
-                token=self.cfg.router.auth_token,
-            )
-        problem: Problem = req.prompt
-        ro = self.cfg.rollout
-        deadline = time.monotonic() + ro.startup_timeout_s
-        while True:
-            try:
-                (sample,) = await self._client.generate(
-                    self.encode(problem.prompt),
-                    temperature=ro.temperature,
-                    top_p=ro.top_p,
-                    max_tokens=ro.max_tokens,
-                    group=f"{self.ctx.exp}:{req.prompt_id}",
-                )
-                break
-            except (NoRouterError, RolloutError, aiohttp.ClientConnectionError) as exc:
-                if not _no_worker(exc) or time.monotonic() > deadline:
-                    raise
-                await asyncio.sleep(_NO_WORKER_RETRY_S)
-        if sample.aborted:
-            raise RolloutError(f"sample {req.prompt_id}/{req.index} was aborted by a weight update")
-        text = self.tokenizer.decode(sample.token_ids, skip_special_tokens=True)
-        reward = await asyncio.to_thread(self.task.reward, problem, text)
-        return Rollout(sample, reward, text)
-
-    async def close(self) -> None:
-        if self._client is not None:
-            await self._client.close()
-            if self._client.redis is not None:
-                await self._client.redis.aclose()
-
-
-def _no_worker(exc: BaseException) -> bool:
-    """True for failures that mean "no worker right now": no router, the router's 503 (no healthy
-    worker) or 502 (the worker's connection failed), a refused connection to the router."""
-    if isinstance(exc, (NoRouterError, aiohttp.ClientConnectionError)):
-        return True
-    return isinstance(exc, RolloutError) and exc.status in (502, 503)
 
 
 def padded_batch(rollouts: list[Rollout], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -565,7 +482,7 @@ class RLTrainer(TrainerRank):
         self.lineage = Lineage.from_state(self.state.versions)
         self._rewind_ledger()
         policy = FlowPolicy.from_config(flow, num_prompts=len(self.task), max_steps=tc.steps)
-        generator = _Generator(self.cfg, self.ctx, self.task, self.tokenizer)
+        generator = SampleGenerator(self.cfg, self.ctx, self.task, self.tokenizer)
         controller = self.controller = GenerationController.from_config(generator, flow, name="rollout")
         if self.stop_requested.is_set():
             controller.close()

@@ -1,0 +1,102 @@
+"""The generation side of the RL trainer process: one sample of one prompt through the router, rewarded
+by the task (`SampleGenerator`, the genable the flow runtime drives on the generation controller's event
+loop), and the record it yields (`Rollout`). A request that finds no worker (all of them restarting)
+waits for one, bounded by `rollout.startup_timeout_s`, instead of spending the flow's error budget."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from common.config import Config
+from common.roles import RunContext
+from rollout.client import NoRouterError, RolloutClient, RolloutError, Sample
+from rollout.flow.runtime import SampleRequest
+from rollout.tasks import Problem, Task
+
+# How often a generation request that found no worker (all restarting) tries again.
+NO_WORKER_RETRY_S = 1.0
+
+
+@dataclass
+class Rollout:
+    """One sample of one prompt: the generation with its behaviour log-probs, and its reward."""
+
+    sample: Sample
+    reward: float
+    text: str
+
+    @property
+    def weight_versions(self) -> list[int]:
+        return self.sample.versions
+
+
+class SampleGenerator:
+    """The genable: one sample of one prompt through the router, rewarded by the task.
+
+    It lives on the controller's event loop (its HTTP session and Redis client are created there on
+    first use). When no worker can serve (every worker restarting), it waits for one, bounded by
+    `rollout.startup_timeout_s`, instead of burning the error budget.
+    """
+
+    def __init__(self, cfg: Config, ctx: RunContext, task: Task, tokenizer: Any) -> None:
+        self.cfg, self.ctx, self.task, self.tokenizer = cfg, ctx, task, tokenizer
+        self._client: RolloutClient | None = None
+        self._encoded: dict[str, list[int]] = {}
+
+    def encode(self, text: str) -> list[int]:
+        ids = self._encoded.get(text)
+        if ids is None:
+            ids = self._encoded[text] = list(self.tokenizer(text)["input_ids"])
+        return ids
+
+    async def __call__(self, req: SampleRequest) -> Rollout:
+        if self._client is None:
+            self._client = RolloutClient(
+                self.cfg.rollout.served_model_name,
+                redis_client=self.ctx.async_redis(),
+                keys=self.ctx.keys,
+                router_name=self.cfg.router.name,
+                affinity_header=self.cfg.router.affinity_header,
+                token=self.cfg.router.auth_token,
+            )
+        problem: Problem = req.prompt
+        ro = self.cfg.rollout
+        deadline = time.monotonic() + ro.startup_timeout_s
+        while True:
+            try:
+                (sample,) = await self._client.generate(
+                    self.encode(problem.prompt),
+                    temperature=ro.temperature,
+                    top_p=ro.top_p,
+                    max_tokens=ro.max_tokens,
+                    group=f"{self.ctx.exp}:{req.prompt_id}",
+                )
+                break
+            except (NoRouterError, RolloutError, aiohttp.ClientConnectionError) as exc:
+                if not no_worker(exc) or time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(NO_WORKER_RETRY_S)
+        if sample.aborted:
+            raise RolloutError(f"sample {req.prompt_id}/{req.index} was aborted by a weight update")
+        text = self.tokenizer.decode(sample.token_ids, skip_special_tokens=True)
+        reward = await asyncio.to_thread(self.task.reward, problem, text)
+        return Rollout(sample, reward, text)
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.close()
+            if self._client.redis is not None:
+                await self._client.redis.aclose()
+
+
+def no_worker(exc: BaseException) -> bool:
+    """True for failures that mean "no worker right now": no router, the router's 503 (no healthy
+    worker) or 502 (the worker's connection failed), a refused connection to the router."""
+    if isinstance(exc, (NoRouterError, aiohttp.ClientConnectionError)):
+        return True
+    return isinstance(exc, RolloutError) and exc.status in (502, 503)
