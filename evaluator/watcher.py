@@ -29,7 +29,7 @@ from common.roles import RunContext, announce
 from evaluator.backend import Backend, RequestError, RetryPolicy
 from evaluator.benchmark import Benchmark
 from evaluator.cache import ResultCache
-from evaluator.runner import EvalPlan, EvalResult, Snapshot, VersionMoved, eval_plan, evaluate
+from evaluator.runner import PIN_PAUSE_MODE, EvalPlan, EvalResult, Snapshot, VersionMoved, eval_plan, evaluate
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +40,6 @@ WAIT_POLL_S = 0.5
 BLOCK_MS = 2000
 TRANSIENT_PAUSE_S = 2.0
 UNSETTLED_LOG_S = 30.0
-# Nothing but the evaluator sends requests to an eval worker, so a load aborts only leftovers of a killed evaluator.
-PIN_PAUSE_MODE = "abort"
 
 
 class EvaluatorError(RuntimeError):

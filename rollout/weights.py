@@ -381,6 +381,11 @@ def _link_version(src: Path, dst: Path, records: Mapping[str, ShardRecord]) -> N
         os.link(f, dst / f.name)
 
 
+def weight_root(ro: RolloutConfig, run_dir: str | os.PathLike[str]) -> Path:
+    """Where a run publishes its versions (`v<N>/` directories): rollout.weight_dir, else `<run dir>/weights`."""
+    return Path(ro.weight_dir) if ro.weight_dir else Path(run_dir) / "weights"
+
+
 def committed_versions(root: Path) -> list[int]:
     """Numbers of the committed version directories under root, ascending."""
     return sorted(int(m[1]) for p in root.glob("v*") if (m := _VERSION_DIR.match(p.name)) and p.is_dir())
@@ -589,7 +594,7 @@ class WeightPublisher:
                 "use NcclTransport for 'nccl'"
             )
         self.client, self.keys, self.cfg = client, keys, cfg
-        self.root = Path(cfg.weight_dir) if cfg.weight_dir else Path(run_dir) / "weights"
+        self.root = weight_root(cfg, run_dir)
         self._session = session
         self._own_session = session is None
 

@@ -28,6 +28,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -178,8 +179,11 @@ def vllm_env(run_dir: Path, base: dict[str, str] | None = None, api_key: str = "
 class VllmProcess:
     """The vLLM server child: started in its own process group, its output forwarded to our log."""
 
-    def __init__(self, cmd: list[str], env: dict[str, str], url: str, log_path: Path, prefix: str) -> None:
+    def __init__(
+        self, cmd: list[str], env: dict[str, str], url: str, log_path: Path, prefix: str, echo: bool = True
+    ) -> None:
         self.cmd, self.env, self.url, self.log_path, self.prefix = cmd, env, url, log_path, prefix
+        self.echo = echo  # forward each line to our stderr too (else only to log_path)
         self.proc: asyncio.subprocess.Process | None = None
         self._pump: asyncio.Task[None] | None = None
         self._tail: list[str] = []
@@ -206,7 +210,8 @@ class VllmProcess:
                 fh.write(raw)
                 line = raw.decode(errors="replace").rstrip()
                 self._tail = (self._tail + [line])[-30:]
-                print(f"{self.prefix} {line}", file=sys.stderr, flush=True)
+                if self.echo:
+                    print(f"{self.prefix} {line}", file=sys.stderr, flush=True)
 
     def tail(self) -> str:
         return "\n".join(self._tail)
@@ -243,6 +248,34 @@ class VllmProcess:
             os.killpg(pgid, signal.SIGKILL)
         await self.wait()
         log.info("stopped vLLM pid %d (exit code %s)", pgid, self.proc.returncode)
+
+
+def on_cpu() -> bool:
+    """Whether vLLM runs on CPU here (no CUDA device, or no torch at all)."""
+    try:
+        import torch
+
+        return not torch.cuda.is_available()
+    except ImportError:
+        return True
+
+
+def worker_vllm(
+    ro: RolloutConfig,
+    run_dir: Path,
+    model_dir: Path,
+    bind: tuple[str, int],
+    url: str,
+    log_path: Path,
+    name: str,
+    base_env: Mapping[str, str] | None = None,
+    echo: bool = True,
+) -> VllmProcess:
+    """The vLLM server a worker of this run starts (not started yet): `vllm_command` listening on `bind`,
+    `vllm_env` over `base_env` (default: this process's environment), its output appended to `log_path`."""
+    cmd = vllm_command(ro, model_dir, bind[0], bind[1], on_cpu())
+    env = vllm_env(run_dir, None if base_env is None else dict(base_env), api_key=ro.api_key)
+    return VllmProcess(cmd, env, url, log_path, f"[vllm {name}]", echo)
 
 
 async def wait_ready(session: aiohttp.ClientSession, vllm: VllmProcess, served_model: str, timeout_s: float) -> float:
@@ -351,17 +384,10 @@ async def main(ctx: RunContext) -> int:
     assert ctx.rendezvous.info is not None
     host = advertised(ro.bind_host, ro.advertise_host, ctx.rendezvous.info.host, "rollout.advertise_host")
     url = f"http://{url_host(host)}:{port}"
-    try:
-        import torch
-
-        cpu = not torch.cuda.is_available()
-    except ImportError:
-        cpu = True
-    cmd = vllm_command(ro, model_dir, ro.bind_host, port, cpu)
-    if "--enable-return-routed-experts" in cmd:
+    vllm = worker_vllm(ro, ctx.run_dir, model_dir, (ro.bind_host, port), url,
+                       ctx.run_dir / "logs" / f"vllm-{worker_id}.log", worker_id)  # fmt: skip
+    if "--enable-return-routed-experts" in vllm.cmd:
         log.info("vLLM returns the routed experts of every position (rollout.return_routed_experts)")
-    vllm = VllmProcess(cmd, vllm_env(ctx.run_dir, api_key=ro.api_key), url, ctx.run_dir / "logs" / f"vllm-{worker_id}.log",
-                       f"[vllm {worker_id}]")  # fmt: skip
     client = ctx.async_redis()
     rz = cfg.rendezvous
     beat = Heartbeat(client, ctx.keys.worker_alive(worker_id), url, rz.heartbeat_period_s, rz.heartbeat_ttl_s)
@@ -422,4 +448,4 @@ async def _serve(
                 await died
 
 
-__all__ = ["TINY_MODELS", "WorkerRecord", "main", "vllm_command", "vllm_env"]
+__all__ = ["TINY_MODELS", "WorkerRecord", "main", "vllm_command", "vllm_env", "worker_vllm"]

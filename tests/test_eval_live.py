@@ -9,10 +9,17 @@ the cases its cache lacked (counted by the router's /metrics), and `slipstream e
 the worker reproduces the score recorded for the version it serves, case by case. The last starts an
 eval-pool worker role process (rollout.pool = "eval", same run and model) and the evaluator in pin
 mode, then publishes versions faster than one evaluation takes: every version gets exactly one row,
-measured on its own weights, while the train worker follows every publish untouched by the evaluator."""
+measured on its own weights, while the train worker follows every publish untouched by the evaluator.
+The final test needs no shared run: it makes a finished demo run (two published versions) and checks that
+`slipstream eval --run-dir RUN --version N` starts a vLLM server as the run's workers were started,
+loads the version into it and reproduces, completion for completion, the row the run's evaluator
+recorded for it on that server, that `--url` does the same on a running server, and that nothing of the
+server outlives the command."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import os
 import re
@@ -23,18 +30,23 @@ from dataclasses import replace
 from pathlib import Path
 
 import aiohttp
+import psutil
 import pytest
+import safetensors.torch
 import torch
 from conftest import MAX_MODEL_LEN
 
-from common.config import load_config
-from common.metrics import read_metrics
+import evaluator.runner
+from common.cli import main as slipstream_main
+from common.config import load_config, to_toml
+from common.metrics import MetricsWriter, read_metrics
 from evaluator.backend import Backend
 from evaluator.benchmark import EvalOptions, load_benchmark
 from evaluator.cache import ResultCache
-from evaluator.runner import build_parser, evaluate, run_cli
+from evaluator.runner import PIN_PAUSE_MODE, WeightInfoProbe, build_parser, eval_plan, evaluate, run_cli
 from evaluator.watcher import FleetProbe
-from rollout.weights import WeightPublisher, served_version
+from rollout.tinykit import resolve_model
+from rollout.weights import WeightPublisher, apply_version, served_version, write_version
 
 pytestmark = [pytest.mark.slow]
 
@@ -267,3 +279,65 @@ async def test_pinned_evaluator_records_each_version_once_while_publishes_outpac
     differ = sum(a != b for a, b in zip(completions(eval_dir, ours[0]), completions(eval_dir, ours[1]), strict=True))
     print(f"perturbed vs original weights: {differ} of {limit} completions differ")
     assert differ >= limit // 2
+
+
+@pytest.mark.timeout(300)
+async def test_eval_of_a_run_version_starts_a_server_loads_the_version_and_reproduces_the_recorded_row(
+    tmp_path, tmp_path_factory, capsys, monkeypatch
+):
+    # A finished demo run: its config, its base model, two published versions (v0: the model's own weights, v1:
+    # other weights of the same shapes). A short path: vLLM's IPC sockets live under it.
+    run_dir = tmp_path_factory.mktemp("evrun")
+    cfg = load_config(ROOT / "configs" / "demo.toml", [f"run.dir={run_dir}", f"evaluator.data_root={DATA}",
+                                                       "evaluator.limit=40"])  # fmt: skip
+    (run_dir / "config.toml").write_text(to_toml(cfg))
+    own = safetensors.torch.load_file(resolve_model(cfg, run_dir) / "model.safetensors")
+    for version, weights in ((0, own), (1, perturbed(own))):
+        write_version(run_dir / "weights", version, weights)
+    plan = eval_plan(cfg.evaluator, cfg.rollout.task)
+    (bench,) = plan.benchmarks
+    recorded = {}
+    started_worker = evaluator.runner.started_worker
+
+    @contextlib.asynccontextmanager
+    async def recorded_first(session: aiohttp.ClientSession, *args):
+        """The server the command starts; before the command uses it, the run's evaluator records versions 0 and 1
+        on it (as its pin mode does on an eval worker), and `--url` reproduces version 0 there."""
+        async with started_worker(session, *args) as url:
+            backend = Backend(session, url, "policy")
+            await backend.describe()
+            await backend.choose_counter()
+            with (
+                ResultCache(tmp_path / "recorded" / "cache.jsonl") as cache,
+                MetricsWriter(run_dir, "demo", "evaluator") as metrics,
+            ):
+                for version in (0, 1):
+                    await apply_version(session, url, version, str(run_dir / "weights" / f"v{version}"), PIN_PAUSE_MODE)
+                    recorded[version] = await evaluate(bench, backend, cache, tmp_path / "recorded",
+                                                       WeightInfoProbe(backend, url), plan.options,
+                                                       plan.max_concurrent, plan.chunk_cases)  # fmt: skip
+                    metrics.log_many(version, {f"eval/{bench.name}/{k}": v
+                                               for k, v in recorded[version].metrics.items()})  # fmt: skip
+            # --url: the server holds version 1 now, so matching version 0's row takes loading it.
+            args = ["--url", url, "--run-dir", str(run_dir), "--version", "0", "--out", str(tmp_path / "url")]
+            (again,) = await run_cli(build_parser().parse_args(args))
+            assert again.score == recorded[0].score
+            assert answered(Path(again.cases_path)) == answered(Path(recorded[0].cases_path))
+            yield url  # holding version 0: matching version 1's row takes loading it
+
+    monkeypatch.setattr(evaluator.runner, "started_worker", recorded_first)
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    started = time.monotonic()
+    assert await asyncio.to_thread(slipstream_main, ["eval", "--run-dir", str(run_dir), "--version", "1"]) == 0
+    took = time.monotonic() - started
+    score = recorded[1].score
+    assert f"version=1 accuracy/mean={score:.4f} recorded {score:.4f}: same" in capsys.readouterr().out
+    out = run_dir / "eval-cli"
+    got = answered(out / "arithmetic.v1.cases.jsonl")
+    assert got == answered(Path(recorded[1].cases_path))
+    # The version loaded is the one evaluated: version 0's weights answer otherwise.
+    differ = sum(a != b for a, b in zip(got, answered(Path(recorded[0].cases_path)), strict=True))
+    print(f"eval --version 1 with its own server: {took:.0f}s; {differ} of 40 completions differ from version 0's")
+    assert differ >= 20
+    assert str(run_dir / "models") in (out / "vllm.log").read_text()  # the server's log, under the output dir
+    assert {p.pid for p in psutil.Process().children(recursive=True)} - before == set()

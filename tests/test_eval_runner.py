@@ -5,8 +5,10 @@ checks: summary and per-case files, max_tokens clamping, retries only on transpo
 408/425/429/5xx, permanent 4xx failing at once with the server's text, resuming an interrupted run
 from the cache without regenerating finished cases, discarding a chunk whose version moved, a cached
 answer never served for another prompt under the same case id, the `slipstream eval` command (with
---config / --run-dir building the benchmarks exactly as the evaluator role does, flags winning), and
-waiting for a served model with one log line per wait, not per attempt."""
+--config / --run-dir building the benchmarks exactly as the evaluator role does, flags winning; with
+--run-dir writing under the run dir and printing the score the run recorded for the version; --version
+refusing, with the fix, a version it cannot load), and waiting for a served model with one log line per
+wait, not per attempt. Loading a version into real vLLM is tested in test_eval_live.py."""
 
 from __future__ import annotations
 
@@ -24,11 +26,21 @@ from aiohttp import web
 from common.cli import main as slipstream_main
 from common.config import load_config, to_toml
 from common.keys import Keys
+from common.metrics import MetricsWriter
 from common.roles import RunContext
 from evaluator.backend import Backend, RequestError, RetryPolicy
 from evaluator.benchmark import Case, EvalOptions, Sampling, load_benchmark
 from evaluator.cache import ResultCache, fingerprint
-from evaluator.runner import VersionMoved, WeightInfoProbe, build_parser, cli_plan, eval_plan, evaluate, run_config
+from evaluator.runner import (
+    VersionMoved,
+    WeightInfoProbe,
+    build_parser,
+    cli_plan,
+    eval_plan,
+    evaluate,
+    run_config,
+    worker_setup,
+)
 from evaluator.watcher import Watcher
 from rollout.tasks.arithmetic import evaluate as arith_value
 
@@ -298,6 +310,71 @@ async def test_slipstream_eval_command_writes_results_and_a_second_run_is_all_ca
     fake.statuses = [404]
     rc = await asyncio.to_thread(slipstream_main, [*argv[:-4], "--limit", "4", "--out", str(tmp_path)])
     assert rc == 1 and "HTTP 404" in capsys.readouterr().err
+
+
+def demo_run_dir(path: Path, *overrides: str) -> Path:
+    """A run dir holding the demo's config.toml (as `slipstream launch` leaves it), nothing else."""
+    path.mkdir()
+    (path / "config.toml").write_text(to_toml(load_config(DEMO, [f"run.dir={path}", *overrides])))
+    return path
+
+
+@pytest.mark.timeout(60)
+async def test_eval_of_a_run_dir_writes_under_it_and_prints_the_score_the_run_recorded(fake, tmp_path, capsys,
+                                                                                      monkeypatch):  # fmt: skip
+    monkeypatch.chdir(ROOT)
+    run_dir = demo_run_dir(tmp_path / "run", "evaluator.limit=7")
+    with MetricsWriter(run_dir, "demo", "evaluator") as metrics:  # what the run's evaluator recorded
+        metrics.log_many(0, {"eval/arithmetic/accuracy/mean": 1.0, "eval/arithmetic/accuracy/std": 0.0})
+        metrics.log_many(1, {"eval/arithmetic/accuracy/mean": 0.5})
+    argv = ["eval", "--url", fake.url, "--run-dir", str(run_dir), "--max-retries", "1"]
+    assert await asyncio.to_thread(slipstream_main, argv) == 0
+    assert "version=0 accuracy/mean=1.0000 recorded 1.0000: same cases=7" in capsys.readouterr().out
+    assert (run_dir / "eval-cli" / "arithmetic.v0.summary.json").is_file()
+    fake.version = 1
+    assert await asyncio.to_thread(slipstream_main, argv) == 0
+    assert "version=1 accuracy/mean=1.0000 recorded 0.5000: DIFFERENT cases=7" in capsys.readouterr().out
+    fake.version = 2  # a version the run recorded nothing for: the score alone
+    assert await asyncio.to_thread(slipstream_main, argv) == 0
+    assert "version=2 accuracy/mean=1.0000 cases=7" in capsys.readouterr().out
+
+
+def test_eval_of_a_version_it_cannot_load_fails_naming_the_path_and_the_fix(tmp_path, capsys):
+    run_dir = demo_run_dir(tmp_path / "run")
+    weights = run_dir / "weights"
+
+    def fails(*argv: str) -> str:
+        assert slipstream_main(["eval", *argv]) == 2
+        return capsys.readouterr().err
+
+    err = fails("--url", "http://127.0.0.1:1", "--config", str(DEMO), "--version", "3")
+    assert "--version 3 needs the run that published it: pass --run-dir RUN" in err
+    err = fails("--run-dir", str(run_dir))
+    assert "nothing to evaluate: pass --url URL of a server, or --run-dir RUN --version N" in err
+    assert f"{weights} holds no published weight versions" in fails("--run-dir", str(run_dir), "--version", "0")
+    for version in (2, 3, 50):
+        (weights / f"v{version}").mkdir(parents=True)
+    err = fails("--run-dir", str(run_dir), "--version", "0")
+    assert f"{weights / 'v0'} does not exist: the run pruned it" in err
+    assert "pick one of the kept versions 2, 3, 50, or raise rollout.keep_versions" in err
+    assert "the run published versions up to 50" in fails("--run-dir", str(run_dir), "--version", "51")
+    err = fails("--run-dir", str(run_dir), "--version", "3", "--weight-version", "x")
+    assert "--weight-version x labels a server without /weight_info" in err
+
+
+def test_a_server_started_for_a_run_takes_the_config_and_environment_of_the_worker_its_evaluator_used(tmp_path):
+    run_dir = demo_run_dir(tmp_path / "run")
+    path = run_dir / "config.toml"
+    # The demo's evaluator pins its eval-pool worker (launch.roles.vllm_eval): that role's overrides and variables.
+    cfg, env = worker_setup(path, [], load_config(path))
+    assert cfg.rollout.pool == "eval" and env == {"SLIPSTREAM__rollout__pool": "eval", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    # Through the router (pin = "never"): a train worker's.
+    overrides = ["evaluator.pin=never", "launch.roles.vllm.env.VLLM_CPU_OMP_THREADS_BIND=all"]
+    cfg, env = worker_setup(path, overrides, load_config(path, overrides))
+    assert cfg.rollout.pool == "train" and env["VLLM_CPU_OMP_THREADS_BIND"] == "all"
+    # A run that launched no vLLM role (its workers were started by hand): the run's own config, nothing added.
+    bare = load_config(path, ["launch.roles={}"])
+    assert worker_setup(path, ["launch.roles={}"], bare) == (bare, {})
 
 
 async def test_waiting_for_a_served_model_logs_the_wait_once_and_its_end_not_every_attempt(monkeypatch, caplog):
