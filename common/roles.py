@@ -18,7 +18,7 @@ import signal
 import socket
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import redis
@@ -79,12 +79,23 @@ class RunContext:
     rendezvous: Rendezvous
     keys: Keys
     config_path: str | None = None
+    _redis: redis.Redis | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def redis(self) -> redis.Redis:
-        """A synchronous client (for code outside the event loop)."""
-        assert self.rendezvous.info is not None
-        return self.rendezvous.info.client()
+        """The context's synchronous client (for code outside the event loop; safe to share between threads),
+        made on first use and closed by `close()` when the role ends. It rides through a Redis restart on the
+        same address by itself (its retries reconnect), so it is never made again for that."""
+        if self._redis is None:
+            assert self.rendezvous.info is not None
+            self._redis = self.rendezvous.info.client()
+        return self._redis
+
+    def close(self) -> None:
+        """Close the synchronous client, if one was made (the next use of `redis` makes a new one)."""
+        client, self._redis = self._redis, None
+        if client is not None:
+            client.close()
 
     def async_redis(self) -> redis.asyncio.Redis:
         return self.rendezvous.async_client()
@@ -173,6 +184,7 @@ async def lifecycle(ctx: RunContext, main: Callable[[RunContext], Awaitable[int]
             await announce(client, ctx.keys, ctx.role, "down", instance=ctx.instance, code=code)
             await beat.stop()
         finally:
+            ctx.close()
             await client.aclose()
         log.info("role down (exit code %d)", code)
     return code

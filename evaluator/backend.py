@@ -3,18 +3,18 @@ server). `Backend` discovers the served model and its context length (GET /v1/mo
 prompt's tokens (`PromptCounter`: the served model's own tokenizer when its directory is readable
 here, else vLLM's /tokenize route), and generates the samples of one case through /v1/completions or
 /v1/chat/completions with max_tokens clamped to the context left after the prompt. Retries happen
-only where trying again can help: transport errors and 408/425/429/5xx answers, with exponential
-backoff and jitter (and Retry-After when the server sends one); any other 4xx is permanent and
-raises `RequestError` with the server's text at once. `wait_until_served` waits for a model to be
-served (the router answers /v1/models only with a healthy worker behind it), logging the wait when it
-starts, every 30 s and when it ends, not every attempt.
+only where trying again can help: transport errors and the answers common.http calls retryable
+(408/425/429/5xx), waiting as its RetryPolicy says (exponential backoff with jitter, or Retry-After
+when the server sends one); any other 4xx is permanent and raises `RequestError` with the server's
+text at once. `wait_until_served` waits for a model to be served (the router answers /v1/models only
+with a healthy worker behind it), logging the wait when it starts, every 30 s and when it ends, not
+every attempt.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import threading
 import time
 from dataclasses import dataclass
@@ -23,12 +23,12 @@ from typing import Any, Protocol
 
 import aiohttp
 
+from common.http import RetryPolicy, retryable_status
 from evaluator.benchmark import Case
 
 log = logging.getLogger(__name__)
 
 _TRANSPORT_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError)
-BACKOFF_CAP_S = 10.0
 SERVED_POLL_S = 1.0
 SERVED_LOG_S = 30.0
 
@@ -40,27 +40,6 @@ class RequestError(RuntimeError):
     def __init__(self, message: str, transient: bool = False) -> None:
         super().__init__(message)
         self.transient = transient
-
-
-def retryable_status(status: int) -> bool:
-    """Statuses worth retrying: request timeout, too early, too many requests, and every 5xx."""
-    return status >= 500 or status in (408, 425, 429)
-
-
-@dataclass(frozen=True)
-class RetryPolicy:
-    max_retries: int = 6
-    backoff_s: float = 0.5
-
-    def delay(self, attempt: int, retry_after: str | None = None) -> float:
-        """Seconds to wait before retry number `attempt` (0-based): Retry-After if given, else capped
-        exponential backoff with jitter so many clients do not retry in lockstep."""
-        if retry_after is not None:
-            try:
-                return min(BACKOFF_CAP_S, max(0.0, float(retry_after)))
-            except ValueError:
-                pass  # an HTTP-date; fall back to our own backoff
-        return min(BACKOFF_CAP_S, self.backoff_s * 2**attempt) * (0.5 + random.random() / 2)
 
 
 @dataclass(frozen=True)

@@ -39,10 +39,11 @@ from typing import Any, Protocol
 import aiohttp
 
 from common.config import Config, ConfigError, EvaluatorConfig, TaskConfig, load_config
+from common.http import RetryPolicy
 from common.log import setup as setup_logging
 from common.metrics import step_series
 from common.net import bearer, free_port
-from evaluator.backend import Backend, Generation, RequestError, RetryPolicy
+from evaluator.backend import Backend, Generation, RequestError
 from evaluator.benchmark import BENCHMARKS, Benchmark, BenchmarkError, Case, EvalOptions, SampleScore, load_benchmark
 from evaluator.cache import ResultCache, fingerprint
 

@@ -22,11 +22,12 @@ from pathlib import Path
 import aiohttp
 import redis.asyncio
 
+from common.http import RetryPolicy
 from common.keys import Keys
 from common.metrics import MetricsWriter
 from common.net import bearer
 from common.roles import RunContext, announce
-from evaluator.backend import Backend, RequestError, RetryPolicy
+from evaluator.backend import Backend, RequestError
 from evaluator.benchmark import Benchmark
 from evaluator.cache import ResultCache
 from evaluator.runner import PIN_PAUSE_MODE, EvalPlan, EvalResult, Snapshot, VersionMoved, eval_plan, evaluate

@@ -25,21 +25,19 @@ import aiohttp
 import numpy as np
 import redis.asyncio
 
+from common.http import retryable_status
 from common.keys import Keys
 from common.net import bearer
 
 GENERATE_PATH = "/inference/v1/generate"
 
 
-# Answers worth trying again (the same set the router retries on): overload, timeouts, server errors.
-TRANSIENT_STATUSES = frozenset({408, 425, 429, 500, 502, 503, 504})
-
-
 class RolloutError(RuntimeError):
     """A generation response is unusable for RL (an HTTP error, or tokens without log-probs or versions).
 
     `status` is the HTTP status when the server answered with an error; `transient` (read by the
-    GenerationController's retry logic) is true for the statuses worth retrying.
+    GenerationController's retry logic) is true for the statuses worth retrying, the ones the router
+    retries on too (common.http).
     """
 
     def __init__(self, message: str, status: int | None = None) -> None:
@@ -48,7 +46,7 @@ class RolloutError(RuntimeError):
 
     @property
     def transient(self) -> bool:
-        return self.status in TRANSIENT_STATUSES
+        return self.status is not None and retryable_status(self.status)
 
 
 class NoRouterError(RolloutError):

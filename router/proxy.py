@@ -1,12 +1,12 @@
 """Forwarding one client request to a worker: the router's hot path. It reads the body once (so it can
 be sent again), picks a worker with the policy, relays the answer (buffered when the worker sent a
-Content-Length, chunk by chunk otherwise, e.g. SSE), and retries on a different worker only while no
-byte has reached the client and only after a transport error or a 408/425/429/5xx answer. It adds no
-timeout to a generation (only connecting is bounded); a client that disconnects cancels the handler
-and with it the upstream request. A worker removed from the pool (its heartbeat expired) whose server
-fails a health check too gives up the requests still waiting for its answer; they are retried
-elsewhere. Bodies are never parsed, except to find an affinity key that the client put in the body
-instead of the header.
+Content-Length, chunk by chunk otherwise, e.g. SSE), and retries at once on a different worker only
+while no byte has reached the client and only after a transport error or an answer common.http calls
+retryable (408/425/429/5xx). It adds no timeout to a generation (only connecting is bounded); a
+client that disconnects cancels the handler and with it the upstream request. A worker removed from
+the pool (its heartbeat expired) whose server fails a health check too gives up the requests still
+waiting for its answer; they are retried elsewhere. Bodies are never parsed, except to find an
+affinity key that the client put in the body instead of the header.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from common.config import RouterConfig
+from common.http import RetryPolicy, retryable_status
 from common.net import bearer
 from router.metrics import Metrics
 from router.policy import Policy
@@ -49,11 +50,6 @@ HOP_BY_HOP = frozenset(
 )
 # The router's own server writes Server and Date; the worker's would be duplicates.
 _RESPONSE_DROP = HOP_BY_HOP | {"server", "date"}
-
-
-def retryable_status(status: int) -> bool:
-    """Statuses that say "try elsewhere or later": 408, 425, 429 and every 5xx."""
-    return status >= 500 or status in (408, 425, 429)
 
 
 def error_body(message: str, kind: str, code: int) -> bytes:
@@ -116,7 +112,8 @@ class Proxy:
     ) -> None:
         self.pool, self.upstream, self.metrics, self.sync = pool, upstream, metrics, sync
         self.policy = Policy(cfg.policy, cfg.affinity_overload_factor)
-        self.max_retries = cfg.max_retries
+        # Another worker is tried at once: the router uses the policy's count and statuses, never its delay.
+        self.retry = RetryPolicy(max_retries=cfg.max_retries)
         self.max_body_bytes = cfg.max_body_bytes
         self.affinity_header = cfg.affinity_header if cfg.policy == "affinity" else ""
         # The router answered any Expect: 100-continue itself; its bearer token is for it alone, and the
@@ -158,7 +155,7 @@ class Proxy:
 
         tried: list[Worker] = []
         failure: Failure | None = None
-        for attempt in range(self.max_retries + 1):
+        for attempt in range(self.retry.max_retries + 1):
             candidates = self.pool.healthy
             if tried:
                 candidates = tuple(w for w in candidates if w not in tried)

@@ -80,7 +80,8 @@ def test_client_needs_a_url_or_redis_to_find_the_router():
         RolloutClient("policy")
 
 
-@pytest.mark.parametrize(("status", "transient"), [(500, True), (502, True), (503, True), (429, True), (408, True),
+@pytest.mark.parametrize(("status", "transient"), [(500, True), (501, True), (502, True), (503, True), (505, True),
+                                                   (429, True), (425, True), (408, True),
                                                    (400, False), (404, False), (None, False)])
 def test_http_errors_worth_retrying_are_transient_for_the_controller(status, transient):
     from rollout.controller import is_transient

@@ -25,10 +25,11 @@ from aiohttp import web
 
 from common.cli import main as slipstream_main
 from common.config import load_config, to_toml
+from common.http import RetryPolicy
 from common.keys import Keys
 from common.metrics import MetricsWriter
 from common.roles import RunContext
-from evaluator.backend import Backend, RequestError, RetryPolicy
+from evaluator.backend import Backend, RequestError
 from evaluator.benchmark import Case, EvalOptions, Sampling, load_benchmark
 from evaluator.cache import ResultCache, fingerprint
 from evaluator.runner import (

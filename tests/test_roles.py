@@ -73,6 +73,22 @@ def test_sigterm_cancels_the_role_and_still_announces_down(ctx):
 
 
 @pytest.mark.timeout(30)
+def test_the_sync_client_is_one_per_context_and_its_connection_closes_when_the_role_ends(ctx):
+    seen: dict[str, object] = {}
+
+    async def main(c: RunContext) -> int:
+        seen["same"] = c.redis is c.redis
+        seen["id"] = c.redis.client_id()
+        return 0
+
+    assert asyncio.run(lifecycle(ctx, main)) == 0
+    assert seen["same"] is True
+    assert ctx.rendezvous.info is not None
+    with ctx.rendezvous.info.client() as probe:
+        assert seen["id"] not in {int(c["id"]) for c in probe.client_list()}
+
+
+@pytest.mark.timeout(30)
 def test_heartbeat_key_expires_when_beats_stop(ctx):
     async def scenario() -> tuple[int, int]:
         client = ctx.async_redis()

@@ -11,7 +11,7 @@ import pytest
 from router.metrics import Metrics
 from router.policy import Policy, affinity_worker, least_outstanding, overloaded
 from router.pool import WorkerPool, WorkerRecord
-from router.proxy import body_affinity_key, retryable_status
+from router.proxy import body_affinity_key
 
 
 @dataclass
@@ -155,17 +155,6 @@ def test_affinity_key_in_body_is_found_without_disturbing_other_bodies():
     assert body_affinity_key(b'{"prompt": "p", "slipstream_group": 17}') == "17"
     assert body_affinity_key(b'{"prompt": "p"}') is None
     assert body_affinity_key(b'{"slipstream_group": broken') is None
-
-
-def test_retryable_statuses():
-    assert [s for s in (400, 401, 404, 408, 413, 422, 425, 429, 500, 502, 503) if retryable_status(s)] == [
-        408,
-        425,
-        429,
-        500,
-        502,
-        503,
-    ]
 
 
 def test_metrics_text_has_counters_histogram_and_worker_gauges():

@@ -7,13 +7,14 @@ training reward and evaluation agree. Data: `<data_root>/gsm8k/test.jsonl`.
 
 from __future__ import annotations
 
-import json
 from functools import cached_property
 
+from common.jsonl import read_jsonl
 from evaluator.benchmark import Benchmark, BenchmarkError, Case, ChatMessage, SampleScore, Sampling
 from rollout.tasks.mathanswer import answers_equal, extract_answer
 
 DATA_FILE = "gsm8k/test.jsonl"
+RECORD = "a JSON object with 'question' and an 'answer' ending in '#### N'"
 INSTRUCTION = "Solve the problem step by step. Write the final answer as \\boxed{N} at the end."
 
 
@@ -34,17 +35,11 @@ class GSM8K(Benchmark):
     def _cases(self) -> list[Case]:
         path = self.data_file(DATA_FILE)
         cases = []
-        for lineno, line in enumerate(path.read_text().splitlines(), start=1):
-            if not line.strip():
-                continue
+        for lineno, record in read_jsonl(path, RECORD, BenchmarkError):
             try:
-                record = json.loads(line)
                 question, gold = record["question"], final_answer(record["answer"])
-            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
-                raise BenchmarkError(
-                    f"{path}:{lineno}: expected a JSON object with 'question' and an 'answer' "
-                    f"ending in '#### N' ({exc})"
-                ) from None
+            except (KeyError, TypeError, ValueError) as exc:
+                raise BenchmarkError(f"{path}:{lineno}: expected {RECORD} ({exc})") from None
             prompt = (ChatMessage("user", f"{question}\n{INSTRUCTION}"),)
             cases.append(Case(str(record.get("id", f"gsm8k-{lineno}")), prompt, self.sampling, 1, {"answer": gold}))
         if not cases:

@@ -9,15 +9,16 @@ type. Data: `<data_root>/ifeval/prompts.jsonl`, one {"id", "prompt", "instructio
 
 from __future__ import annotations
 
-import json
 from collections import defaultdict
 from collections.abc import Sequence
 from functools import cached_property
 
+from common.jsonl import read_jsonl
 from evaluator.benchmark import Benchmark, BenchmarkError, Case, ChatMessage, SampleScore, Sampling, summarize
 from evaluator.benchmarks.instructions import Instruction, follows_loose, follows_strict
 
 DATA_FILE = "ifeval/prompts.jsonl"
+RECORD = 'an ifeval record {"id", "prompt", "instructions"} (see the module docstring for the format)'
 
 
 class IFEval(Benchmark):
@@ -29,16 +30,13 @@ class IFEval(Benchmark):
     def _cases(self) -> list[Case]:
         path = self.data_file(DATA_FILE)
         cases = []
-        for lineno, line in enumerate(path.read_text().splitlines(), start=1):
-            if not line.strip():
-                continue
+        for lineno, record in read_jsonl(path, RECORD, BenchmarkError):
             where = f"{path}:{lineno}"
             try:
-                record = json.loads(line)
                 instructions = tuple(Instruction.parse(r, where) for r in record["instructions"])
                 prompt = record["prompt"]
                 case_id = str(record["id"])
-            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+            except (KeyError, TypeError, ValueError) as exc:
                 raise BenchmarkError(
                     f"{where}: bad ifeval record ({exc}); see the module docstring for the format"
                 ) from None

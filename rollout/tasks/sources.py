@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from common.jsonl import read_jsonl
 from rollout.tasks import Problem
 
 
@@ -79,18 +80,8 @@ def read_problems(
 
 def _jsonl_records(path: Path, keys: RecordKeys) -> Iterator[tuple[str, int, Mapping[str, Any]]]:
     """(file:line, line number, record) of every non-blank line."""
-    expected = f"expected a JSON object with {keys.prompt!r} and {keys.answer!r}"
-    with path.open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{lineno}: {expected} ({exc})") from None
-            if not isinstance(record, dict):
-                raise ValueError(f"{path}:{lineno}: {expected}, got {type(record).__name__}")
-            yield f"{path}:{lineno}", lineno, record
+    for lineno, record in read_jsonl(path, f"a JSON object with {keys.prompt!r} and {keys.answer!r}"):
+        yield f"{path}:{lineno}", lineno, record
 
 
 def _read_parquet(path: Path) -> Any:
