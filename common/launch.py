@@ -40,7 +40,7 @@ from common import log as logsetup
 from common.config import Config, RoleSpec, load_config, to_toml
 from common.console import LOGS, Console, ConsoleHandler, ProgressLine, Shown, elapsed, log_path
 from common.dash.server import DashServer
-from common.dash.sources import RunSource, read_live
+from common.dash.sources import read_live
 from common.proc import die_with_parent
 from common.registry import Registry
 from common.rendezvous import Rendezvous
@@ -80,8 +80,6 @@ class Prepared:
 
 class LaunchError(RuntimeError):
     """A run cannot be launched as asked (names the run and the remedy)."""
-
-
 
 
 def prepare(
@@ -403,7 +401,6 @@ def launch(
              "" if verbose else " (the console shows warnings, errors and progress; --verbose shows every line)")  # fmt: skip
     started = time.time()
     code = 1
-    run = RunSource(prep.run_dir).run(prep.exp)
     dash = None
     progress = None
     try:
@@ -413,7 +410,7 @@ def launch(
             log.info("dashboard: %s", dash.url(f"/run/{prep.exp}"))
         if not verbose:
             progress = ProgressLine(console, prep.run_dir, prep.cfg.trainer.steps, prep.cfg.trainer.warmup.steps,
-                                    lambda: read_live(run))  # fmt: skip
+                                    lambda: read_live(prep.exp, prep.meet_dir))  # fmt: skip
             progress.start()
         code = Launcher(prep, console, verbose).run()
     finally:

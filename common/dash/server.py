@@ -120,7 +120,7 @@ class Dashboard:
 
     async def _live(self, run: Run) -> LiveState:
         try:
-            return await asyncio.wait_for(asyncio.to_thread(read_live, run), LIVE_TIMEOUT_S)
+            return await asyncio.wait_for(asyncio.to_thread(read_live, run.id, run.meet_dir), LIVE_TIMEOUT_S)
         except TimeoutError:
             return LiveState(False, f"Redis did not answer within {LIVE_TIMEOUT_S}s")
 

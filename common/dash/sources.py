@@ -170,19 +170,19 @@ def read_flow_summary(run_dir: Path) -> dict | None:
         raise DashError(f"{path} is not valid JSON ({exc}); the trainer writes it at the end of a run") from None
 
 
-def read_live(run: Run) -> LiveState:
+def read_live(exp: str, meet_dir: Path) -> LiveState:
     """Workers (both pools) with their versions and liveness, role heartbeats, the served version and the
-    newest lifecycle events."""
+    newest lifecycle events of experiment `exp`, whose Redis the meet dir names."""
     try:
-        data = json.loads((run.meet_dir / REDIS_FILE).read_text())
+        data = json.loads((meet_dir / REDIS_FILE).read_text())
     except FileNotFoundError:
-        return LiveState(False, f"no {REDIS_FILE} in {run.meet_dir}")
+        return LiveState(False, f"no {REDIS_FILE} in {meet_dir}")
     except (OSError, json.JSONDecodeError) as exc:
-        return LiveState(False, f"{run.meet_dir / REDIS_FILE}: {exc}")
+        return LiveState(False, f"{meet_dir / REDIS_FILE}: {exc}")
     info = RedisInfo(**data)
     if info.stopped:
         return LiveState(False, "its Redis was stopped at the end of the run")
-    keys = Keys(run.id)
+    keys = Keys(exp)
     client = info.client(timeout_s=REDIS_TIMEOUT_S, retry=False)
     try:
         state = LiveState(True)
