@@ -188,10 +188,12 @@ def test_events_that_break_the_contract_name_the_problem():
 def test_from_config_builds_the_configured_strategy_and_rejects_bad_knobs():
     pol = FlowPolicy.from_config(FlowConfig(strategy="one_step_off", prompts_per_step=3), num_prompts=9)
     assert isinstance(pol, OneStepOff) and pol.prompts_per_step == 3 and pol.data_end == 9
-    with pytest.raises(ValueError, match="max_untrained_prompts"):
+    with pytest.raises(ConfigError, match="max_untrained_prompts"):
         FlowPolicy.from_config(FlowConfig(prompts_per_step=8, max_untrained_prompts=4))
-    with pytest.raises(ValueError, match="stale_policy"):
-        FullyAsync(stale_policy="keep")
+    with pytest.raises(ConfigError, match="stale_policy"):
+        FlowPolicy.from_config(FlowConfig(stale_policy="keep"))  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"flow\.strategy: 'sync' is not one of"):
+        FlowPolicy.from_config(FlowConfig(strategy="sync"))  # type: ignore[arg-type]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -413,8 +415,8 @@ def test_dynamic_sampling_needs_rewards_and_groups_of_two_or_more():
     pol.start()
     with pytest.raises(FlowError, match="without a reward"):
         pol.on_sample_done(done(0, 0))
-    with pytest.raises(ValueError, match="samples_per_prompt >= 2"):
-        OnPolicy(samples_per_prompt=1, dynamic_sampling=True)
+    with pytest.raises(ConfigError, match="samples_per_prompt >= 2"):
+        FlowPolicy.from_config(FlowConfig(strategy="on_policy", samples_per_prompt=1, dynamic_sampling=True))
     with pytest.raises(ConfigError, match="samples_per_prompt >= 2"):
         load_config(None, ["flow.dynamic_sampling=true", "flow.samples_per_prompt=1"], environ={})
     with pytest.raises(ConfigError, match="max_dynamic_refills_per_step must be >= 1"):

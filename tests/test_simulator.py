@@ -7,6 +7,7 @@ import pytest
 
 from common.config import FlowConfig
 from rollout.flow.policy import FlowPolicy
+from rollout.flow.simulate_cli import build_parser
 from rollout.flow.simulator import (
     Costs,
     GeneratorPool,
@@ -134,6 +135,18 @@ def test_cli_simulate_takes_the_flow_section_from_a_config_and_flags_override(tm
     assert cli_main(["--config", str(cfg), "--strategy", "on_policy", "--steps", "2", "--compare"]) == 0
     out = capsys.readouterr().out
     assert "strategy on_policy: 2 steps" in out and "vs base" in out and "fully_async" in out
+
+
+def test_cli_flow_flags_are_the_policy_knobs_of_the_flow_schema_with_their_docstrings(capsys):
+    parser = build_parser()
+    args = parser.parse_args(["--no-partial-rollout", "--end-of-data", "drop", "--max-staleness", "0"])
+    assert (args.partial_rollout, args.end_of_data, args.max_staleness, args.strategy) == (False, "drop", 0, None)
+    assert "Prompt groups per optimizer step." in " ".join(parser.format_help().split())
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--stale-policy", "keep"])  # a Literal field: its values are the choices
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--max-retries", "2"])  # a controller knob, which the simulator does not model
+    assert "unrecognized arguments: --max-retries" in capsys.readouterr().err
 
 
 def test_cli_simulate_rejects_bad_knobs_with_a_named_error(capsys):

@@ -27,7 +27,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from common.config import FlowConfig
+from common.config import FlowConfig, validate_flow
 
 SampleKey = tuple[int, int]
 """(prompt id, sample index within its group)."""
@@ -143,26 +143,6 @@ class FlowPolicy:
         num_prompts: int | None = None,
         max_steps: int | None = None,
     ) -> None:
-        for name, value in (
-            ("prompts_per_step", prompts_per_step),
-            ("samples_per_prompt", samples_per_prompt),
-            ("max_concurrent", max_concurrent),
-            ("max_untrained_prompts", max_untrained_prompts),
-            ("max_dynamic_refills_per_step", max_dynamic_refills_per_step),
-        ):
-            if value < 1:
-                raise ValueError(f"flow.{name} must be >= 1, got {value}")
-        if max_staleness < 0:
-            raise ValueError(f"flow.max_staleness must be >= 0, got {max_staleness}")
-        if dynamic_sampling and samples_per_prompt < 2:
-            raise ValueError(
-                "flow.dynamic_sampling drops groups whose rewards are all equal, which a group of one sample "
-                f"always is (flow.samples_per_prompt = {samples_per_prompt}); use samples_per_prompt >= 2"
-            )
-        if stale_policy not in ("drop", "requeue"):
-            raise ValueError(f"flow.stale_policy must be 'drop' or 'requeue', got {stale_policy!r}")
-        if end_of_data not in ("train_partial", "drop"):
-            raise ValueError(f"flow.end_of_data must be 'train_partial' or 'drop', got {end_of_data!r}")
         if num_prompts is not None and num_prompts < 0:
             raise ValueError(f"num_prompts must be >= 0 or None (unknown), got {num_prompts}")
         if max_steps is not None and max_steps < 0:
@@ -201,11 +181,11 @@ class FlowPolicy:
     def from_config(
         cfg: FlowConfig, *, num_prompts: int | None = None, max_steps: int | None = None
     ) -> FlowPolicy:
-        """The policy of `cfg.strategy` with the knobs of the flow config section."""
-        cls = STRATEGIES.get(cfg.strategy)
-        if cls is None:
-            raise ValueError(f"flow.strategy {cfg.strategy!r} is unknown; use one of {', '.join(STRATEGIES)}")
-        return cls(
+        """The policy of `cfg.strategy` with the knobs of the flow config section, checked by the config's
+        `validate_flow` (a loaded config passed it already; the simulator's and tests' flows are built in code).
+        The constructors themselves trust their knobs."""
+        validate_flow(cfg)
+        return STRATEGIES[cfg.strategy](
             prompts_per_step=cfg.prompts_per_step,
             samples_per_prompt=cfg.samples_per_prompt,
             max_concurrent=cfg.max_concurrent,
@@ -725,11 +705,6 @@ class FullyAsync(FlowPolicy):
     def __init__(self, **knobs: Any) -> None:
         super().__init__(**knobs)
         self.dropped_since_train = 0
-        if self.max_untrained_prompts < self.prompts_per_step:
-            raise ValueError(
-                f"flow.max_untrained_prompts ({self.max_untrained_prompts}) is below flow.prompts_per_step "
-                f"({self.prompts_per_step}): a batch could never fill; raise max_untrained_prompts"
-            )
 
     def _extra_state(self) -> dict[str, Any]:
         return {"dropped_since_train": self.dropped_since_train}

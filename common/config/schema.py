@@ -1,0 +1,370 @@
+"""The schema, second half: the trainer's sections (model, experts, optimizer, parallelism, data,
+checkpoints, the RL objective, the warm start), the evaluator's, the launcher's (`RoleSpec` entries) and
+the root `Config` that holds every section. Only dataclasses and their field docstrings; the run,
+rendezvous, router, rollout and flow sections are in sections.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from common.config.sections import (
+    FlowConfig,
+    RendezvousConfig,
+    RolloutConfig,
+    RouterConfig,
+    RunConfig,
+    _list,
+    identity,
+)
+
+
+@dataclass
+class ModelConfig:
+    arch: Literal["deepseek_v3", "qwen3_moe"] = identity("deepseek_v3")
+    """Architecture; decides the attention type and the HF naming (DeepseekV3 / Qwen3Moe)."""
+    vocab_size: int = identity(128)
+    """Vocabulary size (must match the tokenizer)."""
+    hidden_size: int = identity(64)
+    """Model width."""
+    num_layers: int = identity(2)
+    """Decoder layers."""
+    first_k_dense: int = identity(1)
+    """The first k layers use a dense SwiGLU MLP instead of experts."""
+    intermediate_size: int = identity(128)
+    """Width of the dense MLP."""
+    moe_intermediate_size: int = identity(32)
+    """Width of one expert (and of each shared expert)."""
+    n_routed_experts: int = identity(8)
+    """Routed experts per MoE layer."""
+    n_shared_experts: int = identity(1)
+    """Shared experts per MoE layer (0 for none)."""
+    num_experts_per_tok: int = identity(2)
+    """Experts each token is routed to (top-k)."""
+    num_heads: int = identity(4)
+    """Attention (query) heads."""
+    num_kv_heads: int = identity(2)
+    """Key/value heads (GQA only)."""
+    head_dim: int = identity(32)
+    """Head dimension (GQA only)."""
+    q_lora_rank: int = identity(0)
+    """MLA query low-rank dimension; 0 projects queries directly."""
+    kv_lora_rank: int = identity(512)
+    """MLA compressed key/value dimension."""
+    qk_nope_head_dim: int = identity(32)
+    """MLA per-head query/key dimension without rotary embedding."""
+    qk_rope_head_dim: int = identity(64)
+    """MLA per-head query/key dimension with rotary embedding."""
+    v_head_dim: int = identity(32)
+    """MLA per-head value dimension."""
+    rope_theta: float = identity(10000.0)
+    """RoPE base."""
+    rms_norm_eps: float = identity(1e-6)
+    """RMSNorm epsilon."""
+    routed_scaling_factor: float = identity(1.0)
+    """Scale applied to the routing weights after normalisation."""
+    norm_topk_prob: bool = identity(True)
+    """Normalise the top-k routing weights to sum to one."""
+    n_group: int = identity(1)
+    """Expert groups for group-limited routing (1 = off)."""
+    topk_group: int = identity(1)
+    """Groups each token may use under group-limited routing."""
+    max_seq_len: int = identity(512)
+    """Longest sequence the model is trained on."""
+    tie_word_embeddings: bool = identity(False)
+    """Share the input embedding with the output head."""
+
+
+@dataclass
+class ExpertsConfig:
+    backend: Literal["auto", "reference", "grouped_mm"] = "auto"
+    """Expert compute: auto picks the fastest that runs here; an explicit choice that cannot run fails."""
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-3
+    """Peak learning rate of dense parameters."""
+    router_lr: float = 1e-3
+    """Peak learning rate of router (gate) parameters."""
+    expert_lr: float = 1e-3
+    """Peak learning rate of routed-expert parameters."""
+    betas: list[float] = _list(0.9, 0.95)
+    """AdamW betas."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip; 0 disables."""
+    grad_accum: int = 1
+    """Micro-batches accumulated per optimizer step."""
+    warmup_tokens: int = 0
+    """WSD schedule: tokens of linear warm-up."""
+    decay_tokens: int = 0
+    """WSD schedule: tokens of final decay (0 = constant after warm-up)."""
+    total_tokens: int = 0
+    """WSD schedule: total tokens of the run (the decay ends here); 0 = no decay."""
+    min_lr_ratio: float = 0.0
+    """Learning rate at the end of the decay, as a fraction of the peak."""
+    bias_update_rate: float = 1e-3
+    """Aux-loss-free balancing: step of the sign-based expert-bias update."""
+    bias_update_decay: bool = True
+    """Let the bias update step fall linearly to zero over the WSD decay phase (the bias is frozen at the end)."""
+    seq_aux_loss_coef: float = 0.0
+    """Coefficient of the sequence-wise balance loss (0 = off)."""
+    muon: bool = identity(False)
+    """Muon (orthogonalised momentum) for the 2-D dense matrices of the blocks; the rest stays on AdamW.
+    Its rate is `lr`, rescaled to AdamW's update size."""
+    muon_momentum: float = 0.95
+    """Muon's momentum (Nesterov)."""
+
+
+@dataclass
+class ParallelConfig:
+    ep: int = 1
+    """Expert-parallel group size: routed experts are sharded over this many trainer ranks (RDEP); it must
+    divide the number of ranks and n_routed_experts. The rest is data parallel (ranks / ep replicas)."""
+    transport: Literal["auto", "p2p", "symm_mem"] = "auto"
+    """How expert rows travel between ranks: p2p (torch.distributed point-to-point, CPU and GPU) or
+    symm_mem (NVLink symmetric memory, GPUs); auto = p2p."""
+    store_advertise_host: str = "auto"
+    """Address of rank 0's process-group store that the other ranks are told when they bootstrap through
+    Redis; auto = the address of rank 0's interface that routes to Redis (loopback when Redis is). torch's
+    TCPStore listens on every interface, so there is no bind host to set. torchrun-style starts use
+    MASTER_ADDR/MASTER_PORT instead."""
+
+
+@dataclass
+class DataSourceConfig:
+    name: str = ""
+    """Name of the source: its prepped shards live in <trainer.data.root>/<name>/ (letters, digits, _ . -)."""
+    path: str = ""
+    """Raw text: a .jsonl file, a .parquet file, a directory of those, or a `datasets` save_to_disk directory."""
+    weight: float = 1.0
+    """Relative sampling weight (any positive scale; the mixture normalises)."""
+    temperature: float = 1.0
+    """Sampling temperature: the source's probability is proportional to weight ** (1 / temperature)."""
+    text_key: str = "text"
+    """JSONL field / parquet or arrow column that holds the text."""
+
+
+@dataclass
+class DataConfig:
+    path: str = identity("")
+    """Pretraining data (trainer.mode = "pretrain"): a .jsonl file of texts or a .npy array of token ids,
+    tokenized at start-up (a one-source mixture). For a mixture of prepped sources use `sources` instead."""
+    sources: list[DataSourceConfig] = identity(factory=list, added=True)
+    """Mixture of raw text sources ([[trainer.data.sources]] tables), tokenized beforehand by
+    `slipstream prep CONFIG` into token shards under `root`; the whole list is part of the run's identity."""
+    root: str = ""
+    """Directory of prepped sources (one subdirectory per source name); empty = <run.root>/data, shared by
+    every run under run.root (the run dir is not known before a launch picks the experiment id)."""
+    shard_mb: float = 64.0
+    """`slipstream prep`: MB of raw input text per token shard (the token stream does not depend on it)."""
+    prep_processes: int = 0
+    """`slipstream prep`: tokenizing processes (0 = one per CPU core)."""
+    tokenizer: str = identity("")
+    """HF tokenizer directory for text (empty: the rollout model's tokenizer when it is a local tiny one)."""
+    text_key: str = identity("text")
+    """Field of each JSONL object that holds the text (trainer.data.path)."""
+    seq_len: int = identity(256)
+    """Tokens per training row."""
+    batch_size: int = identity(8)
+    """Rows per micro-batch over all ranks (each of W ranks takes batch_size / W); times grad_accum per step."""
+
+
+@dataclass
+class CheckpointConfig:
+    interval_steps: int = 10
+    """Save a checkpoint every N optimizer steps (0 = not by steps); a run always saves at its end."""
+    interval_minutes: float = 30.0
+    """Also save when this many minutes passed since the last checkpoint (0 = not by time)."""
+    keep: int = 2
+    """Checkpoints kept on disk."""
+    resume: bool = True
+    """Resume from the newest checkpoint of the run dir if there is one."""
+
+
+@dataclass
+class RLConfig:
+    normalize_std: bool = identity(True)
+    """GRPO: divide group-centred rewards by the group's standard deviation."""
+    filter_zero_variance: bool = identity(True)
+    """Drop groups whose samples all got the same reward (their advantages are zero)."""
+    clip_low: float = identity(0.2)
+    """PPO ratio clip below 1 (ratio >= 1 - clip_low)."""
+    clip_high: float = identity(0.28)
+    """PPO ratio clip above 1 (ratio <= 1 + clip_high; a higher bound keeps exploration, as DAPO)."""
+    tis_cap: float = identity(2.0)
+    """Truncation of the behaviour-to-proximal importance weight (truncated importance sampling)."""
+    kl_coef: float = identity(0.0)
+    """Weight of the k3 KL estimate to the frozen reference policy (0 = no reference model)."""
+    aggregation: Literal["token_mean", "seq_mean"] = identity("token_mean")
+    """Loss aggregation: mean over all tokens of the batch, or mean over sequences of their token means."""
+    micro_batch_samples: int = 16
+    """Samples per forward/backward pass on each rank (memory knob; the gradient is the same)."""
+    mini_batches: int = identity(1)
+    """Optimizer updates per RL step (PPO mini-batches): the step's groups are cut, in order and whole, into
+    this many mini-batches, each an update against the proximal log-probs of the weights that began the
+    step (verl's ppo_mini_batch_size, AReaL's ppo_n_minibatches). Fewer when fewer groups carry a signal."""
+    routing_replay: Literal["none", "rollout"] = identity("none")
+    """Rollout routing replay (R3): `rollout` makes every MoE layer of the trainer use, for each token, the
+    top-k experts vLLM chose when it generated (returned with rollout.return_routed_experts); the gate weights
+    are still the trainer's own scores of those experts, so the router keeps its gradient. `none`: the
+    trainer routes by itself (the rollout's routing is then only compared, as mismatch telemetry)."""
+    token_mask_band: list[float] = identity(factory=list)
+    """[low, high]: tokens whose behaviour-to-proximal importance weight falls outside the band are left out
+    of the loss (IcePop-style token masking; e.g. [0.5, 2.0]). Empty = off."""
+    seq_mask_band: list[float] = identity(factory=list)
+    """[low, high]: a sample whose geometric-mean importance weight (exp of the mean per-token log ratio)
+    falls outside the band is left out of the loss entirely (sequence-level masking). Empty = off."""
+
+
+@dataclass
+class WarmupConfig:
+    steps: int = identity(0)
+    """Supervised steps on the task's problems and reference answers before RL (0 = none)."""
+    batch_size: int = identity(64)
+    """Problems per supervised step."""
+    lr: float = identity(3e-3)
+    """Learning rate of the supervised warm start (constant)."""
+
+
+@dataclass
+class TrainerConfig:
+    mode: Literal["rl", "pretrain"] = "rl"
+    """What ROLE=trainer runs: RL through the flow controller, or next-token pretraining on trainer.data."""
+    steps: int = 20
+    """Steps of the run: optimizer steps when pretraining; RL steps (policy versions, each of
+    trainer.rl.mini_batches optimizer updates) in RL."""
+    device: str = "auto"
+    """cpu, cuda or auto."""
+    dtype: Literal["float32", "bfloat16"] = identity("float32")
+    """Compute dtype (master weights and optimizer state stay fp32)."""
+    init: str = identity("")
+    """Initial weights: empty = fresh, or an HF checkpoint directory, or one of our checkpoints."""
+    compile: bool = False
+    """torch.compile each decoder block (GPUs: fuses the elementwise work around the GEMMs)."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Model shape."""
+    experts: ExpertsConfig = field(default_factory=ExpertsConfig)
+    """Expert compute backend."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """How the trainer's ranks share the model (expert parallelism; data parallelism over the rest)."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Pretraining data (trainer.mode = "pretrain")."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer and learning-rate schedule."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpointing."""
+    rl: RLConfig = field(default_factory=RLConfig)
+    """The RL objective (GRPO advantages, decoupled PPO loss)."""
+    warmup: WarmupConfig = field(default_factory=WarmupConfig)
+    """Supervised warm start before RL, so that rewards are not all zero at the start."""
+    final_eval_wait_s: float = 300.0
+    """At the end, how long the trainer waits for the evaluator's result of the last version (for its report)."""
+
+
+@dataclass
+class EvaluatorConfig:
+    benchmarks: list[str] = _list("arithmetic")
+    """Benchmarks evaluated on each evaluated policy version."""
+    every_n_versions: int = 1
+    """Evaluate every Nth published version."""
+    data_root: str = "evaluator/data"
+    """Root directory of the benchmarks' data files (nothing is downloaded)."""
+    max_concurrent: int = 32
+    """Evaluation requests in flight at once."""
+    limit: int = 0
+    """Evaluate only the first N cases of each benchmark (0 = all of them)."""
+    max_tokens: int = 0
+    """Cap on generated tokens per sample (0 keeps each benchmark's own); always clamped to the context left."""
+    chunk_cases: int = 64
+    """Cases generated between two checks of the served version; a moved or interrupted chunk is all that is redone."""
+    router_wait_s: float = 600.0
+    """How long the evaluator waits for the router and a served model behind it before failing."""
+    request_timeout_s: float = 600.0
+    """Seconds one evaluation request may take before it is retried."""
+    until_version: int = -1
+    """Exit (code 0) once this weight version is evaluated; -1 evaluates until stopped (eval-only runs: 0)."""
+    pin: Literal["auto", "always", "never"] = "auto"
+    """always: pin an eval-pool worker to each version; never: verify through the router; auto: pin if one exists."""
+
+
+ROLES = ("trainer", "vllm", "router", "evaluator")
+
+
+@dataclass
+class RoleSpec:
+    role: str = ""
+    """Role run by this entry (trainer, vllm, router, evaluator); empty means the entry's name."""
+    replicas: int = 1
+    """Processes started for this entry."""
+    critical: bool = False
+    """The run ends when every critical entry has exited successfully."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Extra environment variables of these processes."""
+    command: str = ""
+    """Command template; empty runs `slipstream run`. Fields: {python} {config} {role} {replica}."""
+    restart: Literal["auto", "never", "on-failure"] = "auto"
+    """on-failure: restart a replica that exits non-zero (up to max_restarts, after restart_backoff_s,
+    doubling) instead of failing the run. auto: on-failure for every role (the router, vLLM workers and the
+    evaluator rejoin a running experiment by themselves; the trainer resumes from its newest checkpoint, all
+    of its ranks together); never for entries with their own command."""
+    max_restarts: int = 3
+    """Restarts allowed per replica when it restarts on failure."""
+    restart_backoff_s: float = 1.0
+    """Wait before a replica's first restart; each further restart of it waits twice as long."""
+    node_group: str = ""
+    """Entries with the same node group share nodes in `slipstream scripts` output (one Slurm hetjob component
+    per group, pod affinity on Kubernetes); empty means the entry is a group of its own."""
+    gpus_per_replica: int = 0
+    """GPUs one replica uses on its node: 1 for a trainer rank, rollout.tensor_parallel_size for a vLLM
+    worker, 0 for a process without GPUs. `slipstream scripts` packs replicas onto nodes by this count."""
+
+
+@dataclass
+class LaunchConfig:
+    roles: dict[str, RoleSpec] = field(default_factory=dict)
+    """Process entries started by `slipstream launch` / written by `slipstream scripts`."""
+    stop_timeout_s: float = 10.0
+    """Grace period between SIGTERM and SIGKILL when the launcher tears the run down."""
+    gpus_per_node: int = 8
+    """GPUs of one node of the cluster that `slipstream scripts` writes for; a node group takes as many
+    nodes as its replicas need when packed by gpus_per_replica (a group without GPUs takes one)."""
+    master_port: int = 29500
+    """Port trainer rank 0 listens on for the process group when `slipstream scripts` starts the ranks
+    torchrun-style (MASTER_PORT under Slurm and Kubernetes)."""
+    image: str = "slipstream:latest"
+    """Container image of every pod in the Kubernetes manifest; it must hold this checkout at the path
+    `slipstream scripts` ran from, with the same Python."""
+    shared_volume_size: str = "100Gi"
+    """Size requested by the manifest's ReadWriteMany volume, mounted at the run dir in every pod (meet
+    dir, published weights and checkpoints live there)."""
+    dash: bool = False
+    """Serve the run dashboard (`slipstream dash`) from the launcher on loopback while the run goes on, and
+    print its URL; for a bind beyond loopback run `slipstream dash --host H --token T` instead."""
+    dash_port: int = 0
+    """Port of the launcher's dashboard; 0 picks a free one (printed)."""
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    """Run naming, directories and seed."""
+    rendezvous: RendezvousConfig = field(default_factory=RendezvousConfig)
+    """How roles find Redis."""
+    router: RouterConfig = field(default_factory=RouterConfig)
+    """The router in front of the vLLM workers."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """vLLM rollout workers and weight sync."""
+    flow: FlowConfig = field(default_factory=FlowConfig)
+    """Flow control between generation and training."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """The trainer."""
+    evaluator: EvaluatorConfig = field(default_factory=EvaluatorConfig)
+    """The evaluator."""
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    """Processes of a local or multi-node launch."""

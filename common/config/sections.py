@@ -1,0 +1,265 @@
+"""The schema, first half: the field helpers every section uses (`identity`, `_list`) and the sections of
+the run, the rendezvous, the router, the rollout workers (with their task and prompt sources) and flow
+control. Only dataclasses and their field docstrings (`slipstream show` prints them); the root `Config`
+and the other sections are in schema.py, loading and validation in the modules beside them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+
+def identity(default: Any = dataclasses.MISSING, *, factory: Any = dataclasses.MISSING, added: bool = False) -> Any:
+    """A field that is part of the run's identity: changing it makes a different run. `added` marks a field
+    introduced after checkpoints existed: left at its default it stays out of the identity fingerprint, so
+    those checkpoints still resume."""
+    return field(default=default, default_factory=factory, metadata={"identity": True, "added": added})
+
+
+def _list(*items: Any) -> Any:
+    return field(default_factory=lambda: list(items))
+
+
+# ----------------------------------------------------------------------------------------------
+# Sections
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RunConfig:
+    name: str = "demo"
+    """Human name of the run; the launcher appends a short random suffix to form the experiment id."""
+    root: str = "runs"
+    """Directory that holds every run directory and the run registry (registry.sqlite)."""
+    dir: str = ""
+    """Run directory; empty means <root>/<experiment id>. Everything written at run time goes here."""
+    seed: int = identity(0)
+    """Seed of every random generator of the run (data order, sampling, initialisation)."""
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    """Lowest log level printed by every role."""
+
+
+@dataclass
+class RendezvousConfig:
+    meet_dir: str = ""
+    """Shared directory where the roles find Redis; empty means <run dir>/meet. SLIPSTREAM_MEET_DIR wins."""
+    redis_server: str = "redis-server"
+    """The redis-server binary the elected leader starts."""
+    bind_host: str = "127.0.0.1"
+    """Address Redis listens on; a routable address (or 0.0.0.0) for runs over several hosts (Redis always
+    has a password, in the meet dir's 0600 redis.json)."""
+    advertise_host: str = "auto"
+    """Address written to redis.json for the others; auto = bind_host, or for a wildcard bind the host's
+    one non-loopback address."""
+    redis_port: int = 0
+    """Port of Redis; 0 picks a free port."""
+    redis_persistence: bool = True
+    """Redis keeps an append-only file in the meet dir: a server restarted after its death (by the leader,
+    or by a relaunch with --resume) has the run's state back. Off: the state lives only in memory."""
+    wait_timeout_s: float = 60.0
+    """How long a follower waits for the leader's redis.json before giving up with an error."""
+    heartbeat_period_s: float = 2.0
+    """Period at which every role refreshes its liveness key."""
+    heartbeat_ttl_s: float = 10.0
+    """Lifetime of a liveness key: a role whose key expired is considered dead."""
+    leader_linger_s: float = 30.0
+    """When the process that started Redis ends, how long it waits for the experiment's other processes
+    to disconnect before stopping the server (torchrun-started trainer ranks end together, and the rank
+    that won the election must not take Redis from a peer still writing its last state)."""
+
+
+@dataclass
+class RouterConfig:
+    name: str = "default"
+    """Router name; a second router with the same name in one experiment refuses to start."""
+    bind_host: str = "127.0.0.1"
+    """Address the router binds; a non-loopback address requires auth_token."""
+    advertise_host: str = "auto"
+    """Address in the URL the router publishes; auto = bind_host, or for a wildcard bind the address of the
+    interface that routes to Redis."""
+    port: int = 0
+    """Port the router binds; 0 picks a free port (the URL is published in Redis)."""
+    policy: Literal["least_outstanding", "round_robin", "affinity"] = "affinity"
+    """Worker choice: least outstanding requests, round robin, or group affinity over least outstanding."""
+    affinity_header: str = "X-Slipstream-Group"
+    """Request header (or body field `slipstream_group`) whose value pins a request group to a worker."""
+    affinity_overload_factor: float = 2.0
+    """Leave the affinity worker when its outstanding requests exceed this factor times the pool's least."""
+    max_retries: int = 2
+    """Retries on another worker, only before any byte reached the client (transport errors, 408/425/429/5xx)."""
+    health_interval_s: float = 1.0
+    """Period of the active GET /health check of every worker."""
+    health_timeout_s: float = 5.0
+    """Timeout of one health check; a failing worker is evicted until it passes again."""
+    auth_token: str = ""
+    """Bearer token required from clients; empty disables auth (allowed only on loopback)."""
+    max_body_bytes: int = 16 * 1024 * 1024
+    """Largest accepted request body; larger requests get 413."""
+
+
+@dataclass
+class PromptSourceConfig:
+    name: str = identity("")
+    """Source name: prefixes its problem ids (name/id) and is recorded per prompt in trained_prompts.jsonl."""
+    format: Literal["auto", "jsonl", "parquet", "datasets", "arithmetic"] = identity("auto")
+    """jsonl, parquet, datasets (a `Dataset.save_to_disk` directory), arithmetic (the seeded generator below,
+    no path); auto = by the path (.jsonl/.json, .parquet, a directory)."""
+    path: str = identity("")
+    """File or directory of prompt/answer records (every format but arithmetic)."""
+    weight: float = identity(1.0)
+    """Share of the mixture: weight / sum of weights (> 0)."""
+    verifier: Literal["auto", "math", "arithmetic", "exact", "import"] = identity("auto")
+    """Reward of a completion: math (final answer, math-verify), arithmetic (first integer, exact), exact (last
+    non-empty line equals the answer), import (verifier_import); auto = arithmetic for the generator, else math."""
+    verifier_import: str = identity("")
+    """`package.module:factory` called with this source's config, returning a callable (problem, completion) ->
+    reward (verifier = import)."""
+    prompt_key: str = identity("prompt")
+    """Column (field) holding the prompt text."""
+    answer_key: str = identity("answer")
+    """Column (field) holding the reference answer (a string or a number)."""
+    id_key: str = identity("id")
+    """Column (field) holding a problem's id (unique within the source); a row without it, or every row when
+    empty, is named <file stem>-<line or row number>."""
+    shuffle: bool = identity(True)
+    """Visit the rows in an order shuffled by `seed` (false: file order). The generator is random already."""
+    repeat: bool = identity(False)
+    """Cycle through the rows again, reshuffled each pass, instead of ending the mixture when they run out."""
+    seed: int = identity(0)
+    """Seed of this source's row order, and of the arithmetic generator."""
+    num_problems: int = identity(100_000)
+    """Problems of an arithmetic source."""
+    min_operands: int = identity(2)
+    """Fewest operands of an arithmetic problem."""
+    max_operands: int = identity(2)
+    """Most operands of an arithmetic problem."""
+    max_value: int = identity(20)
+    """Operands of an arithmetic problem are drawn from [0, max_value]."""
+    operators: str = identity("+-")
+    """Operators an arithmetic problem may use (a subset of "+-*")."""
+
+
+@dataclass
+class TaskConfig:
+    kind: Literal["arithmetic", "jsonl_math", "import", "mixture"] = identity("arithmetic")
+    """Prompt source and verifier: synthetic arithmetic, a JSONL math file, a user task (import_path), or a
+    weighted mixture of sources, each with its own verifier (sources)."""
+    path: str = identity("")
+    """JSONL file of {"prompt", "answer"} records (kind = jsonl_math)."""
+    import_path: str = identity("")
+    """`package.module:factory` called with this TaskConfig, returning a Task (kind = import)."""
+    seed: int = identity(0)
+    """Seed of the arithmetic generator; held-out evaluation uses a different seed."""
+    num_problems: int = identity(100_000)
+    """Problems in the arithmetic source (the data ends after them)."""
+    min_operands: int = identity(2)
+    """Fewest operands of an arithmetic problem."""
+    max_operands: int = identity(2)
+    """Most operands of an arithmetic problem."""
+    max_value: int = identity(20)
+    """Operands are drawn from [0, max_value]."""
+    operators: str = identity("+-")
+    """Operators an arithmetic problem may use (a subset of "+-*")."""
+    max_completion_chars: int = 4096
+    """Verifiers read at most this many trailing characters of a completion (adversarial-size bound)."""
+    verify_timeout_s: float = 5.0
+    """Longest a symbolic answer comparison may take before the answer counts as wrong."""
+    sources: list[PromptSourceConfig] = identity(factory=list, added=True)
+    """Prompt sources of kind = mixture ([[rollout.task.sources]] tables, or on the command line
+    --set 'rollout.task.sources=[{name = "a", ...}, ...]'); interleaved by weight, see rollout/tasks/mixture.py."""
+
+
+@dataclass
+class RolloutConfig:
+    model: str = identity("tiny-deepseek")
+    """Initial policy: an HF checkpoint directory, or a tiny-model kit name (tiny-deepseek, tiny-qwen3)."""
+    served_model_name: str = "policy"
+    """Model name that vLLM serves and clients put in requests."""
+    max_model_len: int = 512
+    """Longest prompt plus completion, in tokens."""
+    dtype: str = "auto"
+    """vLLM --dtype (auto, float32, bfloat16, ...)."""
+    kv_cache_bytes: int = 128 * 1024 * 1024
+    """KV-cache size in bytes on CPU (vLLM's default would ask for most of the machine's memory)."""
+    gpu_memory_utilization: float = 0.9
+    """Fraction of GPU memory vLLM may use (GPU only)."""
+    bind_host: str = "127.0.0.1"
+    """Address each vLLM worker's server binds; a non-loopback address requires rollout.api_key."""
+    advertise_host: str = "auto"
+    """Address in the URL a worker registers; auto = bind_host, or for a wildcard bind the address of the
+    interface that routes to Redis."""
+    api_key: str = ""
+    """Bearer token every request to a vLLM worker must carry (every path but /health, the weight-update
+    routes included); the router, publisher and evaluator send it. Set it through the environment
+    (SLIPSTREAM__rollout__api_key) rather than a committed file."""
+    tensor_parallel_size: int = 1
+    """vLLM tensor parallel size."""
+    enforce_eager: bool = True
+    """Skip CUDA graphs / torch.compile in vLLM (faster start; no speed loss for tiny models)."""
+    return_routed_experts: bool = True
+    """Have vLLM return, with every sample, the top-k experts each MoE layer chose at every position
+    (`--enable-return-routed-experts`; `Sample.routed_experts`), for routing replay and mismatch telemetry.
+    Only for models with MoE layers; costs about layers x top_k x 4/3 bytes per token of response."""
+    extra_args: list[str] = _list()
+    """More vLLM command-line arguments, passed through unchanged."""
+    startup_timeout_s: float = 600.0
+    """How long a worker may take to become ready (health plus one real completion)."""
+    weight_backend: Literal["file", "nccl"] = "file"
+    """Weight transfer: safetensors files under weight_dir (any machine) or vLLM's NCCL engine (GPUs)."""
+    weight_dir: str = ""
+    """Where published versions are written; empty means <run dir>/weights (use /dev/shm/... for speed)."""
+    keep_versions: int = 2
+    """Published version directories kept on disk; older ones are removed."""
+    weight_shard_mb: int = 32
+    """Size of the safetensors shards a published version is written as (MB; a bigger tensor gets its own)."""
+    stream_weights: bool = True
+    """Pause workers first and let them load each shard as soon as it is written (publish ~ max(write, load));
+    false writes the whole version before pausing them (the pause window is then the load alone)."""
+    pause_mode: Literal["keep", "abort", "wait"] = "keep"
+    """How in-flight requests are treated during a weight update (keep = partial rollout)."""
+    pool: Literal["train", "eval"] = "train"
+    """Pool of a ROLE=vllm worker: train (routed, gets every publish) or eval (the evaluator pins its version)."""
+    temperature: float = 1.0
+    """Sampling temperature of rollouts."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold of rollouts."""
+    max_tokens: int = 64
+    """Largest number of generated tokens per sample."""
+    task: TaskConfig = field(default_factory=TaskConfig)
+    """The task: where prompts come from and how completions are rewarded."""
+
+
+@dataclass
+class FlowConfig:
+    strategy: Literal["on_policy", "one_step_off", "fully_async"] = "fully_async"
+    """Flow controller: on-policy, one-step-off (generate t+1 while training t) or fully-async."""
+    prompts_per_step: int = identity(8)
+    """Prompt groups per optimizer step."""
+    samples_per_prompt: int = identity(4)
+    """Samples generated per prompt (the GRPO group size)."""
+    max_concurrent: int = 64
+    """Largest number of generation requests in flight at once (enforced at dispatch)."""
+    max_untrained_prompts: int = 32
+    """Fully-async admission control: in-flight plus buffered prompts never exceed this."""
+    max_staleness: int = identity(2)
+    """A sample whose oldest token was made by version < current - max_staleness is stale at consumption."""
+    stale_policy: Literal["drop", "requeue"] = "requeue"
+    """What happens to a stale sample's prompt: dropped (counted) or generated again."""
+    partial_rollout: bool = True
+    """In-flight requests survive weight updates (keep-mode pause) instead of being aborted."""
+    end_of_data: Literal["train_partial", "drop"] = "train_partial"
+    """At the end of the data, train the last partial batch or drop it."""
+    dynamic_sampling: bool = False
+    """DAPO dynamic sampling: drop a group whose rewards are all equal and generate a new prompt in its place."""
+    max_dynamic_refills_per_step: int = 32
+    """Dynamic sampling drops at most this many groups per train step; past it, uniform groups are trained."""
+    max_retries: int = 3
+    """Retries of one generation request after a transient failure."""
+    retry_backoff_s: float = 0.5
+    """First retry delay; it doubles with every further retry."""
+    error_budget: int = 32
+    """Failed requests (after retries) tolerated in a run before the trainer stops with the last error."""
+    request_timeout_s: float = 600.0
+    """Longest a single generation request may take before it counts as failed."""
