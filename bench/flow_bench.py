@@ -30,7 +30,6 @@ import time
 
 from common.config import FlowConfig
 from rollout.controller import GenerationController
-from rollout.flow.policy import FlowPolicy
 from rollout.flow.simulator import (
     Costs,
     SimResult,
@@ -41,6 +40,7 @@ from rollout.flow.simulator import (
     save_png,
     simulate,
 )
+from rollout.flow.strategies import policy_from_config
 
 PROMPTS_PER_STEP = 32
 SAMPLES_PER_PROMPT = 8
@@ -72,7 +72,7 @@ def run(strategy: str, steps: int, max_staleness: int = 1) -> SimResult:
         partial_rollout=True,
     )
     w = workload(steps)
-    return simulate(FlowPolicy.from_config(flow, num_prompts=w.num_prompts, max_steps=steps), w, MODEL, COSTS)
+    return simulate(policy_from_config(flow, num_prompts=w.num_prompts, max_steps=steps), w, MODEL, COSTS)
 
 
 def dispatch_rate(n: int = 100_000) -> tuple[float, float]:

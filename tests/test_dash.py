@@ -25,7 +25,7 @@ from common.metrics import MetricsWriter
 from common.registry import Registry
 from common.rendezvous import Rendezvous
 from common.roles import RUN_FILE
-from rollout.flow.policy import FlowCounters
+from rollout.flow.events import FlowCounters
 from tests.dash_check import (
     check_run_page,
     chromium,

@@ -11,19 +11,9 @@ from dataclasses import dataclass, field
 import pytest
 
 from common.config import ConfigError, FlowConfig, load_config
-from rollout.flow.policy import (
-    Abort,
-    Dispatch,
-    Finish,
-    FlowError,
-    FlowPolicy,
-    FullyAsync,
-    OneStepOff,
-    OnPolicy,
-    Publish,
-    SampleDone,
-    Train,
-)
+from rollout.flow.events import Abort, Dispatch, Finish, FlowError, Publish, SampleDone, Train
+from rollout.flow.policy import FlowPolicy
+from rollout.flow.strategies import FullyAsync, OneStepOff, OnPolicy, policy_from_config
 
 
 def done(p: int, s: int = 0, oldest: int = 0, newest: int | None = None, reward: float | None = None) -> SampleDone:
@@ -186,14 +176,14 @@ def test_events_that_break_the_contract_name_the_problem():
 
 
 def test_from_config_builds_the_configured_strategy_and_rejects_bad_knobs():
-    pol = FlowPolicy.from_config(FlowConfig(strategy="one_step_off", prompts_per_step=3), num_prompts=9)
+    pol = policy_from_config(FlowConfig(strategy="one_step_off", prompts_per_step=3), num_prompts=9)
     assert isinstance(pol, OneStepOff) and pol.prompts_per_step == 3 and pol.data_end == 9
     with pytest.raises(ConfigError, match="max_untrained_prompts"):
-        FlowPolicy.from_config(FlowConfig(prompts_per_step=8, max_untrained_prompts=4))
+        policy_from_config(FlowConfig(prompts_per_step=8, max_untrained_prompts=4))
     with pytest.raises(ConfigError, match="stale_policy"):
-        FlowPolicy.from_config(FlowConfig(stale_policy="keep"))  # type: ignore[arg-type]
+        policy_from_config(FlowConfig(stale_policy="keep"))  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match=r"flow\.strategy: 'sync' is not one of"):
-        FlowPolicy.from_config(FlowConfig(strategy="sync"))  # type: ignore[arg-type]
+        policy_from_config(FlowConfig(strategy="sync"))  # type: ignore[arg-type]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -277,7 +267,7 @@ def make(strategy: str, **knobs) -> FlowPolicy:
     max_steps = knobs.pop("max_steps", None)
     base = dict(prompts_per_step=3, samples_per_prompt=2, max_concurrent=5, max_untrained_prompts=7, max_staleness=1)
     base.update(knobs)
-    return FlowPolicy.from_config(FlowConfig(strategy=strategy, **base), num_prompts=num_prompts, max_steps=max_steps)
+    return policy_from_config(FlowConfig(strategy=strategy, **base), num_prompts=num_prompts, max_steps=max_steps)
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -416,7 +406,7 @@ def test_dynamic_sampling_needs_rewards_and_groups_of_two_or_more():
     with pytest.raises(FlowError, match="without a reward"):
         pol.on_sample_done(done(0, 0))
     with pytest.raises(ConfigError, match="samples_per_prompt >= 2"):
-        FlowPolicy.from_config(FlowConfig(strategy="on_policy", samples_per_prompt=1, dynamic_sampling=True))
+        policy_from_config(FlowConfig(strategy="on_policy", samples_per_prompt=1, dynamic_sampling=True))
     with pytest.raises(ConfigError, match="samples_per_prompt >= 2"):
         load_config(None, ["flow.dynamic_sampling=true", "flow.samples_per_prompt=1"], environ={})
     with pytest.raises(ConfigError, match="max_dynamic_refills_per_step must be >= 1"):

@@ -17,9 +17,10 @@ import pytest
 
 from common.config import FlowConfig
 from rollout.controller import CallbackError, ErrorBudgetExceeded, GenerationController, TransientError
-from rollout.flow.policy import FlowError, FlowPolicy
+from rollout.flow.events import FlowError
 from rollout.flow.runtime import FlowRuntime, SampleRequest, token_versions
 from rollout.flow.simulator import Costs, GeneratorPool, ThroughputModel, Workload, simulate
+from rollout.flow.strategies import policy_from_config
 
 
 @dataclass
@@ -133,12 +134,12 @@ def schedule_mismatch(strategy: str, scale: float) -> str | None:
     # With seed 38 every sample completion is >= 0.098 simulated s (39 ms of wall clock at scale 0.4)
     # away from every other event, so wall-clock jitter cannot reorder them.
     workload = Workload(num_prompts=steps * cfg.prompts_per_step, median_tokens=200, sigma=0.6, prompt_tokens=50, seed=38)
-    sim = simulate(FlowPolicy.from_config(cfg, num_prompts=workload.num_prompts, max_steps=steps), workload, MODEL, COSTS)
+    sim = simulate(policy_from_config(cfg, num_prompts=workload.num_prompts, max_steps=steps), workload, MODEL, COSTS)
 
     backend = RealTimePool(MODEL, workload, scale)
     with GenerationController.from_config(backend, cfg) as ctl:
         trainer = FakeTrainer(backend, ctl, COSTS, workload.prompt_tokens)
-        policy = FlowPolicy.from_config(cfg, num_prompts=workload.num_prompts, max_steps=steps)
+        policy = policy_from_config(cfg, num_prompts=workload.num_prompts, max_steps=steps)
         runtime = FlowRuntime(policy, ctl, list(range(workload.num_prompts)), trainer.train_step, trainer.publish)
         backend.t0 = time.monotonic()
         report = runtime.run()
@@ -214,7 +215,7 @@ def run_simple(
     n = len(prompts) if isinstance(prompts, list) else None
     with GenerationController.from_config(genable, cfg) as ctl:
         rt = FlowRuntime(
-            FlowPolicy.from_config(cfg, num_prompts=n), ctl, prompts, train_step, publish,
+            policy_from_config(cfg, num_prompts=n), ctl, prompts, train_step, publish,
             checkpoint=checkpoint,
         )  # fmt: skip
         if load is not None:
@@ -290,7 +291,7 @@ def test_a_raising_train_step_propagates_and_closes_cleanly():
         raise RuntimeError("CUDA out of memory")
 
     with GenerationController.from_config(genable, cfg) as ctl:
-        rt = FlowRuntime(FlowPolicy.from_config(cfg, num_prompts=4), ctl, list(range(4)), train_step, lambda v: None)
+        rt = FlowRuntime(policy_from_config(cfg, num_prompts=4), ctl, list(range(4)), train_step, lambda v: None)
         with pytest.raises(RuntimeError, match="out of memory"):
             rt.run()
 
@@ -303,7 +304,7 @@ def test_results_without_versions_are_an_error_not_zeros():
     cfg = flow("on_policy")
     with pytest.raises(CallbackError) as info:
         with GenerationController.from_config(genable, cfg) as ctl:
-            FlowRuntime(FlowPolicy.from_config(cfg, num_prompts=2), ctl, [0, 1], lambda s, g, d: None, lambda v: None).run()
+            FlowRuntime(policy_from_config(cfg, num_prompts=2), ctl, [0, 1], lambda s, g, d: None, lambda v: None).run()
     assert isinstance(info.value.__cause__, ValueError) and "weight_versions" in str(info.value.__cause__)
 
 

@@ -18,6 +18,7 @@ from rollout.flow.simulator import (
     save_png,
     simulate,
 )
+from rollout.flow.strategies import policy_from_config
 
 # One request alone runs at 200 / (1 + 1) = 100 tokens/s; every sample is exactly 100 tokens long.
 MODEL = ThroughputModel(peak_tokens_per_s=200.0, half_concurrency=1.0)
@@ -29,7 +30,7 @@ def policy(strategy: str, **kw) -> FlowPolicy:
     base = dict(prompts_per_step=1, samples_per_prompt=1, max_concurrent=4, max_untrained_prompts=2, max_staleness=1)
     base.update(kw)
     num_prompts = base.pop("num_prompts", 3)
-    return FlowPolicy.from_config(FlowConfig(strategy=strategy, **base), num_prompts=num_prompts)
+    return policy_from_config(FlowConfig(strategy=strategy, **base), num_prompts=num_prompts)
 
 
 def test_on_policy_schedule_is_generate_train_sync_in_sequence():
@@ -84,7 +85,7 @@ TRAIN = Costs(train_s_per_token=5e-5, train_step_overhead_s=1.0, sync_s=2.0)
 def long_tail_policy(strategy: str, **kw) -> FlowPolicy:
     base = dict(prompts_per_step=8, samples_per_prompt=4, max_concurrent=32, max_untrained_prompts=24, max_staleness=2)
     base.update(kw)
-    return FlowPolicy.from_config(FlowConfig(strategy=strategy, **base), num_prompts=160, max_steps=16)
+    return policy_from_config(FlowConfig(strategy=strategy, **base), num_prompts=160, max_steps=16)
 
 
 @pytest.mark.parametrize("max_staleness", [0, 1, 2])
@@ -167,7 +168,7 @@ def test_dynamic_sampling_replaces_uniform_groups_at_the_cost_of_more_generation
             max_staleness=1,
             dynamic_sampling=True,
         )
-        return simulate(FlowPolicy.from_config(cfg, num_prompts=None, max_steps=8), workload, HW, TRAIN), workload
+        return simulate(policy_from_config(cfg, num_prompts=None, max_steps=8), workload, HW, TRAIN), workload
 
     clean, _ = run(0.0)
     r, workload = run(0.3)

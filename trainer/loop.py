@@ -44,8 +44,8 @@ from common.metrics import MetricsWriter
 from common.net import advertised
 from common.roles import REPORT_FILE, RunContext
 from rollout.controller import ControllerClosed, GenerationController
-from rollout.flow.policy import FlowPolicy
 from rollout.flow.runtime import FlowRuntime, Group
+from rollout.flow.strategies import policy_from_config
 from rollout.generator import Rollout, SampleGenerator
 from rollout.tasks import load_task
 from rollout.tinykit import resolve_model
@@ -481,7 +481,7 @@ class RLTrainer(TrainerRank):
             self.warm_start()
         self.lineage = Lineage.from_state(self.state.versions)
         self._rewind_ledger()
-        policy = FlowPolicy.from_config(flow, num_prompts=len(self.task), max_steps=tc.steps)
+        policy = policy_from_config(flow, num_prompts=len(self.task), max_steps=tc.steps)
         generator = SampleGenerator(self.cfg, self.ctx, self.task, self.tokenizer)
         controller = self.controller = GenerationController.from_config(generator, flow, name="rollout")
         if self.stop_requested.is_set():

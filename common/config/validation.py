@@ -1,5 +1,5 @@
 """Validation of combinations: `validate` rejects a typed config that cannot work, naming the keys and
-the fix; `validate_flow` is the flow section's own checks, which `FlowPolicy.from_config` applies to the
+the fix; `validate_flow` is the flow section's own checks, which `policy_from_config` applies to the
 flows the simulator and tests build in code.
 """
 

@@ -21,18 +21,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollout.controller import GenerationController, Outcome
-from rollout.flow.policy import (
+from rollout.flow.events import (
     Abort,
     Action,
     Dispatch,
     Finish,
     FlowCounters,
-    FlowPolicy,
     Publish,
     SampleDone,
     SampleKey,
     Train,
 )
+from rollout.flow.policy import FlowPolicy
 
 log = logging.getLogger(__name__)
 

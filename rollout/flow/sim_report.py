@@ -10,7 +10,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from rollout.flow.policy import FlowCounters
+from rollout.flow.events import FlowCounters
 
 
 @dataclass

@@ -18,6 +18,7 @@ from common.config import Config, ConfigError, FlowConfig, field_docs, load_conf
 from rollout.flow.policy import FlowPolicy
 from rollout.flow.sim_report import ascii_timeline, compare_table, save_png
 from rollout.flow.simulator import Costs, ThroughputModel, Workload, simulate
+from rollout.flow.strategies import policy_from_config
 
 
 def _policy_knobs() -> list[dataclasses.Field]:
@@ -122,7 +123,7 @@ def cli_main(argv: list[str]) -> int:
             strategies += [s for s in ("on_policy", "one_step_off", "fully_async") if s != flow.strategy]
         results = []
         for strategy in strategies:
-            policy = FlowPolicy.from_config(
+            policy = policy_from_config(
                 dataclasses.replace(flow, strategy=strategy), num_prompts=num_prompts, max_steps=args.steps
             )
             results.append(simulate(policy, workload, model, costs))

@@ -21,7 +21,8 @@ import random
 import sys
 from dataclasses import dataclass
 
-from rollout.flow.policy import Abort, Action, Dispatch, Finish, FlowPolicy, Publish, SampleDone, SampleKey, Train
+from rollout.flow.events import Abort, Action, Dispatch, Finish, Publish, SampleDone, SampleKey, Train
+from rollout.flow.policy import FlowPolicy
 from rollout.flow.sim_report import (
     SimResult,
     Span,

@@ -1,0 +1,90 @@
+"""The vocabulary between a flow policy (rollout/flow/policy.py) and its driver (the runtime or the
+simulator): the events a driver feeds in (`SampleDone`), the actions that come out (`Dispatch`, `Abort`,
+`Train`, `Publish`, `Finish`), the counters of what happened to the samples, and `FlowError` for a driver
+that breaks the contract. Plain frozen records, no behaviour."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+SampleKey = tuple[int, int]
+"""(prompt id, sample index within its group)."""
+
+
+class FlowError(RuntimeError):
+    """The driver broke the policy's contract (an unknown sample, an unexpected event or version)."""
+
+
+@dataclass(frozen=True)
+class SampleDone:
+    """One sample finished generating; versions are the oldest and newest weight version of its tokens,
+    `reward` the task's reward of it (required with dynamic sampling, which filters on it)."""
+
+    prompt_id: int
+    index: int
+    oldest_version: int
+    newest_version: int
+    reward: float | None = None
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """Start generation requests for these samples of one prompt (the generators are on `version`)."""
+
+    prompt_id: int
+    samples: tuple[int, ...]
+    version: int
+
+
+@dataclass(frozen=True)
+class Abort:
+    """Cancel these in-flight requests (weights are about to change and partial rollout is off)."""
+
+    keys: tuple[SampleKey, ...]
+
+
+@dataclass(frozen=True)
+class Train:
+    """Run optimizer step `step` on these complete prompt groups; it produces version step + 1.
+    `dropped_groups` counts the zero-variance groups dynamic sampling dropped while the batch formed."""
+
+    step: int
+    prompt_ids: tuple[int, ...]
+    dropped_groups: int = 0
+
+
+@dataclass(frozen=True)
+class Publish:
+    """Publish weight version `version` to the generators (they are paused in keep mode meanwhile)."""
+
+    version: int
+
+
+@dataclass(frozen=True)
+class Finish:
+    """The run is over: every step is trained (`max_steps`) or the data is used up (`end_of_data`)."""
+
+    reason: str
+
+
+Action = Dispatch | Abort | Train | Publish | Finish
+
+
+@dataclass
+class FlowCounters:
+    """What happened to the samples of a run; `staleness` maps staleness -> trained samples.
+    `dropped_prompts` are stale drops; `dropped_groups` are dynamic sampling's zero-variance drops."""
+
+    dispatched_samples: int = 0
+    completed_samples: int = 0
+    failed_samples: int = 0
+    aborted_samples: int = 0
+    reissued_samples: int = 0
+    trained_prompts: int = 0
+    trained_samples: int = 0
+    stale_samples: int = 0
+    requeued_samples: int = 0
+    dropped_prompts: int = 0
+    dropped_samples: int = 0
+    dropped_groups: int = 0
+    staleness: dict[int, int] = field(default_factory=dict)
