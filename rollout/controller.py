@@ -3,8 +3,8 @@ generation requests ("items") through a genable (an async callable producing the
 e.g. a vLLM completion through the router). It owns the global in-flight cap (a slot count checked at
 the single place where attempts start, so no more than `max_concurrent` genable calls ever run at
 once), completion delivery (a callback per item, a poll queue, or a `generate` iterator in completion
-order), per-item timeouts, retries with exponential backoff for transient errors, a progress bar, and
-an error budget. Nothing that goes wrong inside the loop kills it or hangs the caller: a failed item is
+order), per-item timeouts, retries of transient errors (after common/http's RetryPolicy delay: capped,
+jittered exponential backoff), a progress bar, and an error budget. Nothing that goes wrong inside the loop kills it or hangs the caller: a failed item is
 counted, logged and reported; past the budget, and on any exception from a callback, the error is
 raised in the caller's thread at its next `generate`/`poll`/`check`/`close` call.
 """
@@ -19,12 +19,20 @@ import queue
 import threading
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Any, TypeVar
 
-import aiohttp
 import uvloop
 
 from common.config import FlowConfig
+from common.http import RetryPolicy
+from rollout.outcomes import (
+    CallbackError,
+    ControllerClosed,
+    ControllerStats,
+    ErrorBudgetExceeded,
+    Outcome,
+    is_transient,
+)
 
 log = logging.getLogger(__name__)
 
@@ -32,61 +40,6 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 Genable = Callable[[Any], Awaitable[Any]]
-
-
-class TransientError(Exception):
-    """A failure worth retrying (overload, a dropped connection, a 5xx): raise it, or a subclass, from a
-    genable; an exception with a true `transient` attribute counts too."""
-
-
-class ErrorBudgetExceeded(RuntimeError):
-    """More items failed (after their retries) than `flow.error_budget` allows."""
-
-
-class CallbackError(RuntimeError):
-    """A completion callback (or a function run in the loop) raised; the original is the __cause__."""
-
-
-class ControllerClosed(RuntimeError):
-    """The controller was closed while the caller still waited on it."""
-
-
-def is_transient(exc: BaseException) -> bool:
-    """Timeouts, connection errors and exceptions marked transient are retried; anything else is not."""
-    if isinstance(exc, (TransientError, TimeoutError, ConnectionError, aiohttp.ClientConnectionError)):
-        return True
-    return getattr(exc, "transient", False) is True
-
-
-@dataclass
-class Outcome(Generic[T, R]):
-    """The end of one item: its result, or the error that ended it after `attempts` attempts."""
-
-    ticket: int
-    item: T
-    result: R | None = None
-    error: BaseException | None = None
-    attempts: int = 0
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None
-
-
-@dataclass
-class ControllerStats:
-    """Counters of a controller since it started (a snapshot)."""
-
-    submitted: int = 0
-    attempts: int = 0
-    succeeded: int = 0
-    failed: int = 0
-    retried: int = 0
-    timeouts: int = 0
-    cancelled: int = 0
-    callback_errors: int = 0
-    in_flight: int = 0
-    max_in_flight: int = 0
 
 
 @dataclass
@@ -129,8 +82,7 @@ class GenerationController:
             raise ValueError(f"request_timeout_s must be > 0, got {request_timeout_s}")
         self.genable = genable
         self.max_concurrent = max_concurrent
-        self.max_retries = max_retries
-        self.retry_backoff_s = retry_backoff_s
+        self.retry = RetryPolicy(max_retries, retry_backoff_s)
         self.request_timeout_s = request_timeout_s
         self.error_budget = error_budget
         self.name = name
@@ -229,8 +181,7 @@ class GenerationController:
         if self._fatal is not None:
             self._fatal_raised = True
             raise self._fatal
-        if self._closed:
-            raise ControllerClosed(f"{self.name} controller is closed; create a new one to generate again")
+        self._ensure_open()
 
     def wake_on_error(self, waiter: queue.SimpleQueue[Any]) -> None:
         """Have a fatal error or close() put a wake-up marker into `waiter`, so a caller blocked on its
@@ -375,8 +326,8 @@ class GenerationController:
                 self._stats.timeouts += 1
                 exc = TimeoutError(f"request {job.ticket} took longer than request_timeout_s={self.request_timeout_s}s")
             job.errors.append(exc)
-            if is_transient(exc) and job.attempts <= self.max_retries:
-                delay = self.retry_backoff_s * 2 ** (job.attempts - 1)
+            if is_transient(exc) and job.attempts <= self.retry.max_retries:
+                delay = self.retry.delay(job.attempts - 1)
                 self._stats.retried += 1
                 log.debug("%s: item %d attempt %d: %r; retry in %.2fs", self.name, job.ticket, job.attempts, exc, delay)
                 job.timer = self._loop.call_later(delay, self._requeue, job)

@@ -84,6 +84,6 @@ def test_client_needs_a_url_or_redis_to_find_the_router():
                                                    (429, True), (425, True), (408, True),
                                                    (400, False), (404, False), (None, False)])
 def test_http_errors_worth_retrying_are_transient_for_the_controller(status, transient):
-    from rollout.controller import is_transient
+    from rollout.outcomes import is_transient
 
     assert is_transient(RolloutError("x", status=status)) is transient

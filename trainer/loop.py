@@ -43,10 +43,11 @@ from common.config import Config
 from common.metrics import MetricsWriter
 from common.net import advertised
 from common.roles import REPORT_FILE, RunContext
-from rollout.controller import ControllerClosed, GenerationController
+from rollout.controller import GenerationController
 from rollout.flow.runtime import FlowRuntime, Group
 from rollout.flow.strategies import policy_from_config
 from rollout.generator import Rollout, SampleGenerator
+from rollout.outcomes import ControllerClosed
 from rollout.tasks import load_task
 from rollout.tinykit import resolve_model
 from rollout.weights import (

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollout.controller import GenerationController, Outcome
+from rollout.controller import GenerationController
 from rollout.flow.events import (
     Abort,
     Action,
@@ -33,6 +33,7 @@ from rollout.flow.events import (
     Train,
 )
 from rollout.flow.policy import FlowPolicy
+from rollout.outcomes import Outcome
 
 log = logging.getLogger(__name__)
 
