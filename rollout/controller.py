@@ -36,7 +36,6 @@ from rollout.outcomes import (
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
 R = TypeVar("R")
 
 Genable = Callable[[Any], Awaitable[Any]]
