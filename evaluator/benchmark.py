@@ -13,12 +13,13 @@ from __future__ import annotations
 import importlib
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from common.config import TaskConfig
+from common.jsonl import read_jsonl
 
 # name -> "module:class"; imported lazily by `load_benchmark` so listing names costs nothing.
 BENCHMARKS = {
@@ -143,6 +144,22 @@ class Benchmark(ABC):
                 "to the directory holding the benchmark data (the repo ships it in evaluator/data)"
             )
         return path
+
+    def jsonl_cases(self, relative: str, expected: str, case_of: Callable[[dict, int, str], Case]) -> list[Case]:
+        """The cases of a JSONL data file, one per record: `case_of(record, line, "path:line")` makes each, and a
+        record it cannot read (KeyError, TypeError, ValueError) is a BenchmarkError naming the line and
+        `expected`, as is a file with no record."""
+        path = self.data_file(relative)
+        cases = []
+        for lineno, record in read_jsonl(path, expected, BenchmarkError):
+            where = f"{path}:{lineno}"
+            try:
+                cases.append(case_of(record, lineno, where))
+            except (KeyError, TypeError, ValueError) as exc:
+                raise BenchmarkError(f"{where}: expected {expected} ({exc})") from None
+        if not cases:
+            raise BenchmarkError(f"{path} holds no cases")
+        return cases
 
     @abstractmethod
     def cases(self) -> list[Case]:

@@ -49,9 +49,24 @@ def test_a_gsm8k_case_without_an_id_is_named_after_its_line(tmp_path):
     assert [c.id for c in GSM8K(tmp_path).cases()] == ["gsm8k-2"]
 
 
-@pytest.mark.parametrize(("line", "message"), [("not json", "expected an ifeval record"), ("{}", "bad ifeval record")])
-def test_a_bad_ifeval_line_is_a_benchmark_error_naming_its_line(tmp_path, line, message):
+NO_INSTRUCTIONS = '{"id": "a", "prompt": "p", "instructions": []}'
+
+
+@pytest.mark.parametrize(
+    ("line", "why"),
+    [("not json", "Expecting value"), ("{}", "'instructions'"), (NO_INSTRUCTIONS, "case 'a' has no instructions")],
+)
+def test_a_bad_ifeval_line_is_a_benchmark_error_naming_its_line_and_why(tmp_path, line, why):
     (tmp_path / "ifeval").mkdir()
     (tmp_path / "ifeval" / "prompts.jsonl").write_text(f"{line}\n")
-    with pytest.raises(BenchmarkError, match=rf"prompts\.jsonl:1: {message}"):
+    with pytest.raises(BenchmarkError, match=r"prompts\.jsonl:1: expected an ifeval record") as err:
         IFEval(tmp_path).cases()
+    assert why in str(err.value)
+
+
+@pytest.mark.parametrize("cls", [GSM8K, IFEval])
+def test_a_benchmark_file_without_a_record_is_an_error(tmp_path, cls):
+    (tmp_path / cls.name).mkdir()
+    (tmp_path / cls.name / ("test.jsonl" if cls is GSM8K else "prompts.jsonl")).write_text("\n")
+    with pytest.raises(BenchmarkError, match="holds no cases"):
+        cls(tmp_path).cases()

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from functools import cached_property
 
-from common.jsonl import read_jsonl
-from evaluator.benchmark import Benchmark, BenchmarkError, Case, ChatMessage, SampleScore, Sampling
+from evaluator.benchmark import Benchmark, Case, ChatMessage, SampleScore, Sampling
 from rollout.tasks.mathanswer import answers_equal, extract_answer
 
 DATA_FILE = "gsm8k/test.jsonl"
@@ -33,18 +32,12 @@ class GSM8K(Benchmark):
 
     @cached_property
     def _cases(self) -> list[Case]:
-        path = self.data_file(DATA_FILE)
-        cases = []
-        for lineno, record in read_jsonl(path, RECORD, BenchmarkError):
-            try:
-                question, gold = record["question"], final_answer(record["answer"])
-            except (KeyError, TypeError, ValueError) as exc:
-                raise BenchmarkError(f"{path}:{lineno}: expected {RECORD} ({exc})") from None
-            prompt = (ChatMessage("user", f"{question}\n{INSTRUCTION}"),)
-            cases.append(Case(str(record.get("id", f"gsm8k-{lineno}")), prompt, self.sampling, 1, {"answer": gold}))
-        if not cases:
-            raise BenchmarkError(f"{path} holds no problems")
-        return cases
+        return self.jsonl_cases(DATA_FILE, RECORD, self._case)
+
+    def _case(self, record: dict, lineno: int, where: str) -> Case:
+        question, gold = record["question"], final_answer(record["answer"])
+        prompt = (ChatMessage("user", f"{question}\n{INSTRUCTION}"),)
+        return Case(str(record.get("id", f"gsm8k-{lineno}")), prompt, self.sampling, 1, {"answer": gold})
 
     def cases(self) -> list[Case]:
         return self._cases

@@ -13,8 +13,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from functools import cached_property
 
-from common.jsonl import read_jsonl
-from evaluator.benchmark import Benchmark, BenchmarkError, Case, ChatMessage, SampleScore, Sampling, summarize
+from evaluator.benchmark import Benchmark, Case, ChatMessage, SampleScore, Sampling, summarize
 from evaluator.benchmarks.instructions import Instruction, follows_loose, follows_strict
 
 DATA_FILE = "ifeval/prompts.jsonl"
@@ -28,26 +27,14 @@ class IFEval(Benchmark):
 
     @cached_property
     def _cases(self) -> list[Case]:
-        path = self.data_file(DATA_FILE)
-        cases = []
-        for lineno, record in read_jsonl(path, RECORD, BenchmarkError):
-            where = f"{path}:{lineno}"
-            try:
-                instructions = tuple(Instruction.parse(r, where) for r in record["instructions"])
-                prompt = record["prompt"]
-                case_id = str(record["id"])
-            except (KeyError, TypeError, ValueError) as exc:
-                raise BenchmarkError(
-                    f"{where}: bad ifeval record ({exc}); see the module docstring for the format"
-                ) from None
-            if not instructions:
-                raise BenchmarkError(f"{where}: case {case_id!r} has no instructions")
-            cases.append(
-                Case(case_id, (ChatMessage("user", prompt),), self.sampling, 1, {"instructions": instructions})
-            )
-        if not cases:
-            raise BenchmarkError(f"{path} holds no cases")
-        return cases
+        return self.jsonl_cases(DATA_FILE, RECORD, self._case)
+
+    def _case(self, record: dict, lineno: int, where: str) -> Case:
+        instructions = tuple(Instruction.parse(r, where) for r in record["instructions"])
+        if not instructions:
+            raise ValueError(f"case {record['id']!r} has no instructions")
+        return Case(str(record["id"]), (ChatMessage("user", record["prompt"]),), self.sampling, 1,
+                    {"instructions": instructions})  # fmt: skip
 
     def cases(self) -> list[Case]:
         return self._cases
