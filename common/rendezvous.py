@@ -32,6 +32,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import psutil
 import redis
@@ -79,29 +80,25 @@ class RedisInfo:
     generation: int
     stopped: bool = False
 
+    def _options(self, timeout_s: float) -> dict[str, Any]:
+        """Where the server is and how long to wait for it: the same for the sync and the async client."""
+        return {
+            "host": self.host,
+            "port": self.port,
+            "password": self.password,
+            "socket_connect_timeout": timeout_s,
+            "socket_timeout": timeout_s,
+            "decode_responses": True,
+        }
+
     def client(self, timeout_s: float = 5.0, retry: bool = True) -> redis.Redis:
         """A client that retries a lost connection for about REDIS_RETRY_S (`retry=False`: fails at once,
         for probes that ask whether the server is there)."""
-        return redis.Redis(
-            host=self.host,
-            port=self.port,
-            password=self.password,
-            socket_connect_timeout=timeout_s,
-            socket_timeout=timeout_s,
-            decode_responses=True,
-            retry=Retry(_backoff(), _RETRIES if retry else 0),
-        )
+        return redis.Redis(**self._options(timeout_s), retry=Retry(_backoff(), _RETRIES if retry else 0))
 
     def async_client(self, timeout_s: float = 5.0) -> redis.asyncio.Redis:
-        return redis.asyncio.Redis(
-            host=self.host,
-            port=self.port,
-            password=self.password,
-            socket_connect_timeout=timeout_s,
-            socket_timeout=timeout_s,
-            decode_responses=True,
-            retry=redis.asyncio.retry.Retry(_backoff(), _RETRIES),
-        )
+        """The asyncio twin of `client`, with the same retries."""
+        return redis.asyncio.Redis(**self._options(timeout_s), retry=redis.asyncio.retry.Retry(_backoff(), _RETRIES))
 
 
 def _lock_path(meet: Path, generation: int) -> Path:
