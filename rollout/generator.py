@@ -24,7 +24,8 @@ NO_WORKER_RETRY_S = 1.0
 
 @dataclass
 class Rollout:
-    """One sample of one prompt: the generation with its behaviour log-probs, and its reward."""
+    """One sample of one prompt: the generation with its behaviour log-probs, and its reward; the flow
+    runtime reads it as a `Trajectory`."""
 
     sample: Sample
     reward: float
@@ -54,7 +55,7 @@ class SampleGenerator:
             ids = self._encoded[text] = list(self.tokenizer(text)["input_ids"])
         return ids
 
-    async def __call__(self, req: SampleRequest) -> Rollout:
+    async def __call__(self, req: SampleRequest[Problem]) -> Rollout:
         if self._client is None:
             self._client = RolloutClient(
                 self.cfg.rollout.served_model_name,
@@ -64,7 +65,7 @@ class SampleGenerator:
                 affinity_header=self.cfg.router.affinity_header,
                 token=self.cfg.router.auth_token,
             )
-        problem: Problem = req.prompt
+        problem = req.prompt
         ro = self.cfg.rollout
         deadline = time.monotonic() + ro.startup_timeout_s
         while True:

@@ -346,6 +346,59 @@ def test_load_state_refuses_a_different_group_size():
         other.load_state_dict(state)
 
 
+# States written before the trainer's job was a record (TrainJob / PublishJob), by the on-policy run of
+# `tiny_on_policy`: step 0 training prompts 0 and 1, then version 1 publishing. Checkpoints hold these.
+_COUNTERS = {"dispatched_samples": 2, "completed_samples": 2, "failed_samples": 0, "aborted_samples": 0,
+             "reissued_samples": 0, "trained_prompts": 0, "trained_samples": 0, "stale_samples": 0,
+             "requeued_samples": 0, "dropped_prompts": 0, "dropped_samples": 0, "dropped_groups": 0, "staleness": {}}  # fmt: skip
+SAVED_MID_TRAIN = {
+    "strategy": "on_policy", "prompts_per_step": 2, "samples_per_prompt": 1, "dynamic_sampling": False, "step": 0,
+    "published": 0, "job": ["train", 0], "job_groups": [[0, 0, 0, 0], [1, 0, 0, 0]], "next_prompt": 2, "data_end": 4,
+    "pending": [], "in_flight": [], "done": [], "untrained": [], "ready": [], "rewards": [], "filtered": [],
+    "job_dropped": 0, "finished": False, "counters": _COUNTERS, "batches": [[0, 1]], "batch_versions": [0],
+    "batch_dropped": [0],
+}  # fmt: skip
+SAVED_MID_PUBLISH = {
+    **SAVED_MID_TRAIN, "step": 1, "job": ["publish", 1], "job_groups": [],
+    "counters": {**_COUNTERS, "trained_prompts": 2, "trained_samples": 2, "staleness": {"0": 2}},
+}  # fmt: skip
+
+
+def tiny_on_policy() -> OnPolicy:
+    return OnPolicy(prompts_per_step=2, samples_per_prompt=1, max_concurrent=4, num_prompts=4)
+
+
+def test_the_trainer_job_is_saved_as_a_kind_and_a_number_as_checkpoints_always_held_it():
+    pol = tiny_on_policy()
+    pol.start()
+    assert pol.state_dict()["job"] is None
+    pol.on_sample_done(done(1))
+    pol.on_sample_done(done(0))
+    assert json.loads(json.dumps(pol.state_dict())) == SAVED_MID_TRAIN
+    pol.on_train_done(0)
+    assert json.loads(json.dumps(pol.state_dict())) == SAVED_MID_PUBLISH
+
+
+def test_an_older_checkpoint_saved_mid_train_step_trains_the_same_batch_again():
+    pol = tiny_on_policy()
+    pol.load_state_dict(json.loads(json.dumps(SAVED_MID_TRAIN)))
+    assert pol.start() == [Train(0, (0, 1))]
+    assert pol.on_train_done(0) == [Publish(1)]
+    assert pol.counters.staleness == {0: 2}
+
+
+def test_an_older_checkpoint_saved_mid_publish_publishes_the_same_version_again():
+    pol = tiny_on_policy()
+    pol.load_state_dict(json.loads(json.dumps(SAVED_MID_PUBLISH)))
+    assert pol.start() == [Publish(1)]
+    assert pol.on_published(1) == [Dispatch(2, (0,), 1), Dispatch(3, (0,), 1)]
+
+
+def test_load_state_refuses_a_trainer_job_that_is_neither_train_nor_publish():
+    with pytest.raises(FlowError, match=r"job \['eval', 0\]"):
+        tiny_on_policy().load_state_dict({**SAVED_MID_TRAIN, "job": ["eval", 0]})
+
+
 # ----------------------------------------------------------------------------------------------
 # Dynamic sampling
 # ----------------------------------------------------------------------------------------------

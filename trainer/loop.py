@@ -44,11 +44,11 @@ from common.metrics import MetricsWriter
 from common.net import advertised
 from common.roles import REPORT_FILE, RunContext
 from rollout.controller import GenerationController
-from rollout.flow.runtime import FlowRuntime, Group
+from rollout.flow.runtime import FlowRuntime, FlowState, Group
 from rollout.flow.strategies import policy_from_config
 from rollout.generator import Rollout, SampleGenerator
 from rollout.outcomes import ControllerClosed
-from rollout.tasks import load_task
+from rollout.tasks import Problem, load_task
 from rollout.tinykit import resolve_model
 from rollout.weights import (
     PartReport,
@@ -215,7 +215,7 @@ class TrainerRank:
         raise StopRequested("stopped while following rank 0")
 
 
-def ledger_record(step: int, groups: list[Group], task_name: str) -> dict[str, Any]:
+def ledger_record(step: int, groups: list[Group[Problem, Rollout]], task_name: str) -> dict[str, Any]:
     """One line of trained_prompts.jsonl: the step, its prompts' flow indices and, aligned with them, the
     source each prompt came from (the mixture source, or the task's name for a single-source task)."""
     return {
@@ -301,7 +301,7 @@ class RLTrainer(TrainerRank):
 
     # -- flow callbacks (trainer thread) -------------------------------------------------------
 
-    def train_step(self, step: int, groups: list[Group], dropped_groups: int) -> None:
+    def train_step(self, step: int, groups: list[Group[Problem, Rollout]], dropped_groups: int) -> None:
         """One RL step on `groups`; `dropped_groups` zero-variance groups were dropped by flow.dynamic_sampling
         (and replaced by new prompts) while the batch formed."""
         rl = self.cfg.trainer.rl
@@ -403,11 +403,11 @@ class RLTrainer(TrainerRank):
         self.metrics.log_many(version, {"weights/publish_s": result.total_s, "weights/max_pause_s": result.max_pause_s,
                                         "weights/write_s": result.write_s, "weights/max_load_s": result.max_load_s})  # fmt: skip
 
-    def checkpoint(self, next_step: int, flow_state: dict[str, Any]) -> None:
+    def checkpoint(self, next_step: int, flow_state: FlowState) -> None:
         if self.schedule.due(next_step):
             self.save(flow_state)
 
-    def save(self, flow_state: dict[str, Any]) -> None:
+    def save(self, flow_state: FlowState) -> None:
         self.state.flow_state = flow_state
         self.state.versions = self.lineage.state()
         self.command(Command("save", state=self.state))
@@ -488,7 +488,7 @@ class RLTrainer(TrainerRank):
         if self.stop_requested.is_set():
             controller.close()
         controller.set_tqdm(disabled=False, total=None, desc="samples")
-        runtime = FlowRuntime(
+        runtime: FlowRuntime[Problem, Rollout] = FlowRuntime(
             policy, controller, lambda i: self.task.problem(i) if i < len(self.task) else None,
             self.train_step, self.publish, checkpoint=self.checkpoint, versions=self._steps_of,
         )  # fmt: skip

@@ -1,7 +1,8 @@
 """The vocabulary between a flow policy (rollout/flow/policy.py) and its driver (the runtime or the
 simulator): the events a driver feeds in (`SampleDone`), the actions that come out (`Dispatch`, `Abort`,
-`Train`, `Publish`, `Finish`), the counters of what happened to the samples, and `FlowError` for a driver
-that breaks the contract. Plain frozen records, no behaviour."""
+`Train`, `Publish`, `Finish`), the trainer job a policy waits on (`TrainJob`, `PublishJob`), the counters of
+what happened to the samples, and `FlowError` for a driver that breaks the contract. Plain frozen records, no
+behaviour."""
 
 from __future__ import annotations
 
@@ -68,6 +69,24 @@ class Finish:
 
 
 Action = Dispatch | Abort | Train | Publish | Finish
+
+
+@dataclass(frozen=True)
+class TrainJob:
+    """The trainer is running optimizer step `step` (the policy issued `Train(step, ...)`)."""
+
+    step: int
+
+
+@dataclass(frozen=True)
+class PublishJob:
+    """The trainer is publishing weight version `version` (the policy issued `Publish(version)`)."""
+
+    version: int
+
+
+TrainerJob = TrainJob | PublishJob
+"""The trainer's one outstanding job, as the policy tracks it until the driver reports its end."""
 
 
 @dataclass

@@ -34,9 +34,12 @@ from rollout.flow.events import (
     FlowCounters,
     FlowError,
     Publish,
+    PublishJob,
     SampleDone,
     SampleKey,
     Train,
+    TrainerJob,
+    TrainJob,
 )
 
 
@@ -79,7 +82,7 @@ class FlowPolicy:
 
         self.step = 0  # optimizer steps done = the trainer's weight version
         self.published = 0  # version the generators run
-        self.job: tuple[str, int] | None = None  # the trainer's outstanding ("train", step) or ("publish", v)
+        self.job: TrainerJob | None = None  # the trainer's outstanding train step or publish
         self.job_groups: dict[int, dict[int, tuple[int, int]]] = {}  # the groups being trained, in batch order
         self.next_prompt = 0  # the data cursor: prompt ids are indices into the data
         self.data_end: int | None = num_prompts
@@ -111,7 +114,7 @@ class FlowPolicy:
             self.pending.extendleft(reversed(keys))
             self.counters.reissued_samples += len(keys)
         if self.job is not None:
-            if self.job[0] == "train":
+            if isinstance(self.job, TrainJob):
                 # Interrupted mid-step: the batch goes back to the head of the buffer, untouched, and is
                 # trained again with the dropped-group count it had.
                 self._redo = (tuple(self.job_groups), self.job_dropped)
@@ -127,7 +130,7 @@ class FlowPolicy:
         if key not in self.in_flight:
             raise FlowError(f"sample {key} finished but is not in flight; report each dispatched sample once")
         # During a publish the generators may already run the new version before its end is reported.
-        newest_possible = self.job[1] if self.job is not None and self.job[0] == "publish" else self.published
+        newest_possible = self.job.version if isinstance(self.job, PublishJob) else self.published
         if sample.oldest_version > sample.newest_version or sample.newest_version > newest_possible:
             raise FlowError(
                 f"sample {key} reports versions {sample.oldest_version}..{sample.newest_version} but the "
@@ -177,7 +180,7 @@ class FlowPolicy:
         return self._run()
 
     def on_train_done(self, step: int) -> list[Action]:
-        if self.job != ("train", step):
+        if self.job != TrainJob(step):
             raise FlowError(f"train step {step} finished but the trainer's job is {self.job}")
         for group in self.job_groups.values():
             for oldest, _ in group.values():
@@ -193,7 +196,7 @@ class FlowPolicy:
         return self._run()
 
     def on_published(self, version: int) -> list[Action]:
-        if self.job != ("publish", version):
+        if self.job != PublishJob(version):
             raise FlowError(f"version {version} published but the trainer's job is {self.job}")
         self.job = None
         self.published = version
@@ -231,7 +234,7 @@ class FlowPolicy:
             "dynamic_sampling": self.dynamic_sampling,
             "step": self.step,
             "published": self.published,
-            "job": list(self.job) if self.job else None,
+            "job": _job_state(self.job),
             "job_groups": [[p, s, o, n] for p, group in self.job_groups.items() for s, (o, n) in group.items()],
             "next_prompt": self.next_prompt,
             "data_end": self.data_end,
@@ -267,7 +270,7 @@ class FlowPolicy:
                 )
         self.step = state["step"]
         self.published = state["published"]
-        self.job = (state["job"][0], state["job"][1]) if state["job"] else None
+        self.job = _job_from_state(state["job"])
         self.job_groups = {}
         for p, s, o, n in state["job_groups"]:
             self.job_groups.setdefault(p, {})[s] = (o, n)
@@ -388,7 +391,7 @@ class FlowPolicy:
     def _dispatch(self, actions: list[Action]) -> bool:
         """Start pending samples while request slots are free; the cap holds at every moment. Nothing
         starts during a publish: the generators are paused and would run the new version anyway."""
-        if self.job is not None and self.job[0] == "publish":
+        if isinstance(self.job, PublishJob):
             return False
         started = False
         while self.pending and len(self.in_flight) < self.max_concurrent:
@@ -404,7 +407,7 @@ class FlowPolicy:
         return started
 
     def _publish(self, actions: list[Action]) -> None:
-        self.job = ("publish", self.step)
+        self.job = PublishJob(self.step)
         actions.append(Publish(self.step))
 
     def _train(self, prompt_ids: list[int], actions: list[Action]) -> None:
@@ -416,7 +419,7 @@ class FlowPolicy:
             self.untrained.pop(pid, None)
             if pid in self.ready:
                 self.ready.remove(pid)
-        self.job = ("train", self.step)
+        self.job = TrainJob(self.step)
         self.job_dropped = dropped
         actions.append(Train(self.step, tuple(prompt_ids), dropped))
 
@@ -433,3 +436,24 @@ class FlowPolicy:
 
 def _str_keys(d: dict[int, int]) -> dict[str, int]:
     return {str(k): v for k, v in sorted(d.items())}
+
+
+def _job_state(job: TrainerJob | None) -> list[str | int] | None:
+    """A job as checkpoints have always held it: ["train", step], ["publish", version] or null."""
+    if isinstance(job, TrainJob):
+        return ["train", job.step]
+    if isinstance(job, PublishJob):
+        return ["publish", job.version]
+    return None
+
+
+def _job_from_state(saved: list[Any] | None) -> TrainerJob | None:
+    """The inverse of `_job_state`."""
+    match saved:
+        case None | []:
+            return None
+        case ["train", int(step)]:
+            return TrainJob(step)
+        case ["publish", int(version)]:
+            return PublishJob(version)
+    raise FlowError(f'checkpoint flow state has job {saved!r}; expected ["train", step], ["publish", version] or null')

@@ -3,8 +3,10 @@ event loop (every policy event is handled there, one at a time, so generation ke
 while the trainer computes); the trainer's work (train steps, weight publishes, checkpoints) runs in
 the caller's thread, the trainer's main thread, through plain callables. Prompts come from a sequence
 or a `prompt_at(index)` function (prompt ids are data indices); each sample is one controller item,
-a `SampleRequest`, and its result must tell the weight versions of its tokens (`token_versions`) and,
-for dynamic sampling, its reward (`sample_reward`).
+a `SampleRequest`, and its result must be a `Trajectory`: it tells the weight versions of its tokens
+(`token_versions`) and, for dynamic sampling, its reward (`sample_reward`). The runtime, its requests and
+its groups are generic over the prompt type P and the result type R (the RL trainer's are `Problem` and
+`Rollout`).
 The runtime's state (policy state, results of finished samples, attempt numbers) is a snapshot taken
 right after every train step and handed to the checkpoint callback; a runtime restored from it
 re-issues what was in flight, so every prompt is trained exactly once across a resume.
@@ -12,13 +14,15 @@ re-issues what was in flight, so every prompt is trained exactly once across a r
 
 from __future__ import annotations
 
+import enum
 import logging
 import queue
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from functools import partial
+from typing import Any, Final, Generic, Protocol, TypeVar, cast
 
 from rollout.controller import GenerationController
 from rollout.flow.events import (
@@ -27,6 +31,7 @@ from rollout.flow.events import (
     Dispatch,
     Finish,
     FlowCounters,
+    FlowError,
     Publish,
     SampleDone,
     SampleKey,
@@ -38,25 +43,46 @@ from rollout.outcomes import Outcome
 log = logging.getLogger(__name__)
 
 
+class Trajectory(Protocol):
+    """What the runtime reads of a generation result (rollout/generator.py's `Rollout` is one): the weight
+    versions of its tokens (one per token, or any non-empty sequence of them) and its reward (None when it
+    has none; only dynamic sampling needs it)."""
+
+    @property
+    def weight_versions(self) -> Sequence[int]: ...
+
+    @property
+    def reward(self) -> float | None: ...
+
+
+P = TypeVar("P")  # a prompt, as the data holds it
+R = TypeVar("R", bound=Trajectory)  # a generation result
+T = TypeVar("T")
+
+FlowState = dict[str, Any]
+"""The runtime's checkpointable state: the policy's plain-JSON state, the held results (pickled with
+the checkpoint) and the attempt numbers."""
+
+
 @dataclass
-class SampleRequest:
+class SampleRequest(Generic[P]):
     """What the genable receives: one sample of one prompt. `attempt` counts re-issues of the sample
     (stale, failed, aborted or resumed); `version` is the weight version the generators had at dispatch."""
 
     prompt_id: int
     index: int
-    prompt: Any
+    prompt: P
     attempt: int
     version: int
 
 
 @dataclass
-class Group:
+class Group(Generic[P, R]):
     """One prompt with its `samples_per_prompt` results, in sample order: the unit a train step gets."""
 
     prompt_id: int
-    prompt: Any
-    samples: list[Any]
+    prompt: P
+    samples: list[R]
 
 
 @dataclass
@@ -82,9 +108,10 @@ class FlowReport:
     filtered_prompts: list[int]
 
 
-def token_versions(result: Any) -> tuple[int, int]:
+def token_versions(result: Trajectory) -> tuple[int, int]:
     """(oldest, newest) weight version of a result's tokens, read from its `weight_versions` (one
     version per token, or any non-empty sequence of versions)."""
+    # Checked at run time too: the controller hands back whatever the genable returned.
     versions = getattr(result, "weight_versions", None)
     if not versions:
         raise ValueError(
@@ -94,48 +121,61 @@ def token_versions(result: Any) -> tuple[int, int]:
     return min(versions), max(versions)
 
 
-def sample_reward(result: Any) -> float | None:
+def sample_reward(result: Trajectory) -> float | None:
     """A result's reward, read from its `reward`; None when it has none (only dynamic sampling needs it)."""
     reward = getattr(result, "reward", None)
     return None if reward is None else float(reward)
 
 
 @dataclass
-class _TrainJob:
+class _TrainBatch(Generic[P, R]):
+    """A `Train` action with its groups, on its way to the trainer thread."""
+
     step: int
-    groups: list[Group]
+    groups: list[Group[P, R]]
     dropped_groups: int
 
 
+_Job = _TrainBatch[P, R] | Publish | Finish
+"""What the loop thread hands the trainer thread. The controller's wake-up marker (an error to raise, or
+a close) arrives on the same queue and is none of these."""
+
+
 @dataclass
-class _LoopState:
+class _LoopState(Generic[P, R]):
     """Everything the loop thread owns besides the policy."""
 
     tickets: dict[SampleKey, int] = field(default_factory=dict)
     keys: dict[int, SampleKey] = field(default_factory=dict)  # ticket -> sample
-    results: dict[SampleKey, Any] = field(default_factory=dict)  # finished, not yet trained (incl. the job's)
+    results: dict[SampleKey, R] = field(default_factory=dict)  # finished, not yet trained (incl. the job's)
     attempts: dict[SampleKey, int] = field(default_factory=dict)
-    prompts: dict[int, Any] = field(default_factory=dict)  # payloads of prompts not yet trained
+    prompts: dict[int, P] = field(default_factory=dict)  # payloads of prompts not yet trained
     void_from: int | None = None  # prompt ids from here on do not exist
 
 
-_MISSING = object()
+class _Missing(enum.Enum):
+    """A prompt id past the end of the data (None is a prompt like any other in a sequence)."""
+
+    MISSING = enum.auto()
 
 
-class FlowRuntime:
+_MISSING: Final = _Missing.MISSING
+
+
+class FlowRuntime(Generic[P, R]):
     """Runs a flow policy with a GenerationController and the trainer's callbacks until it finishes."""
 
     def __init__(
         self,
         policy: FlowPolicy,
         controller: GenerationController,
-        prompts: Sequence[Any] | Callable[[int], Any | None],
-        train_step: Callable[[int, list[Group], int], None],
+        prompts: Sequence[P] | Callable[[int], P | None],
+        train_step: Callable[[int, list[Group[P, R]], int], None],
         publish: Callable[[int], None],
         *,
-        checkpoint: Callable[[int, dict[str, Any]], None] | None = None,
-        versions: Callable[[Any], tuple[int, int]] = token_versions,
-        rewards: Callable[[Any], float | None] = sample_reward,
+        checkpoint: Callable[[int, FlowState], None] | None = None,
+        versions: Callable[[R], tuple[int, int]] = token_versions,
+        rewards: Callable[[R], float | None] = sample_reward,
     ) -> None:
         """`train_step(step, groups, dropped_groups)` trains one batch; `dropped_groups` is how many
         zero-variance groups dynamic sampling dropped while it formed (0 without dynamic sampling)."""
@@ -147,9 +187,9 @@ class FlowRuntime:
         self.checkpoint = checkpoint
         self.versions = versions
         self.rewards = rewards
-        self._s = _LoopState()
-        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._last_state: dict[str, Any] | None = None
+        self._s: _LoopState[P, R] = _LoopState()
+        self._jobs: queue.SimpleQueue[_Job[P, R]] = queue.SimpleQueue()
+        self._last_state: FlowState | None = None
 
     # -- caller (trainer) thread ---------------------------------------------------------------
 
@@ -165,13 +205,13 @@ class FlowRuntime:
         while True:
             job = self._jobs.get()
             self.controller.check()
-            if isinstance(job, _TrainJob):
+            if isinstance(job, _TrainBatch):
                 start = time.monotonic() - t0
                 self.train_step(job.step, job.groups, job.dropped_groups)
                 end = time.monotonic() - t0
                 ids = tuple(g.prompt_id for g in job.groups)
                 steps.append(StepTiming(job.step, start, end, ids, job.dropped_groups))
-                state = self._in_loop(lambda step=job.step: self._train_done(step))
+                state = self._in_loop(partial(self._train_done, job.step))
                 log.info("flow: step %d trained on %d groups in %.2fs", job.step, len(job.groups), end - start)
                 if self.checkpoint is not None:
                     self.checkpoint(job.step + 1, state)
@@ -179,20 +219,20 @@ class FlowRuntime:
                 start = time.monotonic() - t0
                 self.publish(job.version)
                 publishes.append((job.version, start, time.monotonic() - t0))
-                self._in_loop(lambda v=job.version: self._apply(self.policy.on_published(v)))
+                self._in_loop(partial(self._published, job.version))
             elif isinstance(job, Finish):
                 log.info("flow: finished (%s) after %d steps", job.reason, self.policy.step)
                 return FlowReport(job.reason, steps, publishes, self.policy.counters, list(self.policy.filtered))
             # anything else is the controller's wake-up marker; check() above found nothing
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> FlowState:
         """The state after the latest train step (what the checkpoint callback got), or the current
         state before the run starts. Results are kept as they are: they must be picklable to be saved."""
         if self._last_state is not None:
             return self._last_state
         return self._snapshot()
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: FlowState) -> None:
         """Restore a saved state before `run()`: buffered results come back, anything in flight is
         re-issued, and finished samples whose results were not saved are generated again."""
         self.policy.load_state_dict(state["policy"])
@@ -204,15 +244,16 @@ class FlowRuntime:
 
     # -- loop thread ---------------------------------------------------------------------------
 
-    def _in_loop(self, fn: Callable[[], Any]) -> Any:
+    def _in_loop(self, fn: Callable[[], T]) -> T:
         return self.controller.call_soon(fn).result()
 
-    def _prompt(self, pid: int) -> Any:
+    def _prompt(self, pid: int) -> P | _Missing:
         if pid in self._s.prompts:
             return self._s.prompts[pid]
+        prompt: P | _Missing
         if callable(self.prompts):
-            prompt = self.prompts(pid)
-            prompt = _MISSING if prompt is None else prompt
+            fetched = self.prompts(pid)
+            prompt = _MISSING if fetched is None else fetched
         else:
             prompt = self.prompts[pid] if pid < len(self.prompts) else _MISSING
         if prompt is not _MISSING:
@@ -246,27 +287,40 @@ class FlowRuntime:
                     del s.keys[ticket]
                     self.controller.cancel(ticket)
             elif isinstance(a, Train):
-                spp = self.policy.samples_per_prompt
-                groups = [Group(p, self._prompt(p), [s.results[(p, i)] for i in range(spp)]) for p in a.prompt_ids]
-                self._jobs.put(_TrainJob(a.step, groups, a.dropped_groups))
+                self._jobs.put(_TrainBatch(a.step, [self._group(p) for p in a.prompt_ids], a.dropped_groups))
             elif isinstance(a, (Publish, Finish)):
                 self._jobs.put(a)
 
-    def _on_outcome(self, out: Outcome) -> None:
+    def _group(self, pid: int) -> Group[P, R]:
+        prompt = self._prompt(pid)
+        if prompt is _MISSING:  # only after a resume on data that lost the prompt since the checkpoint
+            raise FlowError(
+                f"prompt {pid} is in a train batch but the data has no prompt {pid}; resume with the data "
+                "the checkpoint was made with"
+            )
+        spp = self.policy.samples_per_prompt
+        return Group(pid, prompt, [self._s.results[(pid, i)] for i in range(spp)])
+
+    def _on_outcome(self, out: Outcome[SampleRequest[P], R]) -> None:
         key = self._s.keys.pop(out.ticket, None)
         if key is None:  # aborted: the policy already re-queued it
             return
         del self._s.tickets[key]
         if out.ok:
-            oldest, newest = self.versions(out.result)
-            reward = self.rewards(out.result)
-            self._s.results[key] = out.result
+            # Whatever the genable returned: the controller does not know R; `versions` checks it.
+            result = cast(R, out.result)
+            oldest, newest = self.versions(result)
+            reward = self.rewards(result)
+            self._s.results[key] = result
             self._apply(self.policy.on_sample_done(SampleDone(key[0], key[1], oldest, newest, reward)))
         else:
             log.warning("flow: sample %s failed for good (%r); it is generated again", key, out.error)
             self._apply(self.policy.on_sample_failed(*key))
 
-    def _train_done(self, step: int) -> dict[str, Any]:
+    def _published(self, version: int) -> None:
+        self._apply(self.policy.on_published(version))
+
+    def _train_done(self, step: int) -> FlowState:
         self._apply(self.policy.on_train_done(step))
         # Forget what no longer matters: trained or dropped prompts and their samples.
         live = set(self.policy.untrained) | {p for p, _ in self.policy.held_keys()}
@@ -278,7 +332,7 @@ class FlowRuntime:
         self._last_state = self._snapshot()
         return self._last_state
 
-    def _snapshot(self) -> dict[str, Any]:
+    def _snapshot(self) -> FlowState:
         s = self._s
         return {
             "policy": self.policy.state_dict(),

@@ -246,6 +246,7 @@ def simulate(
         else:
             pool.advance(job_end)
             ended, job, job_end = job, None, math.inf
+            assert ended is not None  # job_end is finite only while a job runs
             if isinstance(ended, Train):
                 apply(policy.on_train_done(ended.step))
             else:

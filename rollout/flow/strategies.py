@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from common.config import FlowConfig, validate_flow
-from rollout.flow.events import Abort, Action, FlowError, SampleDone, SampleKey
+from rollout.flow.events import Abort, Action, FlowError, PublishJob, SampleDone, SampleKey
 from rollout.flow.policy import FlowPolicy
 
 # ----------------------------------------------------------------------------------------------
@@ -115,7 +115,7 @@ class _SyncPolicy(FlowPolicy):
             b = len(self.batches)
             if (
                 self._generator_idle()
-                and (self.job is None or self.job[0] != "publish")
+                and not isinstance(self.job, PublishJob)
                 and self._data_left()
                 and (self.max_steps is None or b < self.max_steps)
                 and self.published == max(0, b - self.lag)
@@ -256,7 +256,7 @@ class FullyAsync(FlowPolicy):
                         else:
                             self._drop(list(self.ready))
                         progressed = True
-            if self.job is None or self.job[0] != "publish":
+            if not isinstance(self.job, PublishJob):
                 while len(self.in_flight) + len(self.pending) < self.max_concurrent and self._may_admit():
                     self._admit()
             progressed |= self._dispatch(actions)
