@@ -6,7 +6,9 @@ behaviour."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 SampleKey = tuple[int, int]
 """(prompt id, sample index within its group)."""
@@ -107,3 +109,32 @@ class FlowCounters:
     dropped_samples: int = 0
     dropped_groups: int = 0
     staleness: dict[int, int] = field(default_factory=dict)
+
+    def state(self) -> dict[str, Any]:
+        """As a checkpoint holds them (JSON: the staleness histogram's keys as strings)."""
+        return {**dataclasses.asdict(self), "staleness": {str(k): v for k, v in sorted(self.staleness.items())}}
+
+    @classmethod
+    def from_state(cls, saved: dict[str, Any]) -> FlowCounters:
+        return cls(**{**saved, "staleness": {int(k): v for k, v in saved["staleness"].items()}})
+
+
+def job_state(job: TrainerJob | None) -> list[str | int] | None:
+    """A job as checkpoints have always held it: ["train", step], ["publish", version] or null."""
+    if isinstance(job, TrainJob):
+        return ["train", job.step]
+    if isinstance(job, PublishJob):
+        return ["publish", job.version]
+    return None
+
+
+def job_from_state(saved: list[Any] | None) -> TrainerJob | None:
+    """The inverse of `job_state`."""
+    match saved:
+        case None | []:
+            return None
+        case ["train", int(step)]:
+            return TrainJob(step)
+        case ["publish", int(version)]:
+            return PublishJob(version)
+    raise FlowError(f'checkpoint flow state has job {saved!r}; expected ["train", step], ["publish", version] or null')

@@ -22,7 +22,6 @@ whatever was in flight. The events and actions are rollout/flow/events.py; the s
 
 from __future__ import annotations
 
-import dataclasses
 from collections import deque
 from collections.abc import Iterable
 from typing import Any, ClassVar
@@ -40,6 +39,8 @@ from rollout.flow.events import (
     Train,
     TrainerJob,
     TrainJob,
+    job_from_state,
+    job_state,
 )
 
 
@@ -234,7 +235,7 @@ class FlowPolicy:
             "dynamic_sampling": self.dynamic_sampling,
             "step": self.step,
             "published": self.published,
-            "job": _job_state(self.job),
+            "job": job_state(self.job),
             "job_groups": [[p, s, o, n] for p, group in self.job_groups.items() for s, (o, n) in group.items()],
             "next_prompt": self.next_prompt,
             "data_end": self.data_end,
@@ -247,7 +248,7 @@ class FlowPolicy:
             "filtered": list(self.filtered),
             "job_dropped": self.job_dropped,
             "finished": self.finished,
-            "counters": {**dataclasses.asdict(self.counters), "staleness": _str_keys(self.counters.staleness)},
+            "counters": self.counters.state(),
             **self._extra_state(),
         }
 
@@ -270,7 +271,7 @@ class FlowPolicy:
                 )
         self.step = state["step"]
         self.published = state["published"]
-        self.job = _job_from_state(state["job"])
+        self.job = job_from_state(state["job"])
         self.job_groups = {}
         for p, s, o, n in state["job_groups"]:
             self.job_groups.setdefault(p, {})[s] = (o, n)
@@ -290,9 +291,7 @@ class FlowPolicy:
         self.filtered = list(state.get("filtered", []))
         self.job_dropped = state.get("job_dropped", 0)
         self.finished = state["finished"]
-        counters = dict(state["counters"])
-        counters["staleness"] = {int(k): v for k, v in counters["staleness"].items()}
-        self.counters = FlowCounters(**counters)
+        self.counters = FlowCounters.from_state(state["counters"])
         self._load_extra_state(state)
         self._rewind()
 
@@ -339,6 +338,16 @@ class FlowPolicy:
         raise NotImplementedError
 
     def _finish_reason(self) -> str | None:
+        """Why the run is over, asked once the trainer is idle with its newest version published: every step
+        trained (`max_steps`), or the data used up with nothing left to train (`end_of_data`)."""
+        if self.job is not None or self.published != self.step:
+            return None
+        if not self._steps_left():
+            return "max_steps"
+        return "end_of_data" if self._out_of_data() else None
+
+    def _out_of_data(self) -> bool:
+        """The strategy's part of `end_of_data`: no prompt is left to admit, generate or train."""
         raise NotImplementedError
 
     def _extra_state(self) -> dict[str, Any]:
@@ -432,28 +441,3 @@ class FlowPolicy:
                 self.ready.remove(pid)
             self.counters.dropped_prompts += 1
             self.counters.dropped_samples += len(group)
-
-
-def _str_keys(d: dict[int, int]) -> dict[str, int]:
-    return {str(k): v for k, v in sorted(d.items())}
-
-
-def _job_state(job: TrainerJob | None) -> list[str | int] | None:
-    """A job as checkpoints have always held it: ["train", step], ["publish", version] or null."""
-    if isinstance(job, TrainJob):
-        return ["train", job.step]
-    if isinstance(job, PublishJob):
-        return ["publish", job.version]
-    return None
-
-
-def _job_from_state(saved: list[Any] | None) -> TrainerJob | None:
-    """The inverse of `_job_state`."""
-    match saved:
-        case None | []:
-            return None
-        case ["train", int(step)]:
-            return TrainJob(step)
-        case ["publish", int(version)]:
-            return PublishJob(version)
-    raise FlowError(f'checkpoint flow state has job {saved!r}; expected ["train", step], ["publish", version] or null')

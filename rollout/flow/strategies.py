@@ -133,14 +133,8 @@ class _SyncPolicy(FlowPolicy):
             if not progressed:
                 return
 
-    def _finish_reason(self) -> str | None:
-        if self.job is not None or self.published != self.step:
-            return None
-        if not self._steps_left():
-            return "max_steps"
-        if not self._data_left() and self._generator_idle() and self.step == len(self.batches):
-            return "end_of_data"
-        return None
+    def _out_of_data(self) -> bool:
+        return not self._data_left() and self._generator_idle() and self.step == len(self.batches)
 
 
 class OnPolicy(_SyncPolicy):
@@ -263,14 +257,8 @@ class FullyAsync(FlowPolicy):
             if not progressed:
                 return
 
-    def _finish_reason(self) -> str | None:
-        if self.job is not None or self.published != self.step:
-            return None
-        if not self._steps_left():
-            return "max_steps"
-        if self._drained() and not self.untrained:
-            return "end_of_data"
-        return None
+    def _out_of_data(self) -> bool:
+        return self._drained() and not self.untrained
 
 
 STRATEGIES: dict[str, type[FlowPolicy]] = {cls.strategy: cls for cls in (OnPolicy, OneStepOff, FullyAsync)}
