@@ -63,6 +63,12 @@ def _backoff() -> ExponentialBackoff:
     return ExponentialBackoff(cap=_BACKOFF_CAP_S, base=0.02)
 
 
+def text(reply: bytes | str) -> str:
+    """A Redis reply as text: our clients decode replies (`decode_responses`), which redis-py's types cannot
+    know, so they say bytes | str."""
+    return reply.decode() if isinstance(reply, bytes) else reply
+
+
 class RendezvousError(RuntimeError):
     """Redis could not be found or started; the message says what was tried and what to do."""
 

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import redis
 import redis.asyncio
+from redis.asyncio import Redis as AsyncRedis
+from redis.typing import EncodableT, FieldT
 
 from common.config import ROLES, Config
 from common.keys import Keys
@@ -97,7 +99,7 @@ class RunContext:
         if client is not None:
             client.close()
 
-    def async_redis(self) -> redis.asyncio.Redis:
+    def async_redis(self) -> AsyncRedis:
         return self.rendezvous.async_client()
 
 
@@ -126,7 +128,12 @@ def context_for(
 
 async def announce(client: redis.asyncio.Redis, keys: Keys, role: str, event: str, **detail: object) -> None:
     """Append one lifecycle event to the experiment's events stream."""
-    fields = {"role": role, "event": event, "detail": json.dumps(detail), "ts": f"{time.time():.3f}"}
+    fields: dict[FieldT, EncodableT] = {
+        "role": role,
+        "event": event,
+        "detail": json.dumps(detail),
+        "ts": f"{time.time():.3f}",
+    }
     await client.xadd(keys.events, fields, maxlen=EVENTS_MAXLEN, approximate=True)
 
 

@@ -28,6 +28,7 @@ import redis.asyncio
 from common.http import retryable_status
 from common.keys import Keys
 from common.net import bearer
+from common.rendezvous import text
 
 GENERATE_PATH = "/inference/v1/generate"
 
@@ -169,7 +170,7 @@ class RolloutClient:
             raise NoRouterError(
                 f"no router URL at {self.keys.router(self.router_name)}; start one (ROLE=router slipstream run CFG)"
             )
-        return url.rstrip("/")
+        return text(url).rstrip("/")
 
     async def generate(
         self,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import functools
 import logging
 import queue
 import threading
@@ -102,11 +103,11 @@ class GenerationController:
         self._closed = False
         self._bar: Any = None
 
-        self._loop: asyncio.AbstractEventLoop | None = None
-        started = threading.Event()
-        self._thread = threading.Thread(target=self._thread_main, args=(started,), name=f"{name}-loop", daemon=True)
+        # Made here, run by the thread: callers may schedule onto it as soon as the constructor returns.
+        self._loop = uvloop.new_event_loop()
+        self._loop.set_exception_handler(self._on_loop_error)
+        self._thread = threading.Thread(target=self._thread_main, name=f"{name}-loop", daemon=True)
         self._thread.start()
-        started.wait()
 
     @classmethod
     def from_config(cls, genable: Genable, cfg: FlowConfig, *, name: str = "generation") -> GenerationController:
@@ -262,16 +263,12 @@ class GenerationController:
 
     # -- loop thread ---------------------------------------------------------------------------
 
-    def _thread_main(self, started: threading.Event) -> None:
-        loop = uvloop.new_event_loop()
-        asyncio.set_event_loop(loop)
-        loop.set_exception_handler(self._on_loop_error)
-        self._loop = loop
-        started.set()
+    def _thread_main(self) -> None:
+        asyncio.set_event_loop(self._loop)
         try:
-            loop.run_forever()
+            self._loop.run_forever()
         finally:
-            loop.close()
+            self._loop.close()
 
     def _on_loop_error(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
         exc = context.get("exception")
@@ -307,7 +304,7 @@ class GenerationController:
             job.task = self._loop.create_task(self._attempt(job))
             # Released by the body before it delivers, and here in case the task was cancelled before
             # its first step (then the body never runs).
-            job.task.add_done_callback(lambda task, job=job: self._release(job, task))
+            job.task.add_done_callback(functools.partial(self._release, job))
 
     async def _attempt(self, job: _Job) -> None:
         job.attempts += 1

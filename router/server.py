@@ -22,7 +22,7 @@ from aiohttp import web
 from common.config import RouterConfig
 from common.keys import Keys
 from common.net import AddressError, advertised, bearer, is_loopback, refuses, url_host
-from common.rendezvous import Heartbeat
+from common.rendezvous import Heartbeat, text
 from common.roles import RunContext
 from router.metrics import Metrics
 from router.pool import PoolSync, WorkerPool
@@ -214,7 +214,7 @@ class Router:
                 self._heartbeat = Heartbeat(self.client, key, self.url, self.heartbeat_period_s, self.heartbeat_ttl_s)
                 await self._heartbeat.start()
                 return
-            holder = await self.client.get(key)
+            holder = text(raw) if (raw := await self.client.get(key)) is not None else None
             if holder is not None and holder != self.url and await _dead(holder):
                 # Compare-and-delete: a router that claimed the name meanwhile keeps it.
                 if await self.client.eval(_DELETE_IF_EQUAL, 1, key, holder):

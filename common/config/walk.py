@@ -38,7 +38,8 @@ def _sections(value: Any) -> list[tuple[str, Any]]:
 
 def leaves(obj: Any, prefix: str = "") -> Iterator[Leaf]:
     """Every scalar/list field of a config tree in declaration order, with its docstring."""
-    docs = field_docs(type(obj))
+    cls: type = type(obj)
+    docs = field_docs(cls)
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
         path = f"{prefix}{f.name}"
@@ -84,7 +85,8 @@ def render(cfg: Config, with_docs: bool = True) -> str:
         if not table or not scalars:
             continue
         lines.append(f"[{table}]")
-        docs = field_docs(type(obj))
+        cls: type = type(obj)
+        docs = field_docs(cls)
         for f in scalars:
             if with_docs:
                 mark = " (identity)" if f.metadata.get("identity") else ""

@@ -16,6 +16,7 @@ import json
 from dataclasses import dataclass
 from functools import cached_property
 
+from common.config import PromptSourceConfig, TaskConfig
 from evaluator.benchmark import Benchmark, BenchmarkError, Case, SampleScore, Sampling
 from rollout.tasks.arithmetic import ArithmeticTask, verify
 
@@ -59,6 +60,7 @@ class HeldOutArithmetic(Benchmark):
         t = self.train_task
         if t is None:
             return spec
+        gen: TaskConfig | PromptSourceConfig = t  # the arithmetic generator the training task draws from
         if t.kind == "mixture":
             # A prompt mixture is followed through its one arithmetic generator (same field names).
             generators = [src for src in t.sources if src.format == "arithmetic"]
@@ -68,16 +70,16 @@ class HeldOutArithmetic(Benchmark):
                     f"mixture has {len(generators)} sources of format 'arithmetic'; give it exactly one, or "
                     "evaluate another benchmark"
                 )
-            t = generators[0]
+            gen = generators[0]
         elif t.kind != "arithmetic":
             raise BenchmarkError(
                 f"benchmark 'arithmetic' follows the training task, but rollout.task.kind = {t.kind!r}; "
                 "evaluate another benchmark or train on arithmetic"
             )
-        if t.seed == spec.seed:
+        if gen.seed == spec.seed:
             raise BenchmarkError(f"held-out seed {spec.seed} ({path}) equals rollout.task.seed; change one of them")
         return HeldOutSpec(
-            spec.seed, spec.count, t.min_operands, t.max_operands, t.max_value, t.operators, spec.max_tokens
+            spec.seed, spec.count, gen.min_operands, gen.max_operands, gen.max_value, gen.operators, spec.max_tokens
         )
 
     @cached_property

@@ -28,7 +28,10 @@ class Problem:
 
 @runtime_checkable
 class Task(Protocol):
-    name: str
+    @property
+    def name(self) -> str:
+        """The task's name in logs and the prompt ledger."""
+        ...
 
     def __len__(self) -> int:
         """Number of problems; the data ends after the last one."""

@@ -42,5 +42,5 @@ def install() -> bool:
             experts.process_weights_after_loading(layer)
 
     setattr(process_weights_after_loading, _MARK, True)
-    UnquantizedFusedMoEMethod.process_weights_after_loading = process_weights_after_loading
+    UnquantizedFusedMoEMethod.process_weights_after_loading = process_weights_after_loading  # type: ignore[method-assign]
     return True

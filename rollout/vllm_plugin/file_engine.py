@@ -128,7 +128,7 @@ class FileWeightTransferEngine(WeightTransferEngine[FileInitInfo, FileUpdateInfo
         tensors = update_info.tensors()
         if self.device.type != "cpu":
             tensors = ((name, t.to(self.device, non_blocking=True)) for name, t in tensors)
-        self.model.load_weights(tensors)
+        self.model.load_weights(tensors)  # type: ignore[operator]  # vLLM's models define it; nn.Module types it as a Tensor
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         self.receive_weights(self.parse_update_info(update_info))

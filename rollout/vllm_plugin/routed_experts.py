@@ -92,7 +92,7 @@ def _verify(original, config) -> None:
 
     cache = config.cache_config
     prefix_caching = cache.enable_prefix_caching
-    current_platform.is_out_of_tree = lambda: True  # an instance attribute shadows the method for this call
+    current_platform.is_out_of_tree = lambda: True  # type: ignore[method-assign]  # an instance attribute shadows the method for this call
     cache.enable_prefix_caching = True
     try:
         original(config)
