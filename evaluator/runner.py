@@ -39,6 +39,7 @@ from typing import Any, Protocol
 import aiohttp
 
 from common.config import Config, ConfigError, EvaluatorConfig, TaskConfig, load_config
+from common.fleet import WorkerError
 from common.http import RetryPolicy
 from common.log import setup as setup_logging
 from common.metrics import step_series
@@ -46,6 +47,8 @@ from common.net import bearer, free_port
 from evaluator.backend import Backend, Generation, RequestError
 from evaluator.benchmark import BENCHMARKS, Benchmark, BenchmarkError, Case, EvalOptions, SampleScore, load_benchmark
 from evaluator.cache import ResultCache, fingerprint
+from rollout.weights.versions import committed_versions, version_dir, weight_root
+from rollout.weights.workers import apply_version
 
 log = logging.getLogger(__name__)
 
@@ -357,10 +360,8 @@ def _versions_text(versions: Sequence[int]) -> str:
 
 def version_files(cfg: Config, run_dir: Path, version: int) -> Path:
     """The directory of a version the run published; ReproduceError naming the path and the fix if it is gone."""
-    from rollout.weights import committed_versions, weight_root  # imports torch: only when a version is asked for
-
     root = weight_root(cfg.rollout, run_dir)
-    location = root / f"v{version}"
+    location = version_dir(root, version)
     if location.is_dir():
         return location
     kept = committed_versions(root) if root.is_dir() else []
@@ -424,8 +425,6 @@ async def started_worker(
 
 async def load_version(session: aiohttp.ClientSession, url: str, version: int, location: Path) -> None:
     """Load a published version into the worker at url the way the evaluator role's pin mode does."""
-    from rollout.weights import apply_version
-
     took = await apply_version(session, url, version, str(location), PIN_PAUSE_MODE)
     log.info("loaded weight version %d (%s) into %s in %.3fs", version, location, url, took)
 
@@ -530,8 +529,7 @@ def cli_main(argv: Sequence[str]) -> int:
     setup_logging("eval", "-")
     failures: tuple[type[Exception], ...] = (RequestError, BenchmarkError, VersionMoved)
     if args.version is not None:
-        # Starting a server and loading weights import torch (seconds): only a --version run needs them.
-        from rollout.weights import WorkerError
+        # Only a --version run starts a vLLM server (rollout.worker) and loads weights into it.
         from rollout.worker import WorkerStartError
 
         failures += (WorkerStartError, WorkerError)

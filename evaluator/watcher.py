@@ -13,7 +13,6 @@ the runner's JSON summary and per-case JSONL under `<run dir>/evals/`.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from pathlib import Path
 import aiohttp
 import redis.asyncio
 
+from common.fleet import WorkerError, current_version, evict, live_workers, set_worker_version, while_alive
 from common.http import RetryPolicy
 from common.keys import Keys
 from common.metrics import MetricsWriter
@@ -31,6 +31,7 @@ from evaluator.backend import Backend, RequestError
 from evaluator.benchmark import Benchmark
 from evaluator.cache import ResultCache
 from evaluator.runner import PIN_PAUSE_MODE, EvalPlan, EvalResult, Snapshot, VersionMoved, eval_plan, evaluate
+from rollout.weights.workers import apply_version, served_version
 
 log = logging.getLogger(__name__)
 
@@ -58,15 +59,6 @@ class FleetProbe:
     def __init__(self, client: redis.asyncio.Redis, keys: Keys, session: aiohttp.ClientSession) -> None:
         self.client, self.keys, self.session = client, keys, session
 
-    async def live_workers(self) -> dict[str, str]:
-        """worker_id -> URL of the workers in the `workers` hash whose liveness key exists."""
-        entries = await self.client.hgetall(self.keys.workers)
-        if not entries:
-            return {}
-        ids = sorted(entries)
-        alive = await self.client.mget([self.keys.worker_alive(i) for i in ids])
-        return {i: json.loads(entries[i])["url"] for i, a in zip(ids, alive, strict=True) if a is not None}
-
     async def _served(self, url: str) -> str:
         try:
             async with self.session.get(
@@ -79,9 +71,9 @@ class FleetProbe:
             return f"unreadable ({type(exc).__name__})"
 
     async def read(self) -> FleetSnapshot:
-        raw = await self.client.get(self.keys.weights_current)
-        current = "0" if raw is None else str(int(raw))
-        workers = await self.live_workers()
+        version = await current_version(self.client, self.keys)
+        current = "0" if version is None else str(version)
+        workers = await live_workers(self.client, self.keys)
         served = await asyncio.gather(*(self._served(url) for url in workers.values()))
         detail = tuple(zip(workers, served, strict=True))
         settled = bool(detail) and all(v == current for v in served)
@@ -119,8 +111,6 @@ async def starting_workers(client: redis.asyncio.Redis, keys: Keys) -> list[str]
 async def choose_mode(client: redis.asyncio.Redis, keys: Keys, timeout_s: float) -> str:
     """evaluator.pin = "auto": "pin" if an eval-pool worker is live, "verify" once every started vLLM worker has
     registered in the train pool (or timeout_s has passed with some still starting); the choice is logged."""
-    from rollout.weights import live_workers  # rollout.weights imports torch: only when it is needed
-
     deadline = time.monotonic() + timeout_s
     logged = False
     while True:
@@ -284,8 +274,6 @@ class EvalWorker:
 
     async def read(self) -> Snapshot:
         """The runner's version probe: the worker's /weight_info label (WorkerError if it does not answer)."""
-        from rollout.weights import served_version
-
         return Snapshot(str(await served_version(self.backend.session, self.url)), (self.id,))
 
 
@@ -327,8 +315,6 @@ class PinWatcher(Watcher):
     async def find_worker(self, timeout_s: float | None = None) -> EvalWorker:
         """The eval worker in use if it is still live, else the first live one, waiting for one to register (up
         to timeout_s if given: EvaluatorError after it)."""
-        from rollout.weights import live_workers
-
         keys = self.ctx.keys
         started = next_log = time.monotonic()
         while True:
@@ -399,13 +385,11 @@ class PinWatcher(Watcher):
 
     async def load(self, worker: EvalWorker, version: int) -> bool:
         """Load `version` into the worker unless it holds it; False if the load failed (the worker is evicted)."""
-        # The publisher's own sequence (pause, start/update/finish with the version, reset prefix cache, resume).
-        from rollout.weights import WorkerError, apply_version, evict, set_worker_version, while_alive
-
         if worker.loaded == version:
             return True
         keys, location = self.ctx.keys, self.published[version]
         try:
+            # The publisher's own sequence (pause, start/update/finish with the version, reset prefix cache, resume).
             update = apply_version(self.session, worker.url, version, location, PIN_PAUSE_MODE)
             took = await while_alive(self.client, keys, worker.id, update)
         except WorkerError as exc:
@@ -450,8 +434,6 @@ class PinWatcher(Watcher):
         return 0 <= self.until <= max(self.published, default=-1) and not self.candidates()
 
     async def run(self) -> int:
-        from rollout.weights import WorkerError
-
         await self.load_done()
         await self.find_worker(timeout_s=self.ctx.cfg.evaluator.router_wait_s)
         log_key = self.ctx.keys.weights_log
@@ -515,7 +497,7 @@ async def main(ctx: RunContext) -> int:
                     log.error("%s", exc)
                     return 2
             probe = FleetProbe(client, ctx.keys, session)
-            await backend.choose_counter(tokenize_urls=tuple((await probe.live_workers()).values()))
+            await backend.choose_counter(tokenize_urls=tuple((await live_workers(client, ctx.keys)).values()))
             log.info("evaluating %s through %s (every %d version(s))", ", ".join(ev.benchmarks), url,
                      ev.every_n_versions)  # fmt: skip
             return await VerifyWatcher(ctx, client, plan, cache, metrics, backend, probe).run()

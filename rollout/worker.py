@@ -29,12 +29,12 @@ import signal
 import sys
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
 
 from common.config import Config, RolloutConfig
+from common.fleet import WorkerError, WorkerRecord, current_version, read_record, register, set_worker_version
 from common.net import advertised, bearer, free_port, url_host
 from common.proc import die_with_parent
 from common.rendezvous import Heartbeat
@@ -43,14 +43,7 @@ from rollout.tinykit import TINY_MODELS, resolve_model
 from rollout.vllm_plugin import FILE_BACKEND
 from rollout.vllm_plugin.auth import KEY_ENV, MIDDLEWARE
 from rollout.vllm_plugin.watchdog import PARENT_ENV
-from rollout.weights import (
-    WorkerError,
-    apply_version,
-    current_version,
-    label_version,
-    set_worker_version,
-    weight_lock,
-)
+from rollout.weights.workers import apply_version, label_version, weight_lock
 
 log = logging.getLogger(__name__)
 
@@ -61,25 +54,6 @@ EXIT_EVICTED = 4
 
 class WorkerStartError(RuntimeError):
     """vLLM did not become ready; the message says what was seen and where the log is."""
-
-
-@dataclass
-class WorkerRecord:
-    """What a worker publishes in the `workers` hash."""
-
-    url: str
-    model: str
-    weight_version: int
-    started_at: float
-
-    def to_json(self) -> str:
-        return json.dumps({"url": self.url, "model": self.model, "weight_version": self.weight_version,
-                           "started_at": self.started_at})  # fmt: skip
-
-    @classmethod
-    def from_json(cls, text: str) -> WorkerRecord:
-        d = json.loads(text)
-        return cls(d["url"], d["model"], int(d["weight_version"]), float(d["started_at"]))
 
 
 def is_deepseek(model_dir: Path) -> bool:
@@ -349,10 +323,10 @@ async def follow_current(ctx: RunContext, client, session: aiohttp.ClientSession
     and the two never interleave their calls on the server.
     """
     async with weight_lock(client, ctx.keys, worker_id):
-        raw = await client.hget(ctx.keys.workers, worker_id)
-        if raw is None:
+        record = await read_record(client, ctx.keys.workers, worker_id)
+        if record is None:
             return -1  # evicted meanwhile: the serve loop exits on its next look
-        have = WorkerRecord.from_json(raw).weight_version
+        have = record.weight_version
         version = await catch_up(ctx, client, session, url, have)
         if version != have:
             await set_worker_version(client, ctx.keys.workers, worker_id, version)
@@ -401,9 +375,9 @@ async def main(ctx: RunContext) -> int:
             await label_version(session, url, 0)
             # An eval worker serves whatever version the evaluator loads into it, never weights:current.
             version = await catch_up(ctx, client, session, url, None) if ro.pool == "train" else 0
-            record = WorkerRecord(url, ro.served_model_name, version, time.time())
+            record = WorkerRecord(worker_id, url, ro.served_model_name, version, time.time())
             await beat.start()
-            await client.hset(registry, worker_id, record.to_json())
+            await register(client, registry, record)
             registered = True
             await announce(client, ctx.keys, "vllm", "worker registered", worker=worker_id, url=url, version=version,
                            pool=ro.pool)  # fmt: skip
@@ -431,14 +405,14 @@ async def _serve(
                 log.error("vLLM exited with code %s; last lines:\n%s", vllm.returncode, vllm.tail())
                 await announce(client, ctx.keys, "vllm", "vllm died", worker=worker_id, code=vllm.returncode)
                 return EXIT_VLLM_DIED
-            raw = await client.hget(registry, worker_id)
-            if raw is None:
+            entry = await read_record(client, registry, worker_id)
+            if entry is None:
                 log.error("worker %s was evicted (a weight update failed on it); exiting to be restarted", worker_id)
                 return EXIT_EVICTED
             if registry != ctx.keys.workers:
                 continue  # an eval worker's version is the evaluator's to set
             current = await current_version(client, ctx.keys)
-            if current is not None and current > WorkerRecord.from_json(raw).weight_version:
+            if current is not None and (entry.weight_version is None or current > entry.weight_version):
                 # A publish finished without driving us (it started before we registered).
                 await follow_current(ctx, client, session, worker_id, record.url)
     finally:
@@ -448,4 +422,4 @@ async def _serve(
                 await died
 
 
-__all__ = ["TINY_MODELS", "WorkerRecord", "main", "vllm_command", "vllm_env", "worker_vllm"]
+__all__ = ["TINY_MODELS", "main", "vllm_command", "vllm_env", "worker_vllm"]

@@ -11,18 +11,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import math
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import aiohttp
 import redis
 import redis.asyncio
 
+from common.fleet import WorkerRecord, read_records, time_to_live
 from common.keys import Keys
 from common.roles import announce
 
@@ -34,48 +34,12 @@ REFRESH_S = 0.5
 _EXPIRY_MARGIN_S = 0.01
 
 
-@dataclass(frozen=True)
-class WorkerRecord:
-    """One entry of the Redis workers hash, as a rollout worker registers itself."""
-
-    id: str
-    url: str
-    model: str = ""
-    weight_version: int | None = None
-    started_at: float = 0.0
-
-    @classmethod
-    def parse(cls, worker_id: str, raw: str) -> WorkerRecord:
-        """Decode the JSON value of the workers hash; a bad value raises ValueError naming the worker."""
-        try:
-            data = json.loads(raw)
-            url = data["url"]
-        except (json.JSONDecodeError, TypeError, KeyError) as exc:
-            raise ValueError(
-                f"worker {worker_id!r}: value {raw[:200]!r} of the workers hash is not JSON with a 'url' "
-                f"({exc}); a worker registers {{url, model, weight_version, started_at}}"
-            ) from None
-        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-            raise ValueError(f"worker {worker_id!r}: url {url!r} must be an http:// or https:// URL")
-        version = data.get("weight_version")
-        return cls(
-            id=worker_id,
-            url=url.rstrip("/"),
-            model=str(data.get("model", "")),
-            weight_version=int(version) if version is not None else None,
-            started_at=float(data.get("started_at", 0.0)),
-        )
-
-
 @dataclass(eq=False)
 class Worker:
     """A worker as the router sees it; compared by identity, since a re-registered worker is a new one."""
 
-    id: str
-    url: str
-    model: str = ""
-    weight_version: int | None = None
-    started_at: float = 0.0
+    record: WorkerRecord
+    """Its entry in the workers hash, as last read (the weight version follows publishes)."""
     healthy: bool = False
     outstanding: int = 0
     requests: int = 0
@@ -86,6 +50,14 @@ class Worker:
     attempts: set[asyncio.Task[Any]] = field(default_factory=set, repr=False)
     """The proxy's requests waiting on this worker's answer."""
 
+    @property
+    def id(self) -> str:
+        return self.record.id
+
+    @property
+    def url(self) -> str:
+        return self.record.url
+
     def abandon(self, reason: str) -> None:
         """The worker left the pool and its server does not answer: give up on the requests waiting for its
         answer (the proxy retries them elsewhere)."""
@@ -94,17 +66,9 @@ class Worker:
             task.cancel()
 
     def as_json(self) -> dict[str, object]:
-        return {
-            "id": self.id,
-            "url": self.url,
-            "model": self.model,
-            "weight_version": self.weight_version,
-            "started_at": self.started_at,
-            "healthy": self.healthy,
-            "outstanding": self.outstanding,
-            "requests": self.requests,
-            "last_error": self.last_error,
-        }
+        state = {"healthy": self.healthy, "outstanding": self.outstanding, "requests": self.requests,
+                 "last_error": self.last_error}  # fmt: skip
+        return asdict(self.record) | state
 
 
 @dataclass(frozen=True)
@@ -139,13 +103,13 @@ class WorkerPool:
             elif record.url != worker.url:
                 reason = f"re-registered at {record.url}"
             else:
-                worker.model, worker.weight_version = record.model, record.weight_version
+                worker.record = record
                 continue
             del self.workers[worker_id]
             removed.append((worker, reason))
         for worker_id, record in records.items():
             if worker_id in alive and worker_id not in self.workers:
-                worker = Worker(record.id, record.url, record.model, record.weight_version, record.started_at)
+                worker = Worker(record)
                 self.workers[worker_id] = worker
                 added.append(worker)
         if added or removed:
@@ -181,7 +145,6 @@ class PoolSync:
         self.health_interval_s, self.refresh_s = health_interval_s, refresh_s
         self.health_timeout = aiohttp.ClientTimeout(total=health_timeout_s)
         self._tasks: set[asyncio.Task[None]] = set()
-        self._bad_records: set[tuple[str, str]] = set()
         self._redis_error = ""
         self._running = False
         self._expiry = math.inf  # loop time at which the soonest liveness key expires if not refreshed
@@ -219,30 +182,11 @@ class PoolSync:
 
     async def refresh(self) -> PoolChanges:
         """Apply one snapshot of the workers hash and their liveness keys."""
-        raw = await self.client.hgetall(self.keys.workers)
-        records: dict[str, WorkerRecord] = {}
-        for worker_id, value in raw.items():
-            try:
-                records[worker_id] = WorkerRecord.parse(worker_id, value)
-            except ValueError as exc:
-                if (worker_id, value) not in self._bad_records:  # once per bad value, not twice a second
-                    self._bad_records.add((worker_id, value))
-                    log.warning("ignoring worker: %s", exc)
-        alive: set[str] = set()
-        self._expiry = math.inf
-        if records:
-            ids = list(records)
-            async with self.client.pipeline(transaction=False) as pipe:
-                for i in ids:
-                    pipe.pttl(self.keys.worker_alive(i))
-                ttls_ms = await pipe.execute()
-            now = asyncio.get_running_loop().time()
-            for i, ttl_ms in zip(ids, ttls_ms, strict=True):
-                if ttl_ms == -2:  # no such key: never beat, or expired
-                    continue
-                alive.add(i)
-                if ttl_ms >= 0:
-                    self._expiry = min(self._expiry, now + ttl_ms / 1000)
+        records = await read_records(self.client, self.keys.workers)
+        ttls = await time_to_live(self.client, self.keys, records)
+        now = asyncio.get_running_loop().time()
+        self._expiry = min((now + ttl for ttl in ttls.values()), default=math.inf)
+        alive = set(ttls)
         changes = self.pool.apply(records, alive)
         for worker in changes.added:
             log.info("worker %s at %s registered; admitted once GET /health passes", worker.id, worker.url)

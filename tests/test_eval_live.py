@@ -2,7 +2,7 @@
 DeepSeek run (conftest.py: Redis, a router role process and one worker role process). One test runs
 all three benchmarks end to end through the router and counts the requests the router proxied. The
 other runs ROLE=evaluator as a process during a sequence of publishes (WeightPublisher of
-rollout/weights.py, publishing the original weights again so later tests see version-0 weights):
+rollout/weights/, publishing the original weights again so later tests see version-0 weights):
 every evaluated version gets exactly one result row with its number, a version that moves during
 its evaluation gets none, an evaluator killed (SIGKILL) mid-version and restarted regenerates only
 the cases its cache lacked (counted by the router's /metrics), and `slipstream eval --config` against

@@ -12,7 +12,7 @@ import pytest
 
 from common.config import Config, ConfigError, ModelConfig
 from rollout.tinykit import build_tokenizer, resolve_model, tiny_checkpoint, vocabulary
-from rollout.worker import WorkerRecord, vllm_command
+from rollout.worker import vllm_command
 
 
 def test_tokenizer_loads_offline_round_trips_and_applies_its_chat_template(tmp_path: Path):
@@ -79,8 +79,3 @@ def test_vllm_returns_routed_experts_for_moe_checkpoints_unless_turned_off(tmp_p
     assert "--enable-return-routed-experts" not in vllm_command(cfg.rollout, dense, "127.0.0.1", 8000, cpu=True)
     cfg.rollout.return_routed_experts = False
     assert "--enable-return-routed-experts" not in vllm_command(cfg.rollout, moe, "127.0.0.1", 8000, cpu=True)
-
-
-def test_worker_record_round_trips_through_json():
-    rec = WorkerRecord("http://h:1", "policy", 3, 12.5)
-    assert WorkerRecord.from_json(rec.to_json()) == rec

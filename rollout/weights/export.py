@@ -1,0 +1,47 @@
+"""HF naming of the trainer's tensors for vLLM: transformers keeps routed experts fused in memory, vLLM's
+loaders want one name per expert. Every transport sends what this yields.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING
+
+from rollout.weights.base import PublishError
+
+if TYPE_CHECKING:
+    import torch
+
+# transformers keeps routed experts fused in memory: [E, 2I, H] gate|up and [E, H, I] down.
+_FUSED_GATE_UP = re.compile(r"^(.*\.experts)\.gate_up_proj$")
+_FUSED_DOWN = re.compile(r"^(.*\.experts)\.down_proj$")
+
+
+def hf_views(tensors: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF-named tensors with one name per expert, as views (no copies); see `hf_tensors`."""
+    for name, t in tensors.items():
+        t = t.detach()
+        if (m := _FUSED_GATE_UP.match(name)) and t.dim() == 3:
+            if t.shape[1] % 2:
+                raise PublishError(f"{name}: fused gate_up_proj of shape {tuple(t.shape)} has an odd middle dim")
+            gate, up = t.chunk(2, dim=1)
+            for e in range(t.shape[0]):
+                yield f"{m[1]}.{e}.gate_proj.weight", gate[e]
+                yield f"{m[1]}.{e}.up_proj.weight", up[e]
+        elif (m := _FUSED_DOWN.match(name)) and t.dim() == 3:
+            for e in range(t.shape[0]):
+                yield f"{m[1]}.{e}.down_proj.weight", t[e]
+        else:
+            yield name, t
+
+
+def hf_tensors(tensors: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF-named tensors with one name per expert: fused transformers expert tensors are split.
+
+    `...experts.gate_up_proj` [E, 2I, H] becomes `...experts.{e}.gate_proj.weight` [I, H] and
+    `...experts.{e}.up_proj.weight` [I, H]; `...experts.down_proj` [E, H, I] becomes
+    `...experts.{e}.down_proj.weight`. Everything else passes through; all come out contiguous on CPU.
+    """
+    for name, t in hf_views(tensors):
+        yield name, t.contiguous().cpu()

@@ -1,0 +1,29 @@
+"""The weight transport a run uses: the one `rollout.weight_backend` names."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from common.config import RolloutConfig
+from rollout.weights.base import WeightTransport
+from rollout.weights.file import FileTransport
+from rollout.weights.nccl import NcclGroup, NcclTransport
+from rollout.weights.workers import WorkerDriver
+
+
+def make_transport(
+    cfg: RolloutConfig, root: Path, driver: WorkerDriver, nccl_group: NcclGroup | None = None
+) -> WeightTransport:
+    """`file`: versions under `root` (see file.py). `nccl`: a broadcast to the fixed workers of `nccl_group`,
+    which the trainer forms (see nccl.py)."""
+    if cfg.weight_backend == "file":
+        return FileTransport(root, driver, cfg.weight_shard_mb << 20, cfg.stream_weights, cfg.keep_versions)
+    if cfg.weight_backend == "nccl":
+        if nccl_group is None:
+            raise ValueError(
+                "rollout.weight_backend = 'nccl' needs the NCCL group of the trainer and a fixed set of workers "
+                "(NcclGroup: their URLs, the rendezvous address and port); pass nccl_group, or use 'file'"
+            )
+        return NcclTransport(list(nccl_group.urls), nccl_group.master_address, nccl_group.master_port,
+                             cfg.tensor_parallel_size, driver)  # fmt: skip
+    raise ValueError(f"rollout.weight_backend = {cfg.weight_backend!r} is not one of 'file', 'nccl'")

@@ -1,0 +1,138 @@
+"""The publisher, the trainer side of weight sync (DESIGN section 6): `WeightPublisher.publish(version,
+tensors)` checks that the version number moves forward, sends the version to every live train worker through
+the transport `rollout.weight_backend` names (factory.py), and commits it: `weights:current` advances only
+after every live worker acknowledged the version (a worker that failed was evicted, so the router stops using
+it and it exits to be restarted), the version is appended to `weights:log`, and the publish is announced as
+an event. `republish(version, source)` makes the workers serve the weights of an older version again under a
+new number (a trainer resuming from a checkpoint); a publisher and a worker catching up by itself change its
+weights only under the worker's weight lock (workers.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+import aiohttp
+import redis.asyncio
+
+from common.config import RolloutConfig
+from common.fleet import current_version, live_workers
+from common.keys import Keys
+from common.roles import announce
+from rollout.weights.base import PublishError, PublishResult
+from rollout.weights.factory import make_transport
+from rollout.weights.nccl import NcclGroup
+from rollout.weights.versions import weight_root
+from rollout.weights.workers import WorkerDriver
+
+if TYPE_CHECKING:
+    import torch
+
+    from rollout.weights.writer import PeerWriters
+
+log = logging.getLogger(__name__)
+
+WEIGHTS_LOG_MAXLEN = 10_000
+
+
+class WeightPublisher:
+    """Publishes versions of the policy to every live worker of one experiment."""
+
+    def __init__(
+        self,
+        client: redis.asyncio.Redis,
+        keys: Keys,
+        cfg: RolloutConfig,
+        run_dir: str | os.PathLike[str],
+        session: aiohttp.ClientSession | None = None,
+        nccl_group: NcclGroup | None = None,
+    ) -> None:
+        self.client, self.keys, self.cfg = client, keys, cfg
+        self.root = weight_root(cfg, run_dir)
+        self.driver = WorkerDriver(client, keys, cfg.api_key, session)
+        self.transport = make_transport(cfg, self.root, self.driver, nccl_group)
+
+    async def __aenter__(self) -> WeightPublisher:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self.driver.close()
+
+    async def publish(
+        self,
+        version: int,
+        tensors: Mapping[str, torch.Tensor],
+        pause_mode: str | None = None,
+        peers: PeerWriters | None = None,
+    ) -> PublishResult:
+        """Send `version` to every live worker and make it current; see the module docstring for the contract.
+
+        `tensors` are this rank's (rank 0's); `peers`, when given, are the other trainer ranks, which write
+        their shards of the same version concurrently (writer.py's `PeerWriters`). Versions only move forward:
+        a number at or below weights:current is refused, and so is one whose directory exists.
+        """
+        t0 = time.perf_counter()
+        mode = await self._check(version, pause_mode)
+        workers = await live_workers(self.client, self.keys)
+        await self.transport.prepare(version, tensors, peers)
+        return await self._send(version, workers, mode, t0)
+
+    async def republish(self, version: int, source: int, pause_mode: str | None = None) -> PublishResult:
+        """Publish the weights of version `source` again, as `version`, on every live worker.
+
+        The file transport hard-links the committed files, checksums verified first. A trainer that resumes
+        from a checkpoint uses it to make its generators serve the checkpoint's weights: the number is
+        new because numbers are never reused (workers may already serve `source + 1` of the lost run).
+        """
+        t0 = time.perf_counter()
+        mode = await self._check(version, pause_mode)
+        workers = await live_workers(self.client, self.keys)
+        await self.transport.prepare_copy(version, source)
+        return await self._send(version, workers, mode, t0)
+
+    async def _check(self, version: int, pause_mode: str | None) -> str:
+        current = await current_version(self.client, self.keys)
+        if current is not None and version <= current:
+            raise PublishError(f"publish({version}): weights:current is already {current}; publish a newer version")
+        mode = pause_mode or self.cfg.pause_mode
+        if mode not in ("keep", "abort", "wait"):
+            raise PublishError(f"pause mode {mode!r} is not one of keep, abort, wait")
+        return mode
+
+    async def _send(self, version: int, workers: Mapping[str, str], mode: str, t0: float) -> PublishResult:
+        published = False
+        try:
+            result = await self.transport.send(version, workers, mode)
+            await self._commit(result, t0)
+            published = True
+        finally:
+            await self.transport.finish(published)
+        return result
+
+    async def _commit(self, result: PublishResult, t0: float) -> None:
+        """Every worker still live has acknowledged (failures were evicted), so the version is current."""
+        version = result.version
+        await self.client.set(self.keys.weights_current, version)
+        entry = {"version": version, "backend": self.transport.backend, "location": result.location,
+                 "ts": f"{time.time():.3f}"}  # fmt: skip
+        if result.source is not None:
+            entry["source"] = result.source
+        await self.client.xadd(self.keys.weights_log, entry, maxlen=WEIGHTS_LOG_MAXLEN, approximate=True)  # type: ignore[arg-type]
+        result.total_s = time.perf_counter() - t0
+        evicted = [w.worker_id for w in result.evicted]
+        extra = {} if result.source is None else {"source": result.source}
+        await announce(self.client, self.keys, "trainer", "version published", version=version,
+                       workers=len(result.workers), evicted=evicted, **extra)  # fmt: skip
+        log.info(
+            "published weight version %d%s (%.1f MB) to %d worker(s) in %.3fs (write %.3fs, max pause %.3fs)%s",
+            version, "" if result.source is None else f" (the files of version {result.source})",
+            result.bytes / 1e6, len(result.workers) - len(evicted), result.total_s, result.write_s,
+            result.max_pause_s, f"; EVICTED {evicted}" if evicted else "",
+        )  # fmt: skip
