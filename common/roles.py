@@ -27,8 +27,9 @@ from redis.asyncio import Redis as AsyncRedis
 from redis.typing import EncodableT, FieldT
 
 from common.config import ROLES, Config
+from common.heartbeat import Heartbeat
 from common.keys import Keys
-from common.rendezvous import Heartbeat, Rendezvous
+from common.rendezvous import Rendezvous
 
 log = logging.getLogger(__name__)
 

@@ -35,9 +35,9 @@ import aiohttp
 
 from common.config import Config, RolloutConfig
 from common.fleet import WorkerError, WorkerRecord, current_version, read_record, register, set_worker_version
+from common.heartbeat import Heartbeat
 from common.net import advertised, bearer, free_port, url_host
 from common.proc import die_with_parent
-from common.rendezvous import Heartbeat
 from common.roles import RunContext, announce
 from rollout.tinykit import TINY_MODELS, resolve_model
 from rollout.vllm_plugin import FILE_BACKEND

@@ -20,9 +20,10 @@ import redis.asyncio
 from aiohttp import web
 
 from common.config import RouterConfig
+from common.heartbeat import Heartbeat
 from common.keys import Keys
 from common.net import AddressError, advertised, bearer, is_loopback, refuses, url_host
-from common.rendezvous import Heartbeat, text
+from common.rendezvous import text
 from common.roles import RunContext
 from router.metrics import Metrics
 from router.pool import PoolSync, WorkerPool

@@ -166,8 +166,9 @@ async def serve(args: argparse.Namespace) -> None:
         loop.add_signal_handler(signum, stop.set)
     heartbeat = client = keys = None
     if args.meet:
+        from common.heartbeat import Heartbeat
         from common.keys import Keys
-        from common.rendezvous import Heartbeat, Rendezvous
+        from common.rendezvous import Rendezvous
 
         rz = Rendezvous(args.meet)
         rz.connect(timeout_s=10)

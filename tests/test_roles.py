@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from common.config import load_config
-from common.rendezvous import Heartbeat
+from common.heartbeat import Heartbeat
 from common.roles import RunContext, context_for, lifecycle
 
 REPO = Path(__file__).resolve().parent.parent
