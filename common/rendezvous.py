@@ -12,8 +12,7 @@ port with the same password, and reads the run's state back from its append-only
 write to the OS before it answers, so a killed server loses nothing it acknowledged; the file is not
 fsynced, so a crash of the machine itself can lose the tail). Clients retry a lost connection for about
 REDIS_RETRY_S, so every role rides through the restart without noticing more than a slow command.
-
-Also here: `Heartbeat`, the TTL liveness key every role keeps alive from an asyncio task.
+The TTL liveness keys every role keeps alive are common/heartbeat.py's.
 """
 
 from __future__ import annotations
