@@ -23,6 +23,7 @@ from typing import TypeVar
 import redis.asyncio
 
 from common.keys import Keys
+from common.rendezvous import text
 from common.roles import announce
 
 log = logging.getLogger(__name__)
@@ -93,12 +94,12 @@ async def register(client: redis.asyncio.Redis, registry: str, record: WorkerRec
 async def read_record(client: redis.asyncio.Redis, registry: str, worker_id: str) -> WorkerRecord | None:
     """One worker's record in the pool hash `registry`; None if it has none (never registered, or evicted)."""
     raw = await client.hget(registry, worker_id)
-    return None if raw is None else _decode(worker_id, raw)
+    return None if raw is None else _decode(worker_id, text(raw))
 
 
 async def read_records(client: redis.asyncio.Redis, registry: str) -> dict[str, WorkerRecord]:
     """Every worker of the pool hash `registry`, alive or not, by id (sorted)."""
-    entries = await client.hgetall(registry)
+    entries = {text(k): text(v) for k, v in (await client.hgetall(registry)).items()}
     records = {i: _decode(i, entries[i]) for i in sorted(entries)}
     return {i: r for i, r in records.items() if r is not None}
 

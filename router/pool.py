@@ -14,7 +14,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Coroutine, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -167,8 +167,8 @@ class PoolSync:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
-    def _spawn(self, coro: object, name: str) -> None:
-        task = asyncio.create_task(coro, name=name)  # type: ignore[arg-type]
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
+        task = asyncio.create_task(coro, name=name)
         self._tasks.add(task)
         task.add_done_callback(self._finished)
 

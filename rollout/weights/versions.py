@@ -84,8 +84,8 @@ async def newest_version(client: redis.asyncio.Redis, keys: Keys, root: Path) ->
     seen += [int(_TMP_DIR.match(p.name)[1]) for p in unfinished_versions(root)]  # type: ignore[index]
     if (current := await current_version(client, keys)) is not None:
         seen.append(current)
-    for _id, fields in await client.xrevrange(keys.weights_log, count=1):
-        seen.append(int(fields["version"]))
+    for _id, fields in await client.xrevrange(keys.weights_log, count=1) or []:
+        seen.append(int((fields or {})["version"]))
     seen += [
         r.weight_version for r in (await read_records(client, keys.workers)).values() if r.weight_version is not None
     ]
