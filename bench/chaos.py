@@ -71,9 +71,16 @@ class Run:
     def __init__(self, root: Path, exp: str, steps: int, seed: int, extra: Sequence[str] = ()) -> None:
         """`extra`: more --set overrides (after this benchmark's own)."""
         self.exp, self.run_dir, self.log_path = exp, root / "runs" / exp, root / f"{exp}.log"
-        sets = [f"run.root={root / 'runs'}", f"run.seed={seed}", f"trainer.steps={steps}",
-                "trainer.checkpoint.interval_steps=3", "rendezvous.heartbeat_period_s=0.5",
-                "rendezvous.heartbeat_ttl_s=2.0", "trainer.final_eval_wait_s=300", *extra]  # fmt: skip
+        sets = [
+            f"run.root={root / 'runs'}",
+            f"run.seed={seed}",
+            f"trainer.steps={steps}",
+            "trainer.checkpoint.interval_steps=3",
+            "rendezvous.heartbeat_period_s=0.5",
+            "rendezvous.heartbeat_ttl_s=2.0",
+            "trainer.final_eval_wait_s=300",
+            *extra,
+        ]
         # --verbose: the figures below are read from every role's lines in one file.
         cmd = [sys.executable, "-m", "common.cli", "launch", "--verbose", "configs/demo.toml"]
         for s in sets:
@@ -158,8 +165,21 @@ def run_trial(root: Path, exp: str, role: str | None, steps: int, seed: int, rng
             p.kill()
     lost, twice = ledger_figures(run.run_dir)
     final, final_score, last_mean = heldout_figures(run.log())
-    return Trial(role or "none", killed_after, code == 0, code, back_s, next_step_s, lost, twice, final, final_score,
-                 last_mean, len(leftover), wall)  # fmt: skip
+    return Trial(
+        role or "none",
+        killed_after,
+        code == 0,
+        code,
+        back_s,
+        next_step_s,
+        lost,
+        twice,
+        final,
+        final_score,
+        last_mean,
+        len(leftover),
+        wall,
+    )
 
 
 def heldout_figures(log: str) -> tuple[int | None, float | None, float | None]:
@@ -182,8 +202,10 @@ def delta(value: float | None, base: float | None) -> float | None:
 def report(trials: list[Trial]) -> str:
     """The table of the trials (the first is the no-fault run) and the summary line."""
     base, base_mean = trials[0].final_heldout, trials[0].last_mean
-    lines = [f"{'role':<10} {'after':>5} {'done':>4} {'back_s':>7} {'step_s':>7} {'lost':>4} {'twice':>5} {'version':>7} "
-             f"{'held-out':>8} {'vs base':>7} {f'last {LAST}':>7} {'vs base':>7} {'left':>4} {'wall_s':>6}"]  # fmt: skip
+    lines = [
+        f"{'role':<10} {'after':>5} {'done':>4} {'back_s':>7} {'step_s':>7} {'lost':>4} {'twice':>5} {'version':>7} "
+        f"{'held-out':>8} {'vs base':>7} {f'last {LAST}':>7} {'vs base':>7} {'left':>4} {'wall_s':>6}"
+    ]
     for t in trials:
         lines.append(
             f"{t.role:<10} {fmt(t.killed_after_step):>5} {'y' if t.completed else 'n':>4} {fmt(t.back_s, '.1f'):>7} "
@@ -214,8 +236,12 @@ def main() -> int:
     ap.add_argument("--root", default="", help="where runs go (default: a fresh short temporary directory)")
     ap.add_argument("--keep", action="store_true", help="keep the run directories")
     ap.add_argument("--out", default="", help="also write the trials as JSON lines here")
-    ap.add_argument("--report", default="", help="print the table of trials recorded by --out (no runs); held-out "
-                    "figures missing there are read from the run logs under --root")  # fmt: skip
+    ap.add_argument(
+        "--report",
+        default="",
+        help="print the table of trials recorded by --out (no runs); held-out "
+        "figures missing there are read from the run logs under --root",
+    )
     args = ap.parse_args()
     if args.report:
         trials = []

@@ -35,8 +35,10 @@ def write_corpus(path: Path, mb: float, seed: int) -> None:
     letters = np.array(list(string.ascii_lowercase))
     size, lines = 0, []
     while size < mb * (1 << 20):
-        words = [WORDS[i] if rng.random() < 0.6 else "".join(rng.choice(letters, rng.integers(2, 9)))
-                 for i in rng.integers(0, len(WORDS), rng.integers(5, 201))]  # fmt: skip
+        words = [
+            WORDS[i] if rng.random() < 0.6 else "".join(rng.choice(letters, rng.integers(2, 9)))
+            for i in rng.integers(0, len(WORDS), rng.integers(5, 201))
+        ]
         line = json.dumps({"text": " ".join(words)}) + "\n"
         lines.append(line)
         size += len(line)
@@ -48,8 +50,10 @@ def config(tmp: Path, root: str, processes: int) -> Config:
     d = cfg.trainer.data
     d.tokenizer = str(tmp / "tok")
     d.root, d.prep_processes, d.shard_mb = root, processes, 1.0
-    d.sources = [DataSourceConfig("web", str(tmp / "web.jsonl"), weight=0.7),
-                 DataSourceConfig("code", str(tmp / "code.jsonl"), weight=0.3, temperature=2.0)]  # fmt: skip
+    d.sources = [
+        DataSourceConfig("web", str(tmp / "web.jsonl"), weight=0.7),
+        DataSourceConfig("code", str(tmp / "code.jsonl"), weight=0.3, temperature=2.0),
+    ]
     d.seq_len, d.batch_size = 256, 8
     cfg.trainer.device = "cpu"
     return cfg
@@ -79,8 +83,10 @@ def main() -> None:
             print(f"| {processes} | {shards} | {tokens:,} | {dt:.2f} | {tokens / dt:,.0f} | {mb / dt:.2f} |")
         t0 = time.perf_counter()
         again = prep(cfg, progress=False)
-        print(f"second prep of the same config: {sum(r.tokenized for r in again)} shards tokenized, "
-              f"{time.perf_counter() - t0:.2f} s")  # fmt: skip
+        print(
+            f"second prep of the same config: {sum(r.tokenized for r in again)} shards tokenized, "
+            f"{time.perf_counter() - t0:.2f} s"
+        )
 
         d = cfg.trainer.data
         data = PretrainData("", d.seq_len, d.batch_size, d.tokenizer, sources=d.sources, root=d.root)

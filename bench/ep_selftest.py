@@ -106,8 +106,14 @@ def train_step_check(transport: Transport, device: torch.device, dtype_name: str
     cfg = Config()
     cfg.trainer.dtype = dtype_name
     cfg.trainer.model = ModelConfig(
-        hidden_size=256, num_layers=3, intermediate_size=512, moe_intermediate_size=128, n_routed_experts=16,
-        num_experts_per_tok=4, kv_lora_rank=64, max_seq_len=256,
+        hidden_size=256,
+        num_layers=3,
+        intermediate_size=512,
+        moe_intermediate_size=128,
+        n_routed_experts=16,
+        num_experts_per_tok=4,
+        kv_lora_rank=64,
+        max_seq_len=256,
     )
     mc, oc = cfg.trainer.model, cfg.trainer.optim
     ref, model = build_model(mc, backend, seed=0, device=device), build_model(mc, backend, seed=0, device=device)
@@ -164,14 +170,23 @@ def time_roundtrip(transport: Transport, device: torch.device, rows: int, width:
         times.append(start.elapsed_time(end))
     ms = sorted(times)[len(times) // 2]
     moved = 2 * rows * width * 2  # bytes of rows out and back
-    result = {"transport": type(transport).__name__, "rows": rows, "width": width, "median_ms": ms,
-              "GB_per_s": moved / ms / 1e6}
+    result = {
+        "transport": type(transport).__name__,
+        "rows": rows,
+        "width": width,
+        "median_ms": ms,
+        "GB_per_s": moved / ms / 1e6,
+    }
     print(f"time  {result}", flush=True)
     return result
 
 
 def main() -> int:
-    for key, value in (("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NCCL_NVLS_ENABLE", "0"), ("NVSHMEM_DISABLE_NVLS", "1")):
+    for key, value in (
+        ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+        ("NCCL_NVLS_ENABLE", "0"),
+        ("NVSHMEM_DISABLE_NVLS", "1"),
+    ):
         if os.environ.get(key) != value:
             print(f"set {key}={value} before running (NVLink multicast must stay off)", file=sys.stderr)
             return 2

@@ -123,7 +123,9 @@ def main() -> None:
     base = rows[0][1]
     print(f"workload: {dataclasses.asdict(workload(args.steps))}")
     print(f"generator: {MODEL}; trainer: {COSTS}; max_concurrent {MAX_CONCURRENT}")
-    print(f"{args.steps} steps x {PROMPTS_PER_STEP} prompts x {SAMPLES_PER_PROMPT} samples; simulated in {sim_s:.1f} s\n")
+    print(
+        f"{args.steps} steps x {PROMPTS_PER_STEP} prompts x {SAMPLES_PER_PROMPT} samples; simulated in {sim_s:.1f} s\n"
+    )
     print(compare_table(rows, base))
     print()
     for name, r in rows:
@@ -131,8 +133,10 @@ def main() -> None:
         mean_len = r.trained_completion_tokens / max(1, r.counters.trained_samples)
         # Re-generating stale samples favours short ones, so compare trained tokens/s as well as samples/s.
         tok_ratio = (r.trained_completion_tokens / r.makespan) / (base.trained_completion_tokens / base.makespan)
-        print(f"{name}: staleness {staleness}, requeued {r.counters.requeued_samples} samples, "
-              f"mean trained completion {mean_len:.0f} tokens, trained tokens/s {tok_ratio:.2f}x on_policy")  # fmt: skip
+        print(
+            f"{name}: staleness {staleness}, requeued {r.counters.requeued_samples} samples, "
+            f"mean trained completion {mean_len:.0f} tokens, trained tokens/s {tok_ratio:.2f}x on_policy"
+        )
     print()
     for _name, r in (rows[0], rows[3]):
         print(ascii_timeline(r, 100))
@@ -140,8 +144,10 @@ def main() -> None:
     save_png([r for _, r in rows[:2]] + [rows[3][1]], args.png, labels=[rows[0][0], rows[1][0], rows[3][0]])
     print(f"timeline figure: {args.png}")
     gen_rate, submit_rate = dispatch_rate()
-    print(f"\ncontroller dispatch rate, instant backend, max_concurrent {MAX_CONCURRENT}: "
-          f"generate() {gen_rate:,.0f} items/s, submit()+callback {submit_rate:,.0f} items/s")  # fmt: skip
+    print(
+        f"\ncontroller dispatch rate, instant backend, max_concurrent {MAX_CONCURRENT}: "
+        f"generate() {gen_rate:,.0f} items/s, submit()+callback {submit_rate:,.0f} items/s"
+    )
 
 
 if __name__ == "__main__":

@@ -55,8 +55,15 @@ def synthetic_batch(n: int, seq: int, prompt: int, vocab: int, seed: int = 0) ->
     behaviour = (-2.0 + 0.5 * torch.randn(n, seq, generator=gen)).clamp(max=0.0) * mask
     advantages = torch.randint(0, 2, (n,), generator=gen).float() * 2 - 1
     n_tokens = float(mask.sum())
-    return {"tokens": tokens, "targets": targets, "behaviour": behaviour, "mask": mask, "advantages": advantages,
-            "fresh": torch.zeros(n), "step_tokens": torch.full((n,), n_tokens)}  # fmt: skip
+    return {
+        "tokens": tokens,
+        "targets": targets,
+        "behaviour": behaviour,
+        "mask": mask,
+        "advantages": advantages,
+        "fresh": torch.zeros(n),
+        "step_tokens": torch.full((n,), n_tokens),
+    }
 
 
 def main() -> None:
@@ -89,8 +96,11 @@ def main() -> None:
     device = torch.device("cuda" if tc.device in ("cuda", "auto") and torch.cuda.is_available() else "cpu")
     compute = torch.bfloat16 if tc.dtype == "bfloat16" else torch.float32
     backend = select_backend(tc.experts.backend if device.type == "cuda" else "auto", device, compute)
-    print(f"config {args.config} {overrides} device {device} dtype {tc.dtype} experts {backend} "
-          f"compile {tc.compile} torch {torch.__version__}", flush=True)  # fmt: skip
+    print(
+        f"config {args.config} {overrides} device {device} dtype {tc.dtype} experts {backend} "
+        f"compile {tc.compile} torch {torch.__version__}",
+        flush=True,
+    )
 
     model = build_model(mc, backend, seed=None, device=device)  # as bench/moe_bench.py: fast normal init
     with torch.no_grad():
@@ -104,8 +114,11 @@ def main() -> None:
         batch = {k: v.to(device) for k, v in batch.items()}
     n_tokens = int(batch["mask"].sum())
     micro = len(core.my_micro_batches(batch, R))
-    print(f"N {N} rows x L {L} tokens, prompt {P}, trained tokens {n_tokens}, R {R} rows per forward "
-          f"-> {micro} micro-batches (+ {micro} proximal forwards); batch on {args.batch_on}", flush=True)  # fmt: skip
+    print(
+        f"N {N} rows x L {L} tokens, prompt {P}, trained tokens {n_tokens}, R {R} rows per forward "
+        f"-> {micro} micro-batches (+ {micro} proximal forwards); batch on {args.batch_on}",
+        flush=True,
+    )
 
     def sync() -> None:
         if device.type == "cuda":
@@ -126,8 +139,11 @@ def main() -> None:
         res = one_step()
         sync()
         warm.append(time.perf_counter() - t0)
-        print(f"warm-up step {i + 1}: {warm[-1]:.2f} s loss {res.figures.get('loss', math.nan):.4g} "
-              f"grad_norm {res.optim.grad_norm:.4g}", flush=True)  # fmt: skip
+        print(
+            f"warm-up step {i + 1}: {warm[-1]:.2f} s loss {res.figures.get('loss', math.nan):.4g} "
+            f"grad_norm {res.optim.grad_norm:.4g}",
+            flush=True,
+        )
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     per_step = []
@@ -148,21 +164,41 @@ def main() -> None:
     prox_flops = (2 * active + attn / 3) * positions
     step_flops = train_flops + prox_flops
     out = {
-        "config": args.config, "overrides": overrides, "device": str(device),
-        "gpu": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
-        "N": N, "R": R, "L": L, "P": P, "mini_batches": K, "micro_batches": micro, "batch_on": args.batch_on,
-        "trained_tokens": n_tokens, "params_total": total_params, "params_active": active,
-        "warmup_s": warm, "step_s": per_step, "step_ms_mean": dt * 1e3,
+        "config": args.config,
+        "overrides": overrides,
+        "device": str(device),
+        "gpu": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "N": N,
+        "R": R,
+        "L": L,
+        "P": P,
+        "mini_batches": K,
+        "micro_batches": micro,
+        "batch_on": args.batch_on,
+        "trained_tokens": n_tokens,
+        "params_total": total_params,
+        "params_active": active,
+        "warmup_s": warm,
+        "step_s": per_step,
+        "step_ms_mean": dt * 1e3,
         "step_ms_median": sorted(per_step)[len(per_step) // 2] * 1e3,
-        "tokens_per_s": positions / dt, "trained_tokens_per_s": n_tokens / dt,
-        "model_tflops_all": step_flops / dt / 1e12, "mfu_989_all": step_flops / dt / H200_PEAK,
+        "tokens_per_s": positions / dt,
+        "trained_tokens_per_s": n_tokens / dt,
+        "model_tflops_all": step_flops / dt / 1e12,
+        "mfu_989_all": step_flops / dt / H200_PEAK,
         "mfu_989_fwd_bwd_only": train_flops / dt / H200_PEAK,
-        "peak_mem_gib": peak, "last_figures": res.figures, "grad_norm": res.optim.grad_norm,
-    }  # fmt: skip
+        "peak_mem_gib": peak,
+        "last_figures": res.figures,
+        "grad_norm": res.optim.grad_norm,
+    }
     print(json.dumps({k: v for k, v in out.items() if k not in ("last_figures",)}, indent=1), flush=True)
-    print(f"RESULT tokens/s {out['tokens_per_s']:,.0f} (trained {out['trained_tokens_per_s']:,.0f}) step "
-          f"{dt * 1e3:.0f} ms MFU(all work) {out['mfu_989_all']:.1%} MFU(fwd+bwd only) "
-          f"{out['mfu_989_fwd_bwd_only']:.1%} peak {peak:.1f} GiB", flush=True)  # fmt: skip
+    print(
+        f"RESULT tokens/s {out['tokens_per_s']:,.0f} (trained {out['trained_tokens_per_s']:,.0f}) step "
+        f"{dt * 1e3:.0f} ms MFU(all work) {out['mfu_989_all']:.1%} MFU(fwd+bwd only) "
+        f"{out['mfu_989_fwd_bwd_only']:.1%} peak {peak:.1f} GiB",
+        flush=True,
+    )
 
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))

@@ -70,19 +70,29 @@ def profile(fn, device, n: int, path: Path, label: str) -> dict:
     wall = (time.perf_counter() - t0) / n
     avg = prof.key_averages()
     dev_us = sum(getattr(e, "self_device_time_total", 0.0) for e in avg) / n
-    syncs = {e.key: (e.count // n, e.cpu_time_total / n / 1e3) for e in avg
-             if any(s in e.key for s in ("Synchronize", "_local_scalar_dense", "cudaMemcpy", "item"))}  # fmt: skip
+    syncs = {
+        e.key: (e.count // n, e.cpu_time_total / n / 1e3)
+        for e in avg
+        if any(s in e.key for s in ("Synchronize", "_local_scalar_dense", "cudaMemcpy", "item"))
+    }
     key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
     path.write_text(
         avg.table(sort_by=key, row_limit=40, max_name_column_width=80)
         + "\n\nby self CPU time:\n"
         + avg.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=80)
     )
-    res = {"wall_ms": wall * 1e3, "device_kernel_ms": dev_us / 1e3, "idle_ms": wall * 1e3 - dev_us / 1e3,
-           "sync_like_ops_per_step": syncs}  # fmt: skip
-    print(f"profile {label}: wall {res['wall_ms']:.1f} ms/step, device kernels {res['device_kernel_ms']:.1f} ms, "
-          f"not covered by kernels {res['idle_ms']:.1f} ms; sync-like ops per step: "
-          + ", ".join(f"{k} x{c} ({ms:.1f} ms)" for k, (c, ms) in syncs.items()), flush=True)  # fmt: skip
+    res = {
+        "wall_ms": wall * 1e3,
+        "device_kernel_ms": dev_us / 1e3,
+        "idle_ms": wall * 1e3 - dev_us / 1e3,
+        "sync_like_ops_per_step": syncs,
+    }
+    print(
+        f"profile {label}: wall {res['wall_ms']:.1f} ms/step, device kernels {res['device_kernel_ms']:.1f} ms, "
+        f"not covered by kernels {res['idle_ms']:.1f} ms; sync-like ops per step: "
+        + ", ".join(f"{k} x{c} ({ms:.1f} ms)" for k, (c, ms) in syncs.items()),
+        flush=True,
+    )
     return res
 
 
@@ -132,8 +142,11 @@ def main() -> int:
     for name, xs in (("core", core_s), ("bench", bench_s), ("core_again", core_s2)):
         med = statistics.median(xs)
         res[name] = {"median_ms": med * 1e3, "tokens_per_s": tokens_per_step / med, "all_ms": [x * 1e3 for x in xs]}
-        print(f"{name:>10}: median {med * 1e3:.1f} ms/step = {tokens_per_step / med:,.0f} tokens/s "
-              f"(min {min(xs) * 1e3:.1f}, max {max(xs) * 1e3:.1f})", flush=True)  # fmt: skip
+        print(
+            f"{name:>10}: median {med * 1e3:.1f} ms/step = {tokens_per_step / med:,.0f} tokens/s "
+            f"(min {min(xs) * 1e3:.1f}, max {max(xs) * 1e3:.1f})",
+            flush=True,
+        )
 
     # TrainingCore.step's phases, a sync between each (the same calls in the same order).
     phases: dict[str, list[float]] = {k: [] for k in ("batch", "forward+loss", "backward", "optimizer", "all_gather")}
@@ -169,8 +182,10 @@ def main() -> int:
         reduce_figures(ranks.all_gather(reduce_figures(parts)))
         phases["all_gather"].append(time.perf_counter() - t)
     res["phases_ms"] = {k: statistics.median(v) * 1e3 for k, v in phases.items() if v}
-    print("phases (median ms, sync between): " + ", ".join(f"{k} {v:.2f}" for k, v in res["phases_ms"].items()),
-          flush=True)  # fmt: skip
+    print(
+        "phases (median ms, sync between): " + ", ".join(f"{k} {v:.2f}" for k, v in res["phases_ms"].items()),
+        flush=True,
+    )
 
     # Small per-step costs of the role path.
     figs = {"loss": 1.0, "aux_loss": 0.0}
@@ -184,8 +199,11 @@ def main() -> int:
         t = time.perf_counter()
         mw.flush()
         flush_ms = (time.perf_counter() - t) * 1e3
-    res["extras"] = {"gloo_all_gather_object_ms": statistics.median(ag) * 1e3, "metrics_log_per_step_ms": log_ms,
-                     "metrics_flush_2900_points_ms": flush_ms}  # fmt: skip
+    res["extras"] = {
+        "gloo_all_gather_object_ms": statistics.median(ag) * 1e3,
+        "metrics_log_per_step_ms": log_ms,
+        "metrics_flush_2900_points_ms": flush_ms,
+    }
     print("extras: " + ", ".join(f"{k} {v:.3f}" for k, v in res["extras"].items()), flush=True)
 
     res["profile_core"] = profile(pt.train_step, device, 2, out_dir / "profile_core.txt", "core")

@@ -80,18 +80,24 @@ def main() -> int:
     print("\n| what | tokens/s | step ms | MFU of 989 |")
     print("| --- | --- | --- | --- |")
     if b:
-        print(f"| moe_bench moonlet row (compiled, {b['batch']}x{b['seq']}, 3 warm-up + timed steps, mean) | "
-              f"{b['tokens_per_s']:,.0f} | {b['step_ms']:.0f} | {b['mfu_989']:.1%} |")  # fmt: skip
+        print(
+            f"| moe_bench moonlet row (compiled, {b['batch']}x{b['seq']}, 3 warm-up + timed steps, mean) | "
+            f"{b['tokens_per_s']:,.0f} | {b['step_ms']:.0f} | {b['mfu_989']:.1%} |"
+        )
     else:
         print("| moe_bench moonlet row | missing | | |")
     if role:
         r = out["role"]
-        print(f"| role path ROLE=trainer pretrain (median of steps {args.skip + 1}..{steps[-1].step}) | {role:,.0f} | "
-              f"{r['step_ms_median']:.0f} | {r['mfu_989']:.1%} |")  # fmt: skip
+        print(
+            f"| role path ROLE=trainer pretrain (median of steps {args.skip + 1}..{steps[-1].step}) | {role:,.0f} | "
+            f"{r['step_ms_median']:.0f} | {r['mfu_989']:.1%} |"
+        )
         if r["wall_tokens_per_s_from_timestamps"]:
             w = r["wall_tokens_per_s_from_timestamps"]
-            print(f"| role path, wall rate between kept steps' DuckDB timestamps | {w:,.0f} | "
-                  f"{args.batch * args.seq / w * 1e3:.0f} | {flops_per_token * w / H200_PEAK:.1%} |")  # fmt: skip
+            print(
+                f"| role path, wall rate between kept steps' DuckDB timestamps | {w:,.0f} | "
+                f"{args.batch * args.seq / w * 1e3:.0f} | {flops_per_token * w / H200_PEAK:.1%} |"
+            )
     else:
         print("| role path | no steps after warm-up in DuckDB | | |")
     if ratio is not None:

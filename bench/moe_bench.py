@@ -122,8 +122,9 @@ def moe_layer(device, H, inter, E, k, tokens, backend, compiled, bf16_weights, r
     an fp32 GEMM instead of the split-bf16 one, "torch permute" permutes and combines with index_select
     (inductor's gathers) instead of the Triton row kernels. Compiled variants start from a reset dynamo
     cache, so that earlier shapes and moonlet cannot push this one over the recompile limit into eager."""
-    cfg = ModelConfig(hidden_size=H, moe_intermediate_size=inter, n_routed_experts=E, num_experts_per_tok=k,
-                      n_shared_experts=0)  # fmt: skip
+    cfg = ModelConfig(
+        hidden_size=H, moe_intermediate_size=inter, n_routed_experts=E, num_experts_per_tok=k, n_shared_experts=0
+    )
     layer = MoE(cfg, backend, permute="torch" if variant == "torch permute" else "auto").to(device).train()
     with torch.no_grad():
         for p in layer.parameters():
@@ -218,8 +219,9 @@ def check_backends(device: torch.device) -> str:
     wr = (torch.randn(128, 2048, generator=g) * 0.02).to(device)
     router = rel(moe_module.router_logits(xr, wr), xr.double() @ wr.double().t())
     # The bf16 copy after a real optimizer step (fused AdamW on GPUs leaves version counters alone).
-    cfg = ModelConfig(hidden_size=256, moe_intermediate_size=128, n_routed_experts=8, num_experts_per_tok=2,
-                      n_shared_experts=0)  # fmt: skip
+    cfg = ModelConfig(
+        hidden_size=256, moe_intermediate_size=128, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=0
+    )
     layer = MoE(cfg, "grouped_mm").to(device)
     with torch.no_grad():
         for p in layer.parameters():
@@ -267,8 +269,10 @@ def check_permute(device: torch.device) -> str:
 
     errs = [rel(a, b) for a, b in zip(res["triton"], res["torch"], strict=True)]
     finite = all(bool(t.isfinite().all()) for t in res["triton"])
-    return (f"triton vs torch permutation (bf16, T{T} k{k} H{H}): rel diff out {errs[0]:.1e}, grad x {errs[1]:.1e}, "
-            f"grad weights {errs[2]:.1e}, all finite: {finite}")  # fmt: skip
+    return (
+        f"triton vs torch permutation (bf16, T{T} k{k} H{H}): rel diff out {errs[0]:.1e}, grad x {errs[1]:.1e}, "
+        f"grad weights {errs[2]:.1e}, all finite: {finite}"
+    )
 
 
 def moonlet(device, cfg_path, batch, seq, steps, compiled, dense_tflops) -> dict:
@@ -339,7 +343,9 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "moe_bench.json"))
     ap.add_argument("--shapes", default="", help="only these expert shapes, e.g. '2048,768,128,8;1024,512,64,8'")
     ap.add_argument("--layer-only", action="store_true", help="skip moonlet")
-    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"MoE-layer rows to measure, of {', '.join(VARIANTS)}")
+    ap.add_argument(
+        "--variants", default=",".join(VARIANTS), help=f"MoE-layer rows to measure, of {', '.join(VARIANTS)}"
+    )
     ap.add_argument("--first-shape-variants", default="", help="extra variants measured for the first shape only")
     ap.add_argument("--moonlet-eager", action="store_true", help="also time moonlet without torch.compile")
     ap.add_argument("--profile", action="store_true", help="kernel table of the compiled layer (first shape)")
@@ -364,8 +370,9 @@ def main() -> None:
     results["dense"] = asdict(dense)
     print(f"{dense.what}: {dense.tflops:.1f} TFLOP/s", flush=True)
     rows_of = {shape: [] for shape in shapes}
-    results["shapes"] = [{"shape": f"H{H} I{i} E{E} top-{k}, {tokens} tokens", "rows": rows_of[(H, i, E, k)]}
-                         for H, i, E, k in shapes]  # fmt: skip
+    results["shapes"] = [
+        {"shape": f"H{H} I{i} E{E} top-{k}, {tokens} tokens", "rows": rows_of[(H, i, E, k)]} for H, i, E, k in shapes
+    ]
 
     def save() -> None:
         Path(args.out).write_text(json.dumps(results, indent=2, default=lambda r: asdict(r)))
@@ -380,16 +387,22 @@ def main() -> None:
             row = Row(label, math.nan, math.nan, repr(exc)[:200])
             traceback.print_exc()
         rows_of[shape].append(row)
-        print(f"{shape} | {row.what}: {row.tflops:.1f} TFLOP/s ({row.ms:.3f} ms), {row.tflops / dense.tflops:.0%} of "
-              f"dense {row.note}", flush=True)  # fmt: skip
+        print(
+            f"{shape} | {row.what}: {row.tflops:.1f} TFLOP/s ({row.ms:.3f} ms), {row.tflops / dense.tflops:.0%} of "
+            f"dense {row.note}",
+            flush=True,
+        )
         if device.type == "cuda":
             torch.cuda.empty_cache()
         save()
 
     def layer(sh, v):
         compiled, bf16_w, extra = v.startswith("compiled"), v.endswith("bf16w"), EXTRA.get(v, "")
-        prof = os.path.join(os.path.dirname(args.out) or ".", "profile.txt") if args.profile and compiled and not bf16_w \
-            and not extra and sh == shapes[0] else None  # fmt: skip
+        prof = (
+            os.path.join(os.path.dirname(args.out) or ".", "profile.txt")
+            if args.profile and compiled and not bf16_w and not extra and sh == shapes[0]
+            else None
+        )
         measure(sh, v, moe_layer, device, *sh, tokens, "grouped_mm", compiled, bf16_w, reps, extra, prof)
 
     # Cheap measurements first, compiled ones (minutes of compile time) last, so a budget cut loses least.
@@ -401,7 +414,9 @@ def main() -> None:
             layer(sh, v)
     cfg_path = Path(__file__).resolve().parent.parent / "configs" / ("tiny.toml" if smoke else "moonlet.toml")
     results["moonlet"] = []
-    moonlet_runs = [] if args.layer_only else [False] if args.no_compile else [True, False] if args.moonlet_eager else [True]
+    moonlet_runs = (
+        [] if args.layer_only else [False] if args.no_compile else [True, False] if args.moonlet_eager else [True]
+    )
     for compiled in moonlet_runs:
         if time.perf_counter() - t_start > args.budget_s:
             print(f"skipped moonlet compiled={compiled}: time budget spent", flush=True)
@@ -428,8 +443,12 @@ def main() -> None:
 
 def markdown(results: dict) -> str:
     dense = results["dense"]["tflops"]
-    lines = [f"{results['dense']['what']} (bf16): {dense:.0f} TFLOP/s", "", "| shape | what | TFLOP/s | ms | % of dense |",
-             "| --- | --- | --- | --- | --- |"]  # fmt: skip
+    lines = [
+        f"{results['dense']['what']} (bf16): {dense:.0f} TFLOP/s",
+        "",
+        "| shape | what | TFLOP/s | ms | % of dense |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     for s in results["shapes"]:
         for r in (asdict(r) if isinstance(r, Row) else r for r in s["rows"]):
             lines.append(

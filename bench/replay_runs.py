@@ -76,7 +76,9 @@ def main() -> int:
     for mode, first, last, figs in rows:
         rise = None if first is None or last is None else last - first
         cells = [f"{figs[c]:.3g}" if figs[c] is not None else "-" for c in cols]
-        held = [f"{v:.3f}" if v is not None else "-" for v in (first, last)] + [f"{rise:+.3f}" if rise is not None else "-"]
+        held = [f"{v:.3f}" if v is not None else "-" for v in (first, last)] + [
+            f"{rise:+.3f}" if rise is not None else "-"
+        ]
         print("| " + " | ".join([mode, *held, *cells]) + " |")
     return 0
 

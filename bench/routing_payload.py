@@ -51,8 +51,12 @@ async def workload(url: str, requests: int, concurrency: int, max_tokens: int) -
     async def one(session: aiohttp.ClientSession, i: int) -> None:
         nonlocal body_bytes, routing_bytes, rows, tokens
         params = {"max_tokens": max_tokens, "logprobs": 0, "ignore_eos": True, "seed": i}
-        async with gate, session.post(f"{url}{GENERATE_PATH}", json={"model": "policy", "token_ids": PROMPT,
-                                                                       "sampling_params": params}) as r:  # fmt: skip
+        async with (
+            gate,
+            session.post(
+                f"{url}{GENERATE_PATH}", json={"model": "policy", "token_ids": PROMPT, "sampling_params": params}
+            ) as r,
+        ):
             raw = await r.read()
             assert r.status == 200, raw[:300]
         (choice,) = json.loads(raw)["choices"]
@@ -102,21 +106,27 @@ async def main() -> int:
     run_dir = Path(tempfile.mkdtemp(prefix="ss-rp-"))
     arch = {"tiny-deepseek": "deepseek_v3", "tiny-qwen3": "qwen3_moe"}[args.model]
     config = run_dir / "run.toml"
-    config.write_text(f'[run]\nname = "rp"\ndir = "{run_dir}"\n[rollout]\nmodel = "{args.model}"\ndtype = "float32"\n'
-                      f'[trainer.model]\narch = "{arch}"\n' + ("n_shared_experts = 0\n" if arch == "qwen3_moe" else ""))  # fmt: skip
+    config.write_text(
+        f'[run]\nname = "rp"\ndir = "{run_dir}"\n[rollout]\nmodel = "{args.model}"\ndtype = "float32"\n'
+        f'[trainer.model]\narch = "{arch}"\n' + ("n_shared_experts = 0\n" if arch == "qwen3_moe" else "")
+    )
     results = []
     try:
         for _ in range(args.repeats):
             results.append([await serve_and_measure(run_dir, config, routing, args) for routing in (False, True)])
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
-    print(f"\n{args.model}: {args.requests} requests x {args.max_tokens} tokens at {args.concurrency} concurrent, "
-          f"{len(PROMPT)}-token prompt")  # fmt: skip
+    print(
+        f"\n{args.model}: {args.requests} requests x {args.max_tokens} tokens at {args.concurrency} concurrent, "
+        f"{len(PROMPT)}-token prompt"
+    )
     print("| tokens/s off | tokens/s on | on/off | routed_experts B/row | JSON B/token off | JSON B/token on |")
     print("|---|---|---|---|---|---|")
     for off, on in results:
-        print(f"| {off.tokens_per_s:.0f} | {on.tokens_per_s:.0f} | {on.tokens_per_s / off.tokens_per_s:.2f} | "
-              f"{on.routing_bytes_per_row:.1f} | {off.response_bytes_per_token:.0f} | {on.response_bytes_per_token:.0f} |")  # fmt: skip
+        print(
+            f"| {off.tokens_per_s:.0f} | {on.tokens_per_s:.0f} | {on.tokens_per_s / off.tokens_per_s:.2f} | "
+            f"{on.routing_bytes_per_row:.1f} | {off.response_bytes_per_token:.0f} | {on.response_bytes_per_token:.0f} |"
+        )
     return 0
 
 

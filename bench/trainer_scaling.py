@@ -113,8 +113,15 @@ def _run(ranks: Ranks, ep: int, steps: int, repeats: int) -> Row:
             step_s.append(max(ranks.all_gather(result.seconds)))
     publishes = [_publish(core, ranks, version) for version in range(1, repeats + 1)]
     _, rank_bytes, expert_bytes = publishes[-1]
-    return Row(ranks.world, ep, statistics.median(step_s), min(step_s), statistics.median(p[0] for p in publishes),
-               ranks.all_gather(rank_bytes), ranks.all_gather(expert_bytes))  # fmt: skip
+    return Row(
+        ranks.world,
+        ep,
+        statistics.median(step_s),
+        min(step_s),
+        statistics.median(p[0] for p in publishes),
+        ranks.all_gather(rank_bytes),
+        ranks.all_gather(expert_bytes),
+    )
 
 
 def _rank(rank: int, world: int, ep: int, steps: int, repeats: int, out: str) -> None:
@@ -151,8 +158,10 @@ def table(rows: list[Row]) -> str:
         name = f"W={r.world}/EP={r.ep}" + (" (pure data parallel)" if r.world > 1 and r.ep == 1 else "")
         mb = zip(r.rank_bytes, r.rank_expert_bytes, strict=True)
         per_rank = ", ".join(f"{b / 1e6:.2f} ({e / 1e6:.2f})" for b, e in mb)
-        lines.append(f"| {name} | {r.step_s:.3f} | {r.step_min_s:.3f} | {ROWS * SEQ / r.step_s:,.0f} | "
-                     f"{base / r.step_s:.2f} | {r.publish_s:.4f} | {max(r.rank_bytes) / 1e6:.2f} | {per_rank} |")  # fmt: skip
+        lines.append(
+            f"| {name} | {r.step_s:.3f} | {r.step_min_s:.3f} | {ROWS * SEQ / r.step_s:,.0f} | "
+            f"{base / r.step_s:.2f} | {r.publish_s:.4f} | {max(r.rank_bytes) / 1e6:.2f} | {per_rank} |"
+        )
     return "\n".join(lines)
 
 
@@ -167,15 +176,19 @@ def main() -> None:
         t0 = time.perf_counter()
         rows.append(measure(world, ep, args.steps, args.repeats))
         print(f"W={world}/EP={ep}: done in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
-    print(f"model: {MODEL.num_layers} layers ({MODEL.num_layers - MODEL.first_k_dense} MoE), hidden "
-          f"{MODEL.hidden_size}, {MODEL.n_routed_experts} routed experts top-{MODEL.num_experts_per_tok}; batch "
-          f"{ROWS} x {SEQ} tokens, one micro-batch per rank; {WARMUP} warm-up + {args.steps} steps, "
-          f"{args.repeats} publishes, shards of {SHARD_BYTES >> 20} MiB; torch {torch.__version__}, one thread per "
-          "rank (W=2 uses both cores of a 2-core machine); 1-min load average "
-          f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after\n")  # fmt: skip
+    print(
+        f"model: {MODEL.num_layers} layers ({MODEL.num_layers - MODEL.first_k_dense} MoE), hidden "
+        f"{MODEL.hidden_size}, {MODEL.n_routed_experts} routed experts top-{MODEL.num_experts_per_tok}; batch "
+        f"{ROWS} x {SEQ} tokens, one micro-batch per rank; {WARMUP} warm-up + {args.steps} steps, "
+        f"{args.repeats} publishes, shards of {SHARD_BYTES >> 20} MiB; torch {torch.__version__}, one thread per "
+        "rank (W=2 uses both cores of a 2-core machine); 1-min load average "
+        f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after\n"
+    )
     print(table(rows))
-    print("\nRatios (W=1 step / step): " + ", ".join(f"W={r.world}/EP={r.ep} {rows[0].step_s / r.step_s:.2f}"
-                                                      for r in rows))  # fmt: skip
+    print(
+        "\nRatios (W=1 step / step): "
+        + ", ".join(f"W={r.world}/EP={r.ep} {rows[0].step_s / r.step_s:.2f}" for r in rows)
+    )
 
 
 if __name__ == "__main__":

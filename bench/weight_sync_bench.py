@@ -47,9 +47,14 @@ SIZES = {
     "tiny": {},
     "s": {"hidden_size": 512, "intermediate_size": 1024, "moe_intermediate_size": 512, "n_routed_experts": 16},
     "m": {"hidden_size": 1024, "intermediate_size": 2048, "moe_intermediate_size": 1024, "n_routed_experts": 16},
-    "l": {"hidden_size": 1024, "intermediate_size": 2048, "moe_intermediate_size": 1024, "n_routed_experts": 16,
-          "num_layers": 4},
-}  # fmt: skip
+    "l": {
+        "hidden_size": 1024,
+        "intermediate_size": 2048,
+        "moe_intermediate_size": 1024,
+        "n_routed_experts": 16,
+        "num_layers": 4,
+    },
+}
 
 
 def floor_s(tensors: dict[str, torch.Tensor], into: dict[str, torch.Tensor], scratch: Path) -> tuple[float, float]:
@@ -83,8 +88,12 @@ async def bench_size(name: str, overrides: dict, repeats: int, shard_mb: int, vl
     rz = Rendezvous(work / "meet", RendezvousConfig())
     rz.connect(timeout_s=10)
     keys = Keys(f"wsb-{name}")
-    env = os.environ | {"ROLE": "vllm", "SLIPSTREAM_MEET_DIR": str(rz.meet), "SLIPSTREAM_EXP": keys.exp,
-                        "PYTHONPATH": str(ROOT)}  # fmt: skip
+    env = os.environ | {
+        "ROLE": "vllm",
+        "SLIPSTREAM_MEET_DIR": str(rz.meet),
+        "SLIPSTREAM_EXP": keys.exp,
+        "PYTHONPATH": str(ROOT),
+    }
     cmd = [sys.executable, "-m", "common.cli", "run", str(config)] + sets.split()
     log = (work / "worker.log").open("ab")
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -106,8 +115,10 @@ async def bench_size(name: str, overrides: dict, repeats: int, shard_mb: int, vl
         rows: dict[str, list[tuple[float, float, float]]] = {m: [] for m in modes}
         floors = []
         into = {k: torch.empty_like(v) for k, v in original.items()}
-        pubs = {m: WeightPublisher(r, keys, replace(cfg.rollout, stream_weights=on, weight_shard_mb=shard_mb),
-                                   work / "run") for m, on in modes.items()}  # fmt: skip
+        pubs = {
+            m: WeightPublisher(r, keys, replace(cfg.rollout, stream_weights=on, weight_shard_mb=shard_mb), work / "run")
+            for m, on in modes.items()
+        }
         version = 0
         for _ in range(repeats):
             await asyncio.sleep(SETTLE_S)
@@ -131,8 +142,13 @@ async def bench_size(name: str, overrides: dict, repeats: int, shard_mb: int, vl
         out = {"size": name, "mb": size / 1e6, "floor_write_s": w, "floor_read_s": rd}
         for m, got in rows.items():
             total, pause, write, load = (statistics.median(col) for col in zip(*got, strict=True))
-            out[m] = {"publish_s": total, "pause_s": pause, "write_s": write, "load_s": load,
-                      "overhead": (total - (w + rd)) / (w + rd)}  # fmt: skip
+            out[m] = {
+                "publish_s": total,
+                "pause_s": pause,
+                "write_s": write,
+                "load_s": load,
+                "overhead": (total - (w + rd)) / (w + rd),
+            }
         return out
     finally:
         proc.send_signal(signal.SIGTERM)

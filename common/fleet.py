@@ -55,8 +55,9 @@ class WorkerRecord:
 
     def to_json(self) -> str:
         """The hash value (the id is the hash field, not part of the value)."""
-        return json.dumps({"url": self.url, "model": self.model, "weight_version": self.weight_version,
-                           "started_at": self.started_at})  # fmt: skip
+        return json.dumps(
+            {"url": self.url, "model": self.model, "weight_version": self.weight_version, "started_at": self.started_at}
+        )
 
     @classmethod
     def from_json(cls, worker_id: str, raw: str) -> WorkerRecord:
@@ -72,8 +73,13 @@ class WorkerRecord:
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
             raise ValueError(f"worker {worker_id!r}: url {url!r} must be an http:// or https:// URL")
         version = data.get("weight_version")
-        return cls(worker_id, url.rstrip("/"), str(data.get("model", "")), None if version is None else int(version),
-                   float(data.get("started_at", 0.0)))  # fmt: skip
+        return cls(
+            worker_id,
+            url.rstrip("/"),
+            str(data.get("model", "")),
+            None if version is None else int(version),
+            float(data.get("started_at", 0.0)),
+        )
 
 
 def _decode(worker_id: str, raw: str) -> WorkerRecord | None:

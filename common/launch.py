@@ -98,8 +98,10 @@ def prepare(
             raise LaunchError(f"--resume {resume}: no {RUN_FILE} there; give the run dir a launch created")
         exp = json.loads(record.read_text())["exp"]
         if env.get("SLIPSTREAM_EXP", exp) != exp:
-            raise LaunchError(f"--resume {resume} is experiment {exp}, but SLIPSTREAM_EXP={env['SLIPSTREAM_EXP']}; "
-                              "unset SLIPSTREAM_EXP")  # fmt: skip
+            raise LaunchError(
+                f"--resume {resume} is experiment {exp}, but SLIPSTREAM_EXP={env['SLIPSTREAM_EXP']}; "
+                "unset SLIPSTREAM_EXP"
+            )
         cfg = load_config(config_path or run_dir / "config.toml", [*overrides, f"run.dir={run_dir}"], env)
     else:
         cfg = load_config(config_path, overrides, env)
@@ -222,8 +224,9 @@ class Launcher:
         logfile.write(f"---- {stamp} {rep.label} started by the launcher (pid {rep.proc.pid}) ----\n".encode())
         self._shown[rep.label] = Shown(self.log_of(rep))
         log.info("started %s (role %s, pid %d)", rep.label, rep.role, rep.proc.pid)
-        threading.Thread(target=self._pump, args=(rep, rep.proc, logfile), daemon=True,
-                         name=f"pump {rep.label}").start()  # fmt: skip
+        threading.Thread(
+            target=self._pump, args=(rep, rep.proc, logfile), daemon=True, name=f"pump {rep.label}"
+        ).start()
 
     def _pump(self, rep: Replica, proc: subprocess.Popen[bytes], logfile: BinaryIO) -> None:
         assert proc.stdout is not None
@@ -288,9 +291,15 @@ class Launcher:
                         self._stopped.add(member.label)
                         with contextlib.suppress(ProcessLookupError):
                             os.killpg(member.proc.pid, signal.SIGTERM)
-                log.warning("%s exited with code %d: restarting%s (%d/%d) in %.1fs", rep.label, code,
-                            "" if len(group) == 1 else f" all {len(group)} replicas of {rep.entry}", rep.restarts,
-                            rep.spec.max_restarts, delay)  # fmt: skip
+                log.warning(
+                    "%s exited with code %d: restarting%s (%d/%d) in %.1fs",
+                    rep.label,
+                    code,
+                    "" if len(group) == 1 else f" all {len(group)} replicas of {rep.entry}",
+                    rep.restarts,
+                    rep.spec.max_restarts,
+                    delay,
+                )
                 self._show_tail(rep, code)
                 # Started by this (main) thread when the timer says so: the parent-death signal of a child is
                 # tied to the thread that forked it.
@@ -299,10 +308,18 @@ class Launcher:
                     timer.daemon = True
                     timer.start()
                 continue
-            spent = f" after {rep.restarts} restart(s), the most launch.roles.{rep.entry}.max_restarts allows" if (
-                restarts_on_failure(rep)) else ""  # fmt: skip
-            log.error("%s failed with exit code %d%s: stopping the run (its log: %s)", rep.label, code, spent,
-                      self.log_of(rep))  # fmt: skip
+            spent = (
+                f" after {rep.restarts} restart(s), the most launch.roles.{rep.entry}.max_restarts allows"
+                if (restarts_on_failure(rep))
+                else ""
+            )
+            log.error(
+                "%s failed with exit code %d%s: stopping the run (its log: %s)",
+                rep.label,
+                code,
+                spent,
+                self.log_of(rep),
+            )
             self._show_tail(rep, code)
             return code
 
@@ -381,8 +398,10 @@ def launch(
     rendezvous = Rendezvous(prep.meet_dir, prep.cfg.rendezvous)
     if resume is not None:
         if (live := rendezvous.live_server()) is not None:
-            raise LaunchError(f"--resume {resume}: experiment {prep.exp} is still running (its Redis answers at "
-                              f"{live.host}:{live.port}, pid {live.pid}); stop that launch first")  # fmt: skip
+            raise LaunchError(
+                f"--resume {resume}: experiment {prep.exp} is still running (its Redis answers at "
+                f"{live.host}:{live.port}, pid {live.pid}); stop that launch first"
+            )
         try:
             registry.resume(prep.exp, to_toml(prep.cfg))
         except KeyError:  # a run dir from another run root (or a registry since removed): record it here
@@ -397,8 +416,11 @@ def launch(
                 f"`slipstream launch --resume {prep.run_dir}`, or unset SLIPSTREAM_EXP for a new one"
             ) from None
         log.info("experiment %s, run dir %s", prep.exp, prep.run_dir)
-    log.info("each role's whole output is in %s%s", prep.run_dir / LOGS,
-             "" if verbose else " (the console shows warnings, errors and progress; --verbose shows every line)")  # fmt: skip
+    log.info(
+        "each role's whole output is in %s%s",
+        prep.run_dir / LOGS,
+        "" if verbose else " (the console shows warnings, errors and progress; --verbose shows every line)",
+    )
     started = time.time()
     code = 1
     dash = None
@@ -409,8 +431,13 @@ def launch(
             dash = start_dashboard(prep)
             log.info("dashboard: %s", dash.url(f"/run/{prep.exp}"))
         if not verbose:
-            progress = ProgressLine(console, prep.run_dir, prep.cfg.trainer.steps, prep.cfg.trainer.warmup.steps,
-                                    lambda: read_live(prep.exp, prep.meet_dir))  # fmt: skip
+            progress = ProgressLine(
+                console,
+                prep.run_dir,
+                prep.cfg.trainer.steps,
+                prep.cfg.trainer.warmup.steps,
+                lambda: read_live(prep.exp, prep.meet_dir),
+            )
             progress.start()
         code = Launcher(prep, console, verbose).run()
     finally:
@@ -423,8 +450,15 @@ def launch(
         registry.finish(prep.exp, status)
         if not verbose:
             show_report(console, prep.run_dir, started)
-        log.info("run %s %s (exit code %d) after %s; logs: %s; dashboard: slipstream dash %s", prep.exp, status,
-                 code, elapsed(time.time() - started), prep.run_dir / LOGS, prep.run_dir)  # fmt: skip
+        log.info(
+            "run %s %s (exit code %d) after %s; logs: %s; dashboard: slipstream dash %s",
+            prep.exp,
+            status,
+            code,
+            elapsed(time.time() - started),
+            prep.run_dir / LOGS,
+            prep.run_dir,
+        )
     return code
 
 
@@ -433,8 +467,10 @@ def start_dashboard(prep: Prepared) -> DashServer:
     try:
         return DashServer(prep.cfg.run.root, port=prep.cfg.launch.dash_port)
     except OSError as exc:
-        raise LaunchError(f"launch.dash: cannot serve the dashboard on port {prep.cfg.launch.dash_port} ({exc}); "
-                          "set launch.dash_port to a free port, or 0 for any") from None  # fmt: skip
+        raise LaunchError(
+            f"launch.dash: cannot serve the dashboard on port {prep.cfg.launch.dash_port} ({exc}); "
+            "set launch.dash_port to a free port, or 0 for any"
+        ) from None
 
 
 def show_report(console: Console, run_dir: Path, since: float) -> None:

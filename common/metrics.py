@@ -25,9 +25,7 @@ _SCHEMA = (
     "run VARCHAR, role VARCHAR, rank INTEGER, tag VARCHAR, step BIGINT, ts_ms BIGINT, value DOUBLE)"
 )
 # One statement per batch: DuckDB's executemany costs ~1 ms per row, unnest of lists ~3 us.
-_INSERT = (
-    "INSERT INTO metrics SELECT $run, $role, $rank, unnest($tag), unnest($step), unnest($ts_ms), unnest($value)"
-)
+_INSERT = "INSERT INTO metrics SELECT $run, $role, $rank, unnest($tag), unnest($step), unnest($ts_ms), unnest($value)"
 
 
 def metrics_path(run_dir: str | Path, role: str, rank: int = 0) -> Path:

@@ -238,12 +238,17 @@ class Rendezvous:
                 if time.monotonic() > deadline:
                     log.warning(
                         "stopping redis-server although %d client(s) or role(s) are still there after %.1fs: %s",
-                        len(others), timeout_s, ", ".join(others),
-                    )  # fmt: skip
+                        len(others),
+                        timeout_s,
+                        ", ".join(others),
+                    )
                     return
                 if not said:
-                    log.info("waiting up to %.1fs for %d other client(s) to leave Redis before stopping it",
-                             timeout_s, len(others))  # fmt: skip
+                    log.info(
+                        "waiting up to %.1fs for %d other client(s) to leave Redis before stopping it",
+                        timeout_s,
+                        len(others),
+                    )
                     said = True
                 time.sleep(_POLL_S)
         except redis.RedisError as exc:
@@ -347,12 +352,19 @@ class Rendezvous:
                 self._server, self.info = server, info
                 atexit.register(self.close)
                 _write_atomic(self.meet / "redis.json", json.dumps(asdict(info)))
-                log.info("started redis-server pid %d on %s:%d, advertised as %s (generation %d)", server.pid, host,
-                         port, advertise, generation)  # fmt: skip
+                log.info(
+                    "started redis-server pid %d on %s:%d, advertised as %s (generation %d)",
+                    server.pid,
+                    host,
+                    port,
+                    advertise,
+                    generation,
+                )
                 # The supervisor forks the restarted servers: their parent-death signal follows its thread,
                 # which lives as long as they do.
-                threading.Thread(target=self._supervise, args=(binary, conf), daemon=True,
-                                 name="redis-supervisor").start()  # fmt: skip
+                threading.Thread(
+                    target=self._supervise, args=(binary, conf), daemon=True, name="redis-supervisor"
+                ).start()
                 return
             server.kill()
             server.wait()
@@ -374,15 +386,25 @@ class Rendezvous:
             if self._closing.is_set() or self._server is not server or self.info is None:
                 return
             t0 = time.monotonic()
-            restarted = subprocess.Popen([binary, str(conf)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                         stderr=subprocess.DEVNULL, preexec_fn=die_with_parent)  # fmt: skip
+            restarted = subprocess.Popen(
+                [binary, str(conf)],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                preexec_fn=die_with_parent,
+            )
             info = replace(self.info, pid=restarted.pid, started_at=time.time())
             if not self._wait_ready(restarted, info):
                 restarted.kill()
                 restarted.wait()
-                log.error("redis-server pid %d died (exit code %d) and could not be started again on port %d (see "
-                          "%s/redis.log); the experiment's processes will lose Redis", server.pid, code, info.port,
-                          self.meet)  # fmt: skip
+                log.error(
+                    "redis-server pid %d died (exit code %d) and could not be started again on port %d (see "
+                    "%s/redis.log); the experiment's processes will lose Redis",
+                    server.pid,
+                    code,
+                    info.port,
+                    self.meet,
+                )
                 return
             if self._closing.is_set():
                 restarted.terminate()
@@ -390,9 +412,15 @@ class Rendezvous:
                 return
             self._server, self.info = restarted, info
             _write_atomic(self.meet / "redis.json", json.dumps(asdict(info)))
-            log.warning("redis-server pid %d died (exit code %d): started it again as pid %d on port %d from its "
-                        "append-only file in %.2fs", server.pid, code, restarted.pid, info.port,
-                        time.monotonic() - t0)  # fmt: skip
+            log.warning(
+                "redis-server pid %d died (exit code %d): started it again as pid %d on port %d from its "
+                "append-only file in %.2fs",
+                server.pid,
+                code,
+                restarted.pid,
+                info.port,
+                time.monotonic() - t0,
+            )
 
     @staticmethod
     def _wait_ready(server: subprocess.Popen[bytes], info: RedisInfo, timeout_s: float = 10.0) -> bool:

@@ -103,9 +103,16 @@ def write_scripts(config_path: str | None, overrides: Sequence[str], outdir: str
         exports = "\n".join(f"export {k}={shlex.quote(v)}" for k, v in env_of(rep, prep).items())
         path = out / f"{rep.entry}-{rep.index}.sh"
         path.write_text(
-            _render("role.sh.tmpl", entry=rep.entry, index=str(rep.index), exp=prep.exp, exports=exports,
-                    workdir=shlex.quote(str(workdir)), command=shlex.join(command_of(rep, prep)))
-        )  # fmt: skip
+            _render(
+                "role.sh.tmpl",
+                entry=rep.entry,
+                index=str(rep.index),
+                exp=prep.exp,
+                exports=exports,
+                workdir=shlex.quote(str(workdir)),
+                command=shlex.join(command_of(rep, prep)),
+            )
+        )
         path.chmod(0o755)
         scripts[rep.label] = path
     groups = place(prep.cfg)
@@ -129,16 +136,26 @@ def slurm_batch(prep: Prepared, groups: Sequence[NodeGroup], scripts: Mapping[st
     for k, group in enumerate(groups):
         if k:
             header.append("#SBATCH hetjob")
-        header += [f"# component {k}: node group {group.name!r} ({', '.join(group.entries)})",
-                   f"#SBATCH --nodes={group.nodes}", "#SBATCH --exclusive", "#SBATCH --mem=0"]  # fmt: skip
+        header += [
+            f"# component {k}: node group {group.name!r} ({', '.join(group.entries)})",
+            f"#SBATCH --nodes={group.nodes}",
+            "#SBATCH --exclusive",
+            "#SBATCH --mem=0",
+        ]
         if group.gpus_per_node:
             header.append(f"#SBATCH --gpus-per-node={group.gpus_per_node}")
         nodelist = f"SLURM_JOB_NODELIST_HET_GROUP_{k}" if het else "SLURM_JOB_NODELIST"
         hosts.append(f'mapfile -t hosts_{k} < <(scontrol show hostnames "${nodelist}")')
         for slot in group.slots:
             rep = slot.replica
-            srun = ["srun", *([f"--het-group={k}"] if het else []), "--nodes=1", "--ntasks=1", "--overlap",
-                    f'--nodelist="${{hosts_{k}[{slot.node}]}}"']  # fmt: skip
+            srun = [
+                "srun",
+                *([f"--het-group={k}"] if het else []),
+                "--nodes=1",
+                "--ntasks=1",
+                "--overlap",
+                f'--nodelist="${{hosts_{k}[{slot.node}]}}"',
+            ]
             env: list[str] = []
             if group.gpus_per_node:  # co-located replicas split the node's GPUs; one without GPUs sees none
                 srun += [f"--gpus-per-node={group.gpus_per_node}"] if slot.gpus else []
@@ -146,14 +163,20 @@ def slurm_batch(prep: Prepared, groups: Sequence[NodeGroup], scripts: Mapping[st
             if rep.role == "trainer":
                 rank0 = next(s for s in group.slots if s.replica.entry == rep.entry and s.replica.index == 0)
                 master = f'"${{hosts_{k}[{rank0.node}]}}"'
-                env += [f"RANK={rep.index}", f"WORLD_SIZE={rep.spec.replicas}", "LOCAL_RANK=0",
-                        f"MASTER_ADDR={master}", f"MASTER_PORT={prep.cfg.launch.master_port}"]  # fmt: skip
+                env += [
+                    f"RANK={rep.index}",
+                    f"WORLD_SIZE={rep.spec.replicas}",
+                    "LOCAL_RANK=0",
+                    f"MASTER_ADDR={master}",
+                    f"MASTER_PORT={prep.cfg.launch.master_port}",
+                ]
             command = ["env", *env] if env else []
             steps.append(" ".join([*srun, *command, "bash", shlex.quote(str(scripts[rep.label])), "&"]))
             if rep.spec.critical:
                 steps.append("critical_pids+=($!)")
-    return _render("slurm.sbatch.tmpl", exp=prep.exp, components="\n".join(header), hosts="\n".join(hosts),
-                   steps="\n".join(steps))  # fmt: skip
+    return _render(
+        "slurm.sbatch.tmpl", exp=prep.exp, components="\n".join(header), hosts="\n".join(hosts), steps="\n".join(steps)
+    )
 
 
 def k8s_manifest(prep: Prepared, groups: Sequence[NodeGroup], workdir: Path) -> str:
@@ -181,11 +204,23 @@ def k8s_manifest(prep: Prepared, groups: Sequence[NodeGroup], workdir: Path) -> 
         {"name": "config", "secret": {"secretName": config}},
     ]
     docs: list[dict[str, Any]] = [
-        {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": shared, "labels": run_labels},
-         "spec": {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": launch.shared_volume_size}}}},
-        {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": config, "labels": run_labels}, "type": "Opaque",
-         "stringData": {"config.toml": prep.config_file.read_text()}},
-    ]  # fmt: skip
+        {
+            "apiVersion": "v1",
+            "kind": "PersistentVolumeClaim",
+            "metadata": {"name": shared, "labels": run_labels},
+            "spec": {
+                "accessModes": ["ReadWriteMany"],
+                "resources": {"requests": {"storage": launch.shared_volume_size}},
+            },
+        },
+        {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {"name": config, "labels": run_labels},
+            "type": "Opaque",
+            "stringData": {"config.toml": prep.config_file.read_text()},
+        },
+    ]
     pod_prep = dataclasses.replace(prep, config_file=POD_CONFIG_DIR / "config.toml")
     group_of = {entry: group.name for group in groups for entry in group.entries}
     for entry, spec in launch.roles.items():
@@ -232,16 +267,29 @@ def k8s_manifest(prep: Prepared, groups: Sequence[NodeGroup], workdir: Path) -> 
         template = {"metadata": {"labels": labels}, "spec": pod}
         if indexed:
             pod["restartPolicy"] = "Never"
-            docs.append({
-                "apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": name, "labels": labels},
-                "spec": {"completionMode": "Indexed", "completions": spec.replicas, "parallelism": spec.replicas,
-                         "backoffLimit": 0, "template": template},
-            })  # fmt: skip
+            docs.append(
+                {
+                    "apiVersion": "batch/v1",
+                    "kind": "Job",
+                    "metadata": {"name": name, "labels": labels},
+                    "spec": {
+                        "completionMode": "Indexed",
+                        "completions": spec.replicas,
+                        "parallelism": spec.replicas,
+                        "backoffLimit": 0,
+                        "template": template,
+                    },
+                }
+            )
         else:
-            docs.append({
-                "apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": name, "labels": labels},
-                "spec": {"replicas": spec.replicas, "selector": {"matchLabels": selector}, "template": template},
-            })  # fmt: skip
+            docs.append(
+                {
+                    "apiVersion": "apps/v1",
+                    "kind": "Deployment",
+                    "metadata": {"name": name, "labels": labels},
+                    "spec": {"replicas": spec.replicas, "selector": {"matchLabels": selector}, "template": template},
+                }
+            )
     header = (
         f"# Slipstream experiment {prep.exp}, written by `slipstream scripts`. Apply with: kubectl apply -f k8s.yaml\n"
         "# The shared volume must be ReadWriteMany: add spec.storageClassName for a class that is (NFS, CephFS, ...).\n"

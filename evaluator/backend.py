@@ -204,11 +204,17 @@ class Backend:
             except RequestError as exc:
                 waited = time.monotonic() - start
                 if not exc.transient or waited > timeout_s:
-                    raise RequestError(f"no model served at {self.url} after {waited:.0f}s: {exc}",
-                                       exc.transient) from None  # fmt: skip
+                    raise RequestError(
+                        f"no model served at {self.url} after {waited:.0f}s: {exc}", exc.transient
+                    ) from None
                 if time.monotonic() >= next_log:
-                    log.info("waiting for a model served at %s (%.0fs so far, up to %.0fs; last: %s)", self.url,
-                             waited, timeout_s, exc)  # fmt: skip
+                    log.info(
+                        "waiting for a model served at %s (%.0fs so far, up to %.0fs; last: %s)",
+                        self.url,
+                        waited,
+                        timeout_s,
+                        exc,
+                    )
                     next_log += SERVED_LOG_S
                 await asyncio.sleep(SERVED_POLL_S)
                 continue

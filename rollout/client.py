@@ -106,8 +106,14 @@ def parse_choice(prompt: list[int], choice: dict) -> Sample:
         )
     routed = choice.get("routed_experts")
     experts = None if routed is None else _routed_experts(routed, len(prompt) + len(tokens) - 1)
-    return Sample(list(prompt), list(tokens), logprobs, [int(v) for v in versions if v is not None],
-                  str(choice.get("finish_reason")), experts)  # fmt: skip
+    return Sample(
+        list(prompt),
+        list(tokens),
+        logprobs,
+        [int(v) for v in versions if v is not None],
+        str(choice.get("finish_reason")),
+        experts,
+    )
 
 
 def _routed_experts(encoded: str, positions: int) -> np.ndarray:
@@ -187,14 +193,24 @@ class RolloutClient:
         timeout_s: float | None = None,
     ) -> list[Sample]:
         """Sample n completions of one prompt; `group` pins requests of one prompt group to one worker."""
-        params: dict = {"n": n, "temperature": temperature, "top_p": top_p, "max_tokens": max_tokens,
-                        "logprobs": 0, "ignore_eos": ignore_eos}  # fmt: skip
+        params: dict = {
+            "n": n,
+            "temperature": temperature,
+            "top_p": top_p,
+            "max_tokens": max_tokens,
+            "logprobs": 0,
+            "ignore_eos": ignore_eos,
+        }
         if seed is not None:
             params["seed"] = seed
         if stop_token_ids:
             params["stop_token_ids"] = list(stop_token_ids)
-        body = {"model": self.model, "token_ids": list(prompt_token_ids), "sampling_params": params,
-                "request_id": f"ss-{uuid.uuid4().hex}"}  # fmt: skip
+        body = {
+            "model": self.model,
+            "token_ids": list(prompt_token_ids),
+            "sampling_params": params,
+            "request_id": f"ss-{uuid.uuid4().hex}",
+        }
         headers = {self.affinity_header: group, **self.headers} if group else dict(self.headers)
         if self._session is None:
             self._session = aiohttp.ClientSession()

@@ -352,8 +352,13 @@ class GenerationController:
         self._stats.failed += 1
         log.warning(
             "%s: item %d failed after %d attempt(s): %r (%d/%d of the error budget)",
-            self.name, job.ticket, job.attempts, exc, self._stats.failed, self.error_budget,
-        )  # fmt: skip
+            self.name,
+            job.ticket,
+            job.attempts,
+            exc,
+            self._stats.failed,
+            self.error_budget,
+        )
         if self._stats.failed > self.error_budget:
             self._set_fatal(
                 ErrorBudgetExceeded(

@@ -31,9 +31,31 @@ ROLES = ["<|system|>", "<|user|>", "<|assistant|>"]
 OPERATORS = list("+-*/=()^%<>")
 PUNCTUATION = [" ", "\n", ".", ",", "?", "!", ":", ";", "'", '"']
 WORDS = [
-    "what", "is", "the", "answer", "of", "to", "and", "solve", "compute", "sum", "plus", "minus", "times",
-    "divided", "by", "equals", "result", "number", "yes", "no", "think", "step", "final", "total",
-]  # fmt: skip
+    "what",
+    "is",
+    "the",
+    "answer",
+    "of",
+    "to",
+    "and",
+    "solve",
+    "compute",
+    "sum",
+    "plus",
+    "minus",
+    "times",
+    "divided",
+    "by",
+    "equals",
+    "result",
+    "number",
+    "yes",
+    "no",
+    "think",
+    "step",
+    "final",
+    "total",
+]
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
@@ -110,8 +132,9 @@ def model_for(name: str, cfg: Config) -> ModelConfig:
 
 def checkpoint_hash(m: ModelConfig, seed: int) -> str:
     """Hash of every input that determines a tiny checkpoint's bytes."""
-    blob = json.dumps({"model": dataclasses.asdict(m), "seed": seed, "vocab": vocabulary(), "kit": KIT_VERSION},
-                      sort_keys=True)  # fmt: skip
+    blob = json.dumps(
+        {"model": dataclasses.asdict(m), "seed": seed, "vocab": vocabulary(), "kit": KIT_VERSION}, sort_keys=True
+    )
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 

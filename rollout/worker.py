@@ -79,19 +79,30 @@ def vllm_command(ro: RolloutConfig, model_dir: Path, host: str, port: int, cpu: 
     """The vLLM OpenAI server command line of a worker (engine args pass through from the config)."""
     backend = FILE_BACKEND if ro.weight_backend == "file" else "nccl"
     cmd = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(model_dir),
-        "--served-model-name", ro.served_model_name,
-        "--host", host,
-        "--port", str(port),
-        "--max-model-len", str(ro.max_model_len),
-        "--dtype", ro.dtype,
-        "--tensor-parallel-size", str(ro.tensor_parallel_size),
-        "--weight-transfer-config", json.dumps({"backend": backend}),
-        "--logprobs-mode", "processed_logprobs",
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--served-model-name",
+        ro.served_model_name,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--max-model-len",
+        str(ro.max_model_len),
+        "--dtype",
+        ro.dtype,
+        "--tensor-parallel-size",
+        str(ro.tensor_parallel_size),
+        "--weight-transfer-config",
+        json.dumps({"backend": backend}),
+        "--logprobs-mode",
+        "processed_logprobs",
         "--enable-scale-out",
         "--disable-uvicorn-access-log",
-    ]  # fmt: skip
+    ]
     if cpu:
         cmd += ["--kv-cache-memory-bytes", str(ro.kv_cache_bytes)]
         if is_deepseek(model_dir):
@@ -309,8 +320,12 @@ async def catch_up(ctx: RunContext, client, session: aiohttp.ClientSession, url:
     if have is not None and current <= have:
         return have
     location = await _location_of(client, ctx, current)
-    log.info("catching up from weight version %s to %d (%s)", "<start checkpoint>" if have is None else have,
-             current, location)  # fmt: skip
+    log.info(
+        "catching up from weight version %s to %d (%s)",
+        "<start checkpoint>" if have is None else have,
+        current,
+        location,
+    )
     await apply_version(session, url, current, location, ctx.cfg.rollout.pause_mode)
     return current
 
@@ -358,8 +373,9 @@ async def main(ctx: RunContext) -> int:
     assert ctx.rendezvous.info is not None
     host = advertised(ro.bind_host, ro.advertise_host, ctx.rendezvous.info.host, "rollout.advertise_host")
     url = f"http://{url_host(host)}:{port}"
-    vllm = worker_vllm(ro, ctx.run_dir, model_dir, (ro.bind_host, port), url,
-                       ctx.run_dir / "logs" / f"vllm-{worker_id}.log", worker_id)  # fmt: skip
+    vllm = worker_vllm(
+        ro, ctx.run_dir, model_dir, (ro.bind_host, port), url, ctx.run_dir / "logs" / f"vllm-{worker_id}.log", worker_id
+    )
     if "--enable-return-routed-experts" in vllm.cmd:
         log.info("vLLM returns the routed experts of every position (rollout.return_routed_experts)")
     client = ctx.async_redis()
@@ -379,8 +395,9 @@ async def main(ctx: RunContext) -> int:
             await beat.start()
             await register(client, registry, record)
             registered = True
-            await announce(client, ctx.keys, "vllm", "worker registered", worker=worker_id, url=url, version=version,
-                           pool=ro.pool)  # fmt: skip
+            await announce(
+                client, ctx.keys, "vllm", "worker registered", worker=worker_id, url=url, version=version, pool=ro.pool
+            )
             log.info("registered worker %s at %s serving weight version %d (%s pool)", worker_id, url, version, ro.pool)
             return await _serve(ctx, client, session, vllm, worker_id, record, registry)
     finally:

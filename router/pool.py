@@ -66,8 +66,12 @@ class Worker:
             task.cancel()
 
     def as_json(self) -> dict[str, object]:
-        state = {"healthy": self.healthy, "outstanding": self.outstanding, "requests": self.requests,
-                 "last_error": self.last_error}  # fmt: skip
+        state = {
+            "healthy": self.healthy,
+            "outstanding": self.outstanding,
+            "requests": self.requests,
+            "last_error": self.last_error,
+        }
         return asdict(self.record) | state
 
 
@@ -225,8 +229,13 @@ class PoolSync:
             error = worker.last_error or "its last health check failed"
         waiting = len(worker.attempts)
         worker.abandon(f"{reason}; {error}")
-        log.warning("worker %s at %s removed and unreachable (%s): %d request(s) waiting on it go to another worker",
-                    worker.id, worker.url, worker.gone, waiting)  # fmt: skip
+        log.warning(
+            "worker %s at %s removed and unreachable (%s): %d request(s) waiting on it go to another worker",
+            worker.id,
+            worker.url,
+            worker.gone,
+            waiting,
+        )
 
     async def verdict(self, worker: Worker, ok: bool, error: str) -> None:
         """Apply a health verdict (from a check, or a refused connection seen by the proxy) and log changes."""

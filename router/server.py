@@ -76,13 +76,23 @@ async def json_routing_errors(request: web.Request, handler: Handler) -> web.Str
         return await handler(request)
     except web.HTTPMethodNotAllowed as exc:
         allowed = ", ".join(sorted(exc.allowed_methods))
-        return json_error(405, f"{request.method} {request.path} is not allowed; use {allowed}",
-                          "method_not_allowed", headers={"Allow": allowed})  # fmt: skip
+        return json_error(
+            405,
+            f"{request.method} {request.path} is not allowed; use {allowed}",
+            "method_not_allowed",
+            headers={"Allow": allowed},
+        )
     except web.HTTPNotFound:
-        served = sorted({f"{r.method} {r.resource.canonical}" for r in request.app.router.routes()
-                         if r.method != "HEAD" and r.resource is not None})  # fmt: skip
-        return json_error(404, f"no route {request.method} {request.path}; the router serves {', '.join(served)}",
-                          "not_found")  # fmt: skip
+        served = sorted(
+            {
+                f"{r.method} {r.resource.canonical}"
+                for r in request.app.router.routes()
+                if r.method != "HEAD" and r.resource is not None
+            }
+        )
+        return json_error(
+            404, f"no route {request.method} {request.path}; the router serves {', '.join(served)}", "not_found"
+        )
 
 
 def make_app(
@@ -219,8 +229,11 @@ class Router:
             if holder is not None and holder != self.url and await _dead(holder):
                 # Compare-and-delete: a router that claimed the name meanwhile keeps it.
                 if await self.client.eval(_DELETE_IF_EQUAL, 1, key, holder):
-                    log.warning("router %r: the previous holder at %s refuses connections (dead); taking over its "
-                                "name", self.cfg.name, holder)  # fmt: skip
+                    log.warning(
+                        "router %r: the previous holder at %s refuses connections (dead); taking over its name",
+                        self.cfg.name,
+                        holder,
+                    )
                 continue
             if holder is not None:
                 raise RouterError(
@@ -262,8 +275,15 @@ async def main(ctx: RunContext) -> int:
     rz = ctx.cfg.rendezvous
     client = ctx.async_redis()
     assert ctx.rendezvous.info is not None
-    router = Router(ctx.cfg.router, client, ctx.keys, rz.heartbeat_period_s, rz.heartbeat_ttl_s,
-                    ctx.rendezvous.info.host, ctx.cfg.rollout.api_key)  # fmt: skip
+    router = Router(
+        ctx.cfg.router,
+        client,
+        ctx.keys,
+        rz.heartbeat_period_s,
+        rz.heartbeat_ttl_s,
+        ctx.rendezvous.info.host,
+        ctx.cfg.rollout.api_key,
+    )
     try:
         try:
             await router.start()

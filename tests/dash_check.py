@@ -52,8 +52,14 @@ def chromium(width: int = 1240, height: int = 2300) -> Iterator[WebDriver]:
         raise RuntimeError("chromium or chromedriver not found: apt-get install -y chromium chromium-driver")
     options = webdriver.ChromeOptions()
     options.binary_location = paths[0]
-    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                f"--window-size={width},{height}", "--hide-scrollbars"):  # fmt: skip
+    for arg in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        f"--window-size={width},{height}",
+        "--hide-scrollbars",
+    ):
         options.add_argument(arg)
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     # An explicit driver path: selenium-manager is not asked to find (or download) one.

@@ -31,9 +31,7 @@ async def register(r, keys: Keys, worker_id: str, url: str, alive: bool = True) 
         await r.set(keys.worker_alive(worker_id), "1", ex=30)
 
 
-async def reading_worker(
-    got: dict, on_update: Callable[[dict], None] | None = None
-) -> tuple[web.AppRunner, str]:
+async def reading_worker(got: dict, on_update: Callable[[dict], None] | None = None) -> tuple[web.AppRunner, str]:
     """A worker that answers the RL routes and, on /update_weights, reads the version into `got` with the real
     reader (the `file` engine's); `on_update(update_info)` runs first. A failed read answers 500, as vLLM does."""
     import asyncio

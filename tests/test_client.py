@@ -15,8 +15,13 @@ from rollout.client import RolloutClient, RolloutError, parse_choice
 
 def choice(tokens, logprobs, spans, finish="length"):
     content = [{"token_id": t, "logprob": lp} for t, lp in zip(tokens, logprobs, strict=True)]
-    return {"index": 0, "token_ids": tokens, "logprobs": {"content": content}, "weight_versions": spans,
-            "finish_reason": finish}  # fmt: skip
+    return {
+        "index": 0,
+        "token_ids": tokens,
+        "logprobs": {"content": content},
+        "weight_versions": spans,
+        "finish_reason": finish,
+    }
 
 
 def test_version_spans_become_one_version_per_token():
@@ -80,9 +85,22 @@ def test_client_needs_a_url_or_redis_to_find_the_router():
         RolloutClient("policy")
 
 
-@pytest.mark.parametrize(("status", "transient"), [(500, True), (501, True), (502, True), (503, True), (505, True),
-                                                   (429, True), (425, True), (408, True),
-                                                   (400, False), (404, False), (None, False)])
+@pytest.mark.parametrize(
+    ("status", "transient"),
+    [
+        (500, True),
+        (501, True),
+        (502, True),
+        (503, True),
+        (505, True),
+        (429, True),
+        (425, True),
+        (408, True),
+        (400, False),
+        (404, False),
+        (None, False),
+    ],
+)
 def test_http_errors_worth_retrying_are_transient_for_the_controller(status, transient):
     from rollout.outcomes import is_transient
 

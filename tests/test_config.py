@@ -65,7 +65,12 @@ def test_integer_is_accepted_for_float_fields(tmp_path):
 def test_set_overrides_are_typed_by_the_schema():
     cfg = load_config(
         DEMO,
-        ["trainer.optim.lr=3e-4", "flow.strategy=on_policy", "rollout.enforce_eager=false", "trainer.optim.betas=[0.8, 0.9]"],
+        [
+            "trainer.optim.lr=3e-4",
+            "flow.strategy=on_policy",
+            "rollout.enforce_eager=false",
+            "trainer.optim.betas=[0.8, 0.9]",
+        ],
         environ={},
     )
     assert cfg.trainer.optim.lr == 3e-4
@@ -114,7 +119,9 @@ def test_impossible_combinations_are_rejected():
 
 def test_identity_and_runtime_fields_are_classified():
     base = load_config(DEMO, [], environ={})
-    runtime_change = load_config(DEMO, ["trainer.steps=99", "rollout.temperature=0.7", "run.root=/elsewhere"], environ={})
+    runtime_change = load_config(
+        DEMO, ["trainer.steps=99", "rollout.temperature=0.7", "run.root=/elsewhere"], environ={}
+    )
     identity_change = load_config(DEMO, ["trainer.model.hidden_size=128", "run.seed=1"], environ={})
     assert identity_diff(base, runtime_change) == []
     assert identity_fingerprint(base) == identity_fingerprint(runtime_change)
@@ -129,7 +136,7 @@ def test_every_field_has_a_docstring():
 
 
 def test_toml_round_trip_reproduces_the_config():
-    cfg = load_config(DEMO, ["launch.roles.vllm.replicas=2", "launch.roles.vllm.env={A = \"1\"}"], environ={})
+    cfg = load_config(DEMO, ["launch.roles.vllm.replicas=2", 'launch.roles.vllm.env={A = "1"}'], environ={})
     again = from_dict(tomllib.loads(to_toml(cfg)))
     assert again == cfg
     assert again.launch.roles["vllm"].env == {"A": "1"}
@@ -184,5 +191,5 @@ def test_a_list_of_tables_added_later_stays_out_of_the_fingerprint_until_it_is_s
     printed = {leaf.path for leaf in leaves(cfg) if leaf.fingerprinted}
     assert "trainer.data.sources" not in printed and "rollout.task.sources" not in printed
     assert "trainer.rl.token_mask_band" in printed  # an identity list without `added` always is
-    mixed = load_config(REPO / "configs" / "demo.toml", ["trainer.data.sources=[{name = \"web\", path = \"w.jsonl\"}]"])
+    mixed = load_config(REPO / "configs" / "demo.toml", ['trainer.data.sources=[{name = "web", path = "w.jsonl"}]'])
     assert identity_fingerprint(mixed) != identity_fingerprint(cfg)

@@ -94,11 +94,18 @@ def test_the_figures_of_an_rl_run_come_from_its_trainer_and_evaluator_metrics(tm
             evaluator.log_many(version, {"eval/arithmetic/accuracy/mean": score, "eval/arithmetic/cases": 200})
     f = read_figures(run_dir, 50, 120)
     assert (f.step, f.reward, f.heldout, f.rate) == (3, 0.6, {"arithmetic": (0, 0.595, 2, 0.71)}, "103 samples/s")
-    add_live(f, LiveState(True, weights_current=3, workers=[
-        {"id": "a", "pool": "train", "version": 3, "alive": True},
-        {"id": "b", "pool": "train", "version": 1, "alive": False},
-        {"id": "c", "pool": "eval", "version": 2, "alive": True},
-    ]))  # fmt: skip
+    add_live(
+        f,
+        LiveState(
+            True,
+            weights_current=3,
+            workers=[
+                {"id": "a", "pool": "train", "version": 3, "alive": True},
+                {"id": "b", "pool": "train", "version": 1, "alive": False},
+                {"id": "c", "pool": "eval", "version": 2, "alive": True},
+            ],
+        ),
+    )
     assert progress_text(f) == (
         "step 3/50 | reward 0.600 | held-out arithmetic 0.710 at v2 (v0: 0.595) | weights v3 (workers: rollout 3; "
         "eval 2) | 103 samples/s"

@@ -28,8 +28,9 @@ def test_rank_rows_cover_every_row_once_in_order_with_the_extra_rows_first():
 
 
 def test_figures_sum_except_max_and_min():
-    got = reduce_figures([{"loss": 1.0, "ratio_max": 2.0, "ratio_min": 0.5}, {"loss": 2.0, "ratio_max": 3.0,
-                                                                               "ratio_min": 0.7}])  # fmt: skip
+    got = reduce_figures(
+        [{"loss": 1.0, "ratio_max": 2.0, "ratio_min": 0.5}, {"loss": 2.0, "ratio_max": 3.0, "ratio_min": 0.7}]
+    )
     assert got == {"loss": 3.0, "ratio_max": 3.0, "ratio_min": 0.5}
 
 
@@ -77,8 +78,15 @@ def test_micro_batching_does_not_change_the_step():
 
 
 def test_torchrun_variables_win_and_incomplete_ones_are_refused():
-    env = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "h", "MASTER_PORT": "1",
-           "SLIPSTREAM_REPLICAS": "4", "SLIPSTREAM_REPLICA": "3"}  # fmt: skip
+    env = {
+        "RANK": "1",
+        "WORLD_SIZE": "2",
+        "LOCAL_RANK": "1",
+        "MASTER_ADDR": "h",
+        "MASTER_PORT": "1",
+        "SLIPSTREAM_REPLICAS": "4",
+        "SLIPSTREAM_REPLICA": "3",
+    }
     assert rank_info(env) == RankInfo(1, 2, 1, "torchrun")
     assert rank_info({"SLIPSTREAM_REPLICAS": "4", "SLIPSTREAM_REPLICA": "3"}) == RankInfo(3, 4, 3, "launcher")
     assert rank_info({}) == RankInfo()
@@ -160,8 +168,15 @@ def test_the_rl_step_on_the_core_is_the_decoupled_ppo_update_written_out_by_hand
         opt.step(int(total))
 
     core = TrainingCore(cfg, Ranks.single(torch.device("cpu")), on_core)
-    batch = {"tokens": tokens, "targets": targets, "behaviour": behaviour, "mask": mask, "advantages": adv,
-             "fresh": torch.zeros(N), "step_tokens": torch.full((N,), float(mask.sum()))}  # fmt: skip
+    batch = {
+        "tokens": tokens,
+        "targets": targets,
+        "behaviour": behaviour,
+        "mask": mask,
+        "advantages": adv,
+        "fresh": torch.zeros(N),
+        "step_tokens": torch.full((N,), float(mask.sum())),
+    }
     result = core.step_updates(rl_updates(batch, rows, rl), mb, prepare=proximal_fn(rl))
     assert len(result.updates) == mini_batches and core.optimizer.steps == mini_batches
     assert result.figures["tokens"] == float(mask.sum())
@@ -191,9 +206,15 @@ def _rl_batch() -> tuple[dict[str, torch.Tensor], list[slice]]:
     tokens, targets = torch.randint(0, 128, (N, L), generator=g), torch.randint(0, 128, (N, L), generator=g)
     targets[:, :4] = -1
     mask = (targets >= 0).float()
-    batch = {"tokens": tokens, "targets": targets, "behaviour": -torch.rand(N, L, generator=g) * mask,
-             "mask": mask, "advantages": torch.randn(N, generator=g), "fresh": torch.ones(N),
-             "step_tokens": torch.full((N,), float(mask.sum()))}  # fmt: skip
+    batch = {
+        "tokens": tokens,
+        "targets": targets,
+        "behaviour": -torch.rand(N, L, generator=g) * mask,
+        "mask": mask,
+        "advantages": torch.randn(N, generator=g),
+        "fresh": torch.ones(N),
+        "step_tokens": torch.full((N,), float(mask.sum())),
+    }
     return batch, mini_batch_rows([4] * 6, 3)
 
 
@@ -207,8 +228,11 @@ def _rl_step_on_ranks(rank: int, world: int, store: str, out: str) -> None:
     try:
         cfg = Config()
         cfg.trainer.parallel.ep = world
-        core = TrainingCore(cfg, Ranks(RankInfo(rank, world, rank, "launcher"), torch.device("cpu"), dist.group.WORLD),
-                            build_model(cfg.trainer.model, seed=0))  # fmt: skip
+        core = TrainingCore(
+            cfg,
+            Ranks(RankInfo(rank, world, rank, "launcher"), torch.device("cpu"), dist.group.WORLD),
+            build_model(cfg.trainer.model, seed=0),
+        )
         batch, rows = _rl_batch()
         result = core.step_updates(rl_updates(batch, rows, cfg.trainer.rl), 3, prepare=proximal_fn(cfg.trainer.rl))
         torch.save({"part": core.hf_part(), "figures": result.figures}, f"{out}/rank{rank}.pt")

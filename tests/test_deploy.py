@@ -73,24 +73,31 @@ def write(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, command: str = "") ->
 
 
 def test_replicas_are_packed_onto_nodes_by_gpus_and_never_split_across_nodes():
-    cfg = from_dict({
-        "rollout": {"tensor_parallel_size": 3},
-        "launch": {"gpus_per_node": 8, "roles": {
-            "vllm": {"replicas": 5, "gpus_per_replica": 3, "node_group": "gpu"},
-            "trainer": {"critical": True, "gpus_per_replica": 1, "node_group": "gpu"},
-            "router": {"node_group": "cpu"},
-            "evaluator": {"node_group": "cpu"},
-        }},
-    })  # fmt: skip
+    cfg = from_dict(
+        {
+            "rollout": {"tensor_parallel_size": 3},
+            "launch": {
+                "gpus_per_node": 8,
+                "roles": {
+                    "vllm": {"replicas": 5, "gpus_per_replica": 3, "node_group": "gpu"},
+                    "trainer": {"critical": True, "gpus_per_replica": 1, "node_group": "gpu"},
+                    "router": {"node_group": "cpu"},
+                    "evaluator": {"node_group": "cpu"},
+                },
+            },
+        }
+    )
     gpu, cpu = place(cfg)
     # 16 GPUs would fit on two nodes of 8, but a worker of 3 cannot be split: two per node, so three nodes.
     assert (gpu.name, gpu.entries, gpu.nodes, gpu.gpus_per_node) == ("gpu", ("vllm", "trainer"), 3, 8)
     assert {s.replica.label: (s.node, s.gpus) for s in gpu.slots} == {
-        "vllm/0": (0, (0, 1, 2)), "vllm/1": (0, (3, 4, 5)),
-        "vllm/2": (1, (0, 1, 2)), "vllm/3": (1, (3, 4, 5)),
+        "vllm/0": (0, (0, 1, 2)),
+        "vllm/1": (0, (3, 4, 5)),
+        "vllm/2": (1, (0, 1, 2)),
+        "vllm/3": (1, (3, 4, 5)),
         "vllm/4": (2, (0, 1, 2)),
         "trainer/0": (0, (6,)),
-    }  # fmt: skip
+    }
     assert (cpu.entries, cpu.nodes, cpu.gpus_per_node) == (("router", "evaluator"), 1, 0)
     assert [(s.node, s.gpus) for s in cpu.slots] == [(0, ()), (0, ())]
 
@@ -104,15 +111,21 @@ def test_an_entry_without_a_node_group_is_a_group_of_its_own():
 @pytest.mark.parametrize(
     ("roles", "message"),
     [
-        ({"vllm": {"gpus_per_replica": 16}},
-         r"launch\.roles\.vllm\.gpus_per_replica = 16 exceeds launch\.gpus_per_node = 8"),
-        ({"trainer": {"gpus_per_replica": 2}},
-         r"a trainer rank drives one GPU; set 1 and raise launch\.roles\.trainer\.replicas"),
-        ({"vllm": {"gpus_per_replica": 1}},
-         r"tensor_parallel_size = 2: .* set launch\.roles\.vllm\.gpus_per_replica = 2"),
+        (
+            {"vllm": {"gpus_per_replica": 16}},
+            r"launch\.roles\.vllm\.gpus_per_replica = 16 exceeds launch\.gpus_per_node = 8",
+        ),
+        (
+            {"trainer": {"gpus_per_replica": 2}},
+            r"a trainer rank drives one GPU; set 1 and raise launch\.roles\.trainer\.replicas",
+        ),
+        (
+            {"vllm": {"gpus_per_replica": 1}},
+            r"tensor_parallel_size = 2: .* set launch\.roles\.vllm\.gpus_per_replica = 2",
+        ),
         ({"vllm": {"gpus_per_replica": -1}}, r"launch\.roles\.vllm\.gpus_per_replica must be >= 0"),
     ],
-)  # fmt: skip
+)
 def test_impossible_gpu_placements_are_config_errors_that_name_the_field(roles, message):
     data = {"rollout": {"tensor_parallel_size": 2}, "launch": {"roles": {"t": {"role": "trainer", "critical": True}}}}
     data["launch"]["roles"] |= roles
@@ -248,8 +261,10 @@ def test_slurm_batch_starts_every_replica_on_its_node_with_its_gpus_and_rank(tmp
     partial.mkdir()
     # Every replica records its environment, then waits for all six: the batch stops the others once the
     # critical trainer ranks are done.
-    record = (f"env > {partial}/{{role}}-{{replica}} && mv {partial}/{{role}}-{{replica}} {envs}/ && "
-              f'while [ "$(ls {envs} | wc -l)" -lt 6 ]; do sleep 0.05; done')  # fmt: skip
+    record = (
+        f"env > {partial}/{{role}}-{{replica}} && mv {partial}/{{role}}-{{replica}} {envs}/ && "
+        f'while [ "$(ls {envs} | wc -l)" -lt 6 ]; do sleep 0.05; done'
+    )
     out = write(tmp_path, monkeypatch, command=f"sh -c {shlex.quote(record)}")
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()

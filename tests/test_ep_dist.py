@@ -251,7 +251,9 @@ def _resume_worker(rank: int, world: int, root: str) -> None:
     diff = max(float((p - saved["after"][name]).abs().max()) for name, p in _params(model).items())
     assert diff <= 1e-6, diff
     if rank == 0:
-        Path(root, f"resume{world}.txt").write_text(f"resumed at EP={world}: max param diff after one step {diff:.3g}\n")
+        Path(root, f"resume{world}.txt").write_text(
+            f"resumed at EP={world}: max param diff after one step {diff:.3g}\n"
+        )
 
 
 @pytest.mark.slow

@@ -133,8 +133,9 @@ def test_held_out_arithmetic_uses_the_task_generator_and_verifier_with_another_s
     spec = json.loads((DATA / "arithmetic" / "heldout.json").read_text())
     assert len(cases) == spec["count"]
     task = ArithmeticTask(seed=spec["seed"], num_problems=spec["count"], max_value=spec["max_value"])
-    assert [(c.prompt, c.context["answer"]) for c in cases] == [(p.prompt, p.answer) for p in
-                                                              (task.problem(i) for i in range(len(task)))]  # fmt: skip
+    assert [(c.prompt, c.context["answer"]) for c in cases] == [
+        (p.prompt, p.answer) for p in (task.problem(i) for i in range(len(task)))
+    ]
     case = cases[0]
     answer = case.context["answer"]
     assert bench.score(case, f"{answer} and more").values == {"accuracy": 1.0}
@@ -167,8 +168,14 @@ def test_held_out_arithmetic_follows_the_one_arithmetic_generator_of_a_prompt_mi
 
 def test_case_ids_are_unique_and_never_name_two_different_prompts():
     demo = load_config(ROOT / "configs" / "demo.toml").rollout.task
-    tasks = [None, demo, TaskConfig(operators="-+"), TaskConfig(operators="*", min_operands=3, max_operands=3),
-             TaskConfig(max_value=9), TaskConfig(min_operands=2, max_operands=3)]  # fmt: skip
+    tasks = [
+        None,
+        demo,
+        TaskConfig(operators="-+"),
+        TaskConfig(operators="*", min_operands=3, max_operands=3),
+        TaskConfig(max_value=9),
+        TaskConfig(min_operands=2, max_operands=3),
+    ]
     sets = [load_benchmark("arithmetic", DATA, t).cases() for t in tasks]
     sets += [load_benchmark(name, DATA).cases() for name in ("gsm8k", "ifeval")]
     prompt_of: dict[str, object] = {}

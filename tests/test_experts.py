@@ -146,10 +146,14 @@ def test_bf16_copy_follows_the_trainer_optimizer_and_in_place_loads():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         moe(torch.randn(2, 12, 32)).float().square().sum().backward()
     opt.step(24)
-    torch.testing.assert_close(_autocast_forward(layer, rows, offsets), _per_call_cast(layer, rows, offsets), rtol=0, atol=0)
+    torch.testing.assert_close(
+        _autocast_forward(layer, rows, offsets), _per_call_cast(layer, rows, offsets), rtol=0, atol=0
+    )
     other = _bf16_layer(5)
     layer.load_state_dict(other.state_dict())  # copy_ into the parameters under no_grad
-    torch.testing.assert_close(_autocast_forward(layer, rows, offsets), _per_call_cast(other, rows, offsets), rtol=0, atol=0)
+    torch.testing.assert_close(
+        _autocast_forward(layer, rows, offsets), _per_call_cast(other, rows, offsets), rtol=0, atol=0
+    )
 
 
 def _copy_equals_fresh_cast(layer: Experts) -> bool:

@@ -348,20 +348,53 @@ def test_load_state_refuses_a_different_group_size():
 
 # States written before the trainer's job was a record (TrainJob / PublishJob), by the on-policy run of
 # `tiny_on_policy`: step 0 training prompts 0 and 1, then version 1 publishing. Checkpoints hold these.
-_COUNTERS = {"dispatched_samples": 2, "completed_samples": 2, "failed_samples": 0, "aborted_samples": 0,
-             "reissued_samples": 0, "trained_prompts": 0, "trained_samples": 0, "stale_samples": 0,
-             "requeued_samples": 0, "dropped_prompts": 0, "dropped_samples": 0, "dropped_groups": 0, "staleness": {}}  # fmt: skip
+_COUNTERS = {
+    "dispatched_samples": 2,
+    "completed_samples": 2,
+    "failed_samples": 0,
+    "aborted_samples": 0,
+    "reissued_samples": 0,
+    "trained_prompts": 0,
+    "trained_samples": 0,
+    "stale_samples": 0,
+    "requeued_samples": 0,
+    "dropped_prompts": 0,
+    "dropped_samples": 0,
+    "dropped_groups": 0,
+    "staleness": {},
+}
 SAVED_MID_TRAIN = {
-    "strategy": "on_policy", "prompts_per_step": 2, "samples_per_prompt": 1, "dynamic_sampling": False, "step": 0,
-    "published": 0, "job": ["train", 0], "job_groups": [[0, 0, 0, 0], [1, 0, 0, 0]], "next_prompt": 2, "data_end": 4,
-    "pending": [], "in_flight": [], "done": [], "untrained": [], "ready": [], "rewards": [], "filtered": [],
-    "job_dropped": 0, "finished": False, "counters": _COUNTERS, "batches": [[0, 1]], "batch_versions": [0],
+    "strategy": "on_policy",
+    "prompts_per_step": 2,
+    "samples_per_prompt": 1,
+    "dynamic_sampling": False,
+    "step": 0,
+    "published": 0,
+    "job": ["train", 0],
+    "job_groups": [[0, 0, 0, 0], [1, 0, 0, 0]],
+    "next_prompt": 2,
+    "data_end": 4,
+    "pending": [],
+    "in_flight": [],
+    "done": [],
+    "untrained": [],
+    "ready": [],
+    "rewards": [],
+    "filtered": [],
+    "job_dropped": 0,
+    "finished": False,
+    "counters": _COUNTERS,
+    "batches": [[0, 1]],
+    "batch_versions": [0],
     "batch_dropped": [0],
-}  # fmt: skip
+}
 SAVED_MID_PUBLISH = {
-    **SAVED_MID_TRAIN, "step": 1, "job": ["publish", 1], "job_groups": [],
+    **SAVED_MID_TRAIN,
+    "step": 1,
+    "job": ["publish", 1],
+    "job_groups": [],
     "counters": {**_COUNTERS, "trained_prompts": 2, "trained_samples": 2, "staleness": {"0": 2}},
-}  # fmt: skip
+}
 
 
 def tiny_on_policy() -> OnPolicy:

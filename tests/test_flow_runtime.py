@@ -134,7 +134,9 @@ def schedule_mismatch(strategy: str, scale: float) -> str | None:
     steps = 5
     # With seed 38 every sample completion is >= 0.098 simulated s (39 ms of wall clock at scale 0.4)
     # away from every other event, so wall-clock jitter cannot reorder them.
-    workload = Workload(num_prompts=steps * cfg.prompts_per_step, median_tokens=200, sigma=0.6, prompt_tokens=50, seed=38)
+    workload = Workload(
+        num_prompts=steps * cfg.prompts_per_step, median_tokens=200, sigma=0.6, prompt_tokens=50, seed=38
+    )
     sim = simulate(policy_from_config(cfg, num_prompts=workload.num_prompts, max_steps=steps), workload, MODEL, COSTS)
 
     backend = RealTimePool(MODEL, workload, scale)
@@ -216,9 +218,13 @@ def run_simple(
     n = len(prompts) if isinstance(prompts, list) else None
     with GenerationController.from_config(genable, cfg) as ctl:
         rt = FlowRuntime(
-            policy_from_config(cfg, num_prompts=n), ctl, prompts, train_step, publish,
+            policy_from_config(cfg, num_prompts=n),
+            ctl,
+            prompts,
+            train_step,
+            publish,
             checkpoint=checkpoint,
-        )  # fmt: skip
+        )
         if load is not None:
             rt.load_state_dict(load)
             state["version"] = rt.policy.published
@@ -351,8 +357,14 @@ def test_dynamic_sampling_without_rewards_in_the_results_is_an_error():
 @pytest.mark.parametrize("with_results", [True, False])
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_resume_after_a_crash_trains_every_prompt_exactly_once(strategy, with_results, dynamic):
-    cfg = flow(strategy, prompts_per_step=2, samples_per_prompt=3, max_concurrent=5, max_untrained_prompts=6,
-               dynamic_sampling=dynamic)  # fmt: skip
+    cfg = flow(
+        strategy,
+        prompts_per_step=2,
+        samples_per_prompt=3,
+        max_concurrent=5,
+        max_untrained_prompts=6,
+        dynamic_sampling=dynamic,
+    )
     prompts = [f"prompt {i}" for i in range(15)]
     genable, state = instant_backend(reward=uniform_every_third)
     saved = {}

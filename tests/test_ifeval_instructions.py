@@ -38,7 +38,7 @@ CASES = [
         ins("keywords:frequency", keyword="light", relation="at_least", frequency=2),
         "light, more light",
         "light and lighter",
-    ),  # fmt: skip
+    ),
     (ins("keywords:frequency", keyword="bright", relation="exactly", frequency=1), "bright", "bright bright"),
     (ins("format:json"), '```json\n{"name": "Ada", "age": 36}\n```', "name: Ada"),
     (ins("format:json"), "[1, 2, 3]", "[1, 2, 3] is the list"),
@@ -120,8 +120,12 @@ def test_shipped_ifeval_data_parses_and_scores_prompt_and_instruction_levels():
         c for c in cases if [i.id for i in c.context["instructions"]] == ["case:lowercase", "punctuation:no_comma"]
     )
     half = bench.score(two, "a cat, sleeping")
-    assert half.values == {"prompt_strict": 0.0, "prompt_loose": 0.0, "instruction_strict": 0.5,
-                           "instruction_loose": 0.5}  # fmt: skip
+    assert half.values == {
+        "prompt_strict": 0.0,
+        "prompt_loose": 0.0,
+        "instruction_strict": 0.5,
+        "instruction_loose": 0.5,
+    }
     full = bench.score(two, "a cat sleeping")
     assert full.values["prompt_strict"] == 1.0
     metrics = bench.summarize([[half], [full]])

@@ -134,11 +134,17 @@ def test_kill_9_of_the_launcher_ends_every_role_and_its_redis(tmp_path):
     cfg = make_config(tmp_path, role("server", "sleep", critical=True), role("helper", "sleep", extra="replicas = 2\n"))
     launcher = start_launch(cfg, "lt-kill")
     run_dir = tmp_path / "runs" / "lt-kill"
-    wait_for(lambda: len(list((run_dir / "pids").glob("ready-*"))) == 3 if (run_dir / "pids").exists() else False,
-             60, "three replicas to be ready")  # fmt: skip
+    wait_for(
+        lambda: len(list((run_dir / "pids").glob("ready-*"))) == 3 if (run_dir / "pids").exists() else False,
+        60,
+        "three replicas to be ready",
+    )
     pids = recorded_pids(run_dir)
-    redis = [p.pid for p in psutil.process_iter(["name"]) if "redis" in (p.info["name"] or "")
-             and _cwd(p) == run_dir / "meet"]  # fmt: skip
+    redis = [
+        p.pid
+        for p in psutil.process_iter(["name"])
+        if "redis" in (p.info["name"] or "") and _cwd(p) == run_dir / "meet"
+    ]
     assert len(pids) == 3 and len(redis) == 1
     launcher.kill()
     launcher.communicate(timeout=10)
@@ -214,9 +220,13 @@ def test_launch_dash_serves_the_run_page_while_the_run_goes_on_and_prints_its_ur
 def test_on_failure_restarts_a_replica_up_to_its_limit(tmp_path):
     cfg = make_config(
         tmp_path,
-        role("flaky", "exit3", critical=True, extra='restart = "on-failure"\nmax_restarts = 2\nrestart_backoff_s = 0.3\n'
-             'env = {EXIT_AFTER_S = "0.1"}\n'),
-    )  # fmt: skip
+        role(
+            "flaky",
+            "exit3",
+            critical=True,
+            extra='restart = "on-failure"\nmax_restarts = 2\nrestart_backoff_s = 0.3\nenv = {EXIT_AFTER_S = "0.1"}\n',
+        ),
+    )
     launcher = start_launch(cfg, "lt-restart")
     out, _ = launcher.communicate(timeout=60)
     assert launcher.returncode == 3, out
@@ -247,9 +257,13 @@ def test_a_failed_trainer_rank_restarts_all_ranks_of_the_trainer_together(tmp_pa
     launcher stops the other ranks (their exit is no failure) and starts the whole group again."""
     cfg = make_config(
         tmp_path,
-        role("trainer", "once", critical=True, extra='replicas = 2\nrestart = "on-failure"\nrestart_backoff_s = 0.2\n'
-             'env = {FAIL_REPLICA = "1"}\n'),
-    )  # fmt: skip
+        role(
+            "trainer",
+            "once",
+            critical=True,
+            extra='replicas = 2\nrestart = "on-failure"\nrestart_backoff_s = 0.2\nenv = {FAIL_REPLICA = "1"}\n',
+        ),
+    )
     launcher = start_launch(cfg, "lt-gang")
     out, _ = launcher.communicate(timeout=90)
     assert launcher.returncode == 0, out
@@ -294,8 +308,14 @@ def launch_cmd(*args: str, exp: str | None = None) -> subprocess.CompletedProces
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLIPSTREAM")} | (
         {"SLIPSTREAM_EXP": exp} if exp else {}
     )
-    return subprocess.run([sys.executable, "-m", "common.cli", "launch", *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=90)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "common.cli", "launch", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
 
 
 @pytest.mark.timeout(180)

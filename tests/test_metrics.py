@@ -39,7 +39,9 @@ def test_timer_flushes_without_filling_a_batch_and_files_are_per_role_and_rank(t
     while len(read_metrics(tmp_path)) < 3 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert {(p.role, p.rank, p.tag, p.value) for p in read_metrics(tmp_path)} == {
-        ("trainer", 1, "loss", 2.5), ("trainer", 1, "grad_norm", 0.5), ("evaluator", 0, "accuracy", 0.75)
+        ("trainer", 1, "loss", 2.5),
+        ("trainer", 1, "grad_norm", 0.5),
+        ("evaluator", 0, "accuracy", 0.75),
     }
     assert [p.tag for p in read_metrics(tmp_path, tags=["accuracy"], role="evaluator")] == ["accuracy"]
     a.close()
@@ -58,12 +60,12 @@ def test_registry_records_the_real_git_sha_of_the_checkout(tmp_path):
     subprocess.run(git + ["commit", "-qm", "c"], check=True)
     sha = subprocess.run(git[:3] + ["rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
     registry = Registry.for_root(tmp_path / "runs")
-    row = registry.start("exp-1", "demo", "[run]\nname = \"demo\"\n", repo_dir=repo)
+    row = registry.start("exp-1", "demo", '[run]\nname = "demo"\n', repo_dir=repo)
     assert (row.git_sha, row.git_dirty, row.status) == (sha, False, "running")
     registry.finish("exp-1", "succeeded")
     row = registry.get("exp-1")
     assert row.status == "succeeded" and row.ended_at >= row.started_at
-    assert row.config == "[run]\nname = \"demo\"\n"
+    assert row.config == '[run]\nname = "demo"\n'
     with pytest.raises(ValueError, match="already in"):
         registry.start("exp-1", "demo", "", repo_dir=repo)
     with pytest.raises(ValueError, match="not one of"):

@@ -91,8 +91,9 @@ class Hosts:
 
     def run(self, h: str, code: str) -> str:
         """Run a short Python snippet on host h; returns its stdout."""
-        done = subprocess.run(["ip", "netns", "exec", self.ns[h], sys.executable, "-c", code],
-                              capture_output=True, text=True, timeout=60)  # fmt: skip
+        done = subprocess.run(
+            ["ip", "netns", "exec", self.ns[h], sys.executable, "-c", code], capture_output=True, text=True, timeout=60
+        )
         assert done.returncode == 0, done.stderr
         return done.stdout
 
@@ -137,10 +138,20 @@ def test_three_hosts_train_the_demo_from_the_scripts_and_the_router_evicts_a_dea
         pytest.skip("network namespaces need root")
     exp = "multihost"
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLIPSTREAM")}
-    sets = [f"run.root={short_root / 'runs'}", f"trainer.steps={STEPS}", "rendezvous.heartbeat_period_s=0.5",
-            f"rendezvous.heartbeat_ttl_s={TTL_S}", "rendezvous.bind_host=0.0.0.0", "router.bind_host=0.0.0.0",
-            f"router.auth_token={ROUTER_TOKEN}", "rollout.bind_host=0.0.0.0", "evaluator.pin=never",
-            "launch.roles.vllm_eval.replicas=0", "trainer.final_eval_wait_s=120", "flow.strategy=on_policy"]  # fmt: skip
+    sets = [
+        f"run.root={short_root / 'runs'}",
+        f"trainer.steps={STEPS}",
+        "rendezvous.heartbeat_period_s=0.5",
+        f"rendezvous.heartbeat_ttl_s={TTL_S}",
+        "rendezvous.bind_host=0.0.0.0",
+        "router.bind_host=0.0.0.0",
+        f"router.auth_token={ROUTER_TOKEN}",
+        "rollout.bind_host=0.0.0.0",
+        "evaluator.pin=never",
+        "launch.roles.vllm_eval.replicas=0",
+        "trainer.final_eval_wait_s=120",
+        "flow.strategy=on_policy",
+    ]
     cmd = [sys.executable, "-m", "common.cli", "scripts", "configs/demo.toml", str(short_root / "scripts")]
     for s in sets:
         cmd += ["--set", s]
@@ -155,8 +166,12 @@ def test_three_hosts_train_the_demo_from_the_scripts_and_the_router_evicts_a_dea
 
         def start(h: str, entry: str) -> None:
             log = (short_root / f"{entry}.log").open("wb")
-            procs[entry] = subprocess.Popen(["ip", "netns", "exec", hosts.ns[h], "bash", str(scripts / f"{entry}-0.sh")],
-                                            env=env, stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+            procs[entry] = subprocess.Popen(
+                ["ip", "netns", "exec", hosts.ns[h], "bash", str(scripts / f"{entry}-0.sh")],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
 
         def log_of(entry: str) -> str:
             return (short_root / f"{entry}.log").read_text(errors="replace")
@@ -190,14 +205,18 @@ def test_three_hosts_train_the_demo_from_the_scripts_and_the_router_evicts_a_dea
 
         assert procs["trainer"].wait(timeout=1200) == 0, log_of("trainer")[-6000:]
         trainer_log = log_of("trainer")
-        assert "staleness<=1" not in trainer_log and "staleness<=2" not in trainer_log, "on-policy trained stale samples"
+        assert "staleness<=1" not in trainer_log and "staleness<=2" not in trainer_log, (
+            "on-policy trained stale samples"
+        )
         rewards = [float(r) for r in re.findall(r"step \d+: reward ([0-9.]+)", trainer_log)]
         assert len(rewards) == STEPS, trainer_log[-3000:]
         # The policy improves, judged as the demo is: greedy accuracy on the held-out problems, which the
         # evaluator on host C measured through the router on host A. (The sampled training reward rises
         # too, by ~0.02-0.03 in 10 steps, but its step-to-step noise is as large: not a sound check.)
-        scores = {int(v): float(a) for v, a in
-                  re.findall(r"version (\d+) arithmetic: accuracy/mean = ([0-9.]+)", log_of("evaluator"))}  # fmt: skip
+        scores = {
+            int(v): float(a)
+            for v, a in re.findall(r"version (\d+) arithmetic: accuracy/mean = ([0-9.]+)", log_of("evaluator"))
+        }
         assert scores and min(scores) <= 3, f"held-out results for versions {sorted(scores)}"
         rise, what = end_of_run_rise(scores, min(scores), STEPS)
         assert rise >= MIN_RISE, f"held-out accuracy {what}: {rise:+.3f}"
@@ -214,4 +233,6 @@ def test_three_hosts_train_the_demo_from_the_scripts_and_the_router_evicts_a_dea
         while worker_url in hosts.run("a", http("GET", workers, ROUTER_TOKEN)):
             assert time.monotonic() - killed_at < TTL_S + 10, "the router still lists the dead host's worker"
             time.sleep(0.2)
-        print(f"rewards {rewards}; held-out {scores}; worker evicted {time.monotonic() - killed_at:.1f} s after host B died")
+        print(
+            f"rewards {rewards}; held-out {scores}; worker evicted {time.monotonic() - killed_at:.1f} s after host B died"
+        )

@@ -96,8 +96,9 @@ def test_muon_takes_the_blocks_dense_matrices_and_adamw_the_rest():
     assert "model.layers.0.self_attn.kv_b_proj.weight" in on_muon
     assert "model.layers.1.mlp.shared_experts.down_proj.weight" in on_muon
     assert all(is_muon_matrix(n, p) for n, p in model.named_parameters() if id(p) in muon_ids)
-    assert not any(("embed" in n or "lm_head" in n or ".gate." in n or "experts.gate_up" in n or "norm" in n)
-                   for n in on_muon)  # fmt: skip
+    assert not any(
+        ("embed" in n or "lm_head" in n or ".gate." in n or "experts.gate_up" in n or "norm" in n) for n in on_muon
+    )
     # A Muon step of a matrix is orthogonalised: its singular values are (nearly) all equal, AdamW's are not.
     w = model.model.layers[0].self_attn.o_proj.weight
     before = w.detach().clone()

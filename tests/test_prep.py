@@ -38,8 +38,11 @@ def stream(source_dir: Path) -> list[int]:
 
 
 def files_of(root: Path) -> dict[str, tuple[bytes, int]]:
-    return {str(p.relative_to(root)): (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(root.rglob("*"))
-            if p.is_file() and p.name != ".prep.lock"}  # fmt: skip
+    return {
+        str(p.relative_to(root)): (p.read_bytes(), p.stat().st_mtime_ns)
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and p.name != ".prep.lock"
+    }
 
 
 def test_jsonl_parquet_and_datasets_directories_become_the_documents_separated_by_eos(tmp_path):
@@ -49,11 +52,14 @@ def test_jsonl_parquet_and_datasets_directories_become_the_documents_separated_b
     write_jsonl(tmp_path / "in" / "a.jsonl", docs[:1000])
     pq.write_table(pa.table({"body": docs[1000:2000]}), tmp_path / "in" / "b.parquet", row_group_size=100)
     Dataset.from_dict({"text": docs[2000:]}).save_to_disk(str(tmp_path / "in" / "c"), num_shards=2)
-    cfg = config(tmp_path, [
-        DataSourceConfig("a", str(tmp_path / "in" / "a.jsonl")),
-        DataSourceConfig("b", str(tmp_path / "in" / "b.parquet"), text_key="body"),
-        DataSourceConfig("c", str(tmp_path / "in" / "c")),
-    ])  # fmt: skip
+    cfg = config(
+        tmp_path,
+        [
+            DataSourceConfig("a", str(tmp_path / "in" / "a.jsonl")),
+            DataSourceConfig("b", str(tmp_path / "in" / "b.parquet"), text_key="body"),
+            DataSourceConfig("c", str(tmp_path / "in" / "c")),
+        ],
+    )
     reports = prep(cfg, progress=False)
     root = tmp_path / "data"
     for name, part in (("a", docs[:1000]), ("b", docs[1000:2000]), ("c", docs[2000:])):
@@ -141,10 +147,12 @@ def test_a_missing_parquet_column_names_the_config_key(tmp_path):
 
 
 def test_slipstream_prep_has_help_and_refuses_a_config_without_sources(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "common.cli", "prep", "--help"], cwd=REPO, capture_output=True,
-                         text=True, check=True).stdout  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "common.cli", "prep", "--help"], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout
     assert "trainer.data.sources" in out
     (tmp_path / "c.toml").write_text("[trainer]\nsteps = 1\n")
-    done = subprocess.run([sys.executable, "-m", "common.cli", "prep", str(tmp_path / "c.toml")], cwd=REPO,
-                          capture_output=True, text=True)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "common.cli", "prep", str(tmp_path / "c.toml")], cwd=REPO, capture_output=True, text=True
+    )
     assert done.returncode == 2 and "add [[trainer.data.sources]] tables" in done.stderr

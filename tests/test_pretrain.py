@@ -77,8 +77,21 @@ def test_command_line_writes_metrics_and_a_checkpoint(corpus, tmp_path):
     cfg_file = tmp_path / "c.toml"
     cfg_file.write_text("[trainer]\nsteps = 2\n")
     run_dir = tmp_path / "cli"
-    main([str(cfg_file), "--data", str(text), "--tokenizer", str(tok), "--seq-len", "8", "--batch-size", "2",
-          "--run-dir", str(run_dir)])  # fmt: skip
+    main(
+        [
+            str(cfg_file),
+            "--data",
+            str(text),
+            "--tokenizer",
+            str(tok),
+            "--seq-len",
+            "8",
+            "--batch-size",
+            "2",
+            "--run-dir",
+            str(run_dir),
+        ]
+    )
     from common.metrics import read_metrics
 
     assert {p.tag for p in read_metrics(run_dir)} >= {"train/loss", "router/layer1/load_cv"}

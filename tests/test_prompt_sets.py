@@ -27,11 +27,23 @@ WORD_PROBLEMS = ROOT / "configs" / "data" / "word_problems.jsonl"
 # [rollout.task]) phrased with the tiny tokenizer's words (rollout/tinykit.py WORDS), every fact in every
 # phrasing of its operator.
 _PHRASINGS = {
-    "+": ["what is {a} plus {b}?", "compute {a} plus {b}.", "what is the sum of {a} and {b}?",
-          "the total of {a} and {b} is", "{a} plus {b} equals", "solve: {a} plus {b}"],
-    "-": ["what is {a} minus {b}?", "compute {a} minus {b}.", "what is the result of {a} minus {b}?",
-          "the number {a} minus {b} is", "{a} minus {b} equals", "solve: {a} minus {b}"],
-}  # fmt: skip
+    "+": [
+        "what is {a} plus {b}?",
+        "compute {a} plus {b}.",
+        "what is the sum of {a} and {b}?",
+        "the total of {a} and {b} is",
+        "{a} plus {b} equals",
+        "solve: {a} plus {b}",
+    ],
+    "-": [
+        "what is {a} minus {b}?",
+        "compute {a} minus {b}.",
+        "what is the result of {a} minus {b}?",
+        "the number {a} minus {b} is",
+        "{a} minus {b} equals",
+        "solve: {a} minus {b}",
+    ],
+}
 
 
 def word_problems() -> list[dict[str, str]]:
@@ -236,8 +248,10 @@ def make_length_verifier(src):
 
 def test_an_imported_verifier_is_built_from_its_source_config(tmp_path):
     path = write_jsonl(tmp_path / "len.jsonl", [{"prompt": "three letters", "answer": "3"}])
-    task = mixture(f'name = "len", path = "{path}", verifier = "import", '
-                   'verifier_import = "tests.test_prompt_sets:make_length_verifier"')  # fmt: skip
+    task = mixture(
+        f'name = "len", path = "{path}", verifier = "import", '
+        'verifier_import = "tests.test_prompt_sets:make_length_verifier"'
+    )
     assert task.reward(task.problem(0), "abc") == 1.0 and task.reward(task.problem(0), "ab") == 0.0
 
 
@@ -258,26 +272,38 @@ def test_the_arithmetic_verifier_refuses_a_source_whose_answers_are_not_integers
 @pytest.mark.parametrize(
     ("tables", "message"),
     [
-        (['name = "a", path = "/nonexistent/x.jsonl"'],
-         r"sources\[0\] \('a'\)\.path '/nonexistent/x\.jsonl' does not exist"),
-        (['name = "a", format = "arithmetic", weight = 0'], r"sources\[0\] \('a'\)\.weight = 0\.0 must be a number > 0"),
+        (
+            ['name = "a", path = "/nonexistent/x.jsonl"'],
+            r"sources\[0\] \('a'\)\.path '/nonexistent/x\.jsonl' does not exist",
+        ),
+        (
+            ['name = "a", format = "arithmetic", weight = 0'],
+            r"sources\[0\] \('a'\)\.weight = 0\.0 must be a number > 0",
+        ),
         (['name = "a", format = "arithmetic", weight = -1'], r"\.weight = -1\.0 must be a number > 0"),
         (['name = "a", format = "arithmetic", weight = nan'], r"\.weight = nan must be a number > 0"),
-        (['name = "a", format = "arithmetic"', 'name = "a", format = "arithmetic"'],
-         r"sources\[1\]\.name = 'a' is used by an earlier source"),
-        (['name = "a", format = "arithmetic", verifier = "regex"'],
-         r"sources\[0\]\.verifier: 'regex' is not one of 'auto', 'math', 'arithmetic', 'exact', 'import'"),
+        (
+            ['name = "a", format = "arithmetic"', 'name = "a", format = "arithmetic"'],
+            r"sources\[1\]\.name = 'a' is used by an earlier source",
+        ),
+        (
+            ['name = "a", format = "arithmetic", verifier = "regex"'],
+            r"sources\[0\]\.verifier: 'regex' is not one of 'auto', 'math', 'arithmetic', 'exact', 'import'",
+        ),
         (['name = "a", format = "arithmetic", verifier = "import"'], r"needs verifier_import = 'package\.module"),
         (['name = "a/b", format = "arithmetic"'], r"sources\[0\]\.name = 'a/b': give a name of letters"),
         (['name = "a"'], r"sources\[0\] \('a'\) has no path"),
         (['name = "a", format = "arithmetic", path = "x.jsonl"'], r"reads no file: drop path"),
         (['name = "a", format = "arithmetic", repeat = true'], r"does not repeat; raise its num_problems"),
         (['name = "a", format = "arithmetic", operators = "/"'], r"\.operators '/' must be a non-empty subset"),
-        (['name = "a", format = "arithmetic", wieght = 1'], r"unknown key 'rollout\.task\.sources\[0\]\.wieght': "
-                                                            r"did you mean 'weight'\?"),
+        (
+            ['name = "a", format = "arithmetic", wieght = 1'],
+            r"unknown key 'rollout\.task\.sources\[0\]\.wieght': "
+            r"did you mean 'weight'\?",
+        ),
         ([], r"kind = 'mixture' needs \[\[rollout\.task\.sources\]\]"),
     ],
-)  # fmt: skip
+)
 def test_bad_sources_are_refused_naming_the_key_and_the_fix(tables, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, ["rollout.task.kind=mixture", sources_override(*tables)], environ={})
@@ -304,8 +330,9 @@ def test_the_sources_show_round_trip_and_are_part_of_the_identity(prompt_files):
     shown = render(cfg)
     assert "# Prompt sources of kind = mixture" in shown and 'name = "qa"' in shown and "weight = 0.3" in shown
     assert load_config_text(to_toml(cfg), prompt_files["jsonl"].parent) == cfg
-    heavier = load_config(None, ["rollout.task.kind=mixture", sources_override(table.replace("0.3", "0.5"))],
-                          environ={})  # fmt: skip
+    heavier = load_config(
+        None, ["rollout.task.kind=mixture", sources_override(table.replace("0.3", "0.5"))], environ={}
+    )
     assert identity_diff(cfg, heavier) == ["rollout.task.sources"]
 
 

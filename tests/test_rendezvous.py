@@ -230,8 +230,9 @@ def test_the_leader_keeps_redis_until_a_peer_still_ending_has_disconnected(tmp_p
     meet = tmp_path / "meet"
     leader = Rendezvous(meet, RendezvousConfig(leader_linger_s=30))
     probe = leader.connect()
-    peer = subprocess.Popen([sys.executable, "-c", PEER, str(meet)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            text=True)  # fmt: skip
+    peer = subprocess.Popen(
+        [sys.executable, "-c", PEER, str(meet)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     try:
         assert peer.stdout is not None and peer.stdout.readline() == "connected\n"
         closing = threading.Thread(target=leader.close)
@@ -255,8 +256,13 @@ def test_the_leader_stops_redis_after_leader_linger_s_when_a_peer_stays(tmp_path
     meet = tmp_path / "meet"
     leader = Rendezvous(meet, RendezvousConfig(leader_linger_s=0.5))
     leader.connect()
-    peer = subprocess.Popen([sys.executable, "-c", PEER, str(meet)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True)  # fmt: skip
+    peer = subprocess.Popen(
+        [sys.executable, "-c", PEER, str(meet)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     try:
         assert peer.stdout is not None and peer.stdout.readline() == "connected\n"
         started = time.monotonic()

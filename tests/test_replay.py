@@ -23,9 +23,22 @@ B, S = 3, 10
 
 
 def _model_cfg() -> ModelConfig:
-    return ModelConfig(vocab_size=64, hidden_size=32, num_layers=3, first_k_dense=1, intermediate_size=64,
-                       moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=2, num_heads=2,
-                       kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, max_seq_len=32)  # fmt: skip
+    return ModelConfig(
+        vocab_size=64,
+        hidden_size=32,
+        num_layers=3,
+        first_k_dense=1,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        num_heads=2,
+        kv_lora_rank=16,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=8,
+        v_head_dim=8,
+        max_seq_len=32,
+    )
 
 
 def _tokens(seed: int = 0) -> torch.Tensor:
@@ -163,7 +176,7 @@ def test_token_and_sequence_masks_leave_tokens_out_and_say_how_many():
     assert out.stats["seq_masked_fraction"] == pytest.approx(3 / 6)
     assert out.loss.item() == pytest.approx(-(1 + 3 + 1) / 6)
     assert plain.stats["token_masked_fraction"] == plain.stats["seq_masked_fraction"] == 0.0
-    k3 = float(((proximal.exp() - proximal - 1)).mean())
+    k3 = float((proximal.exp() - proximal - 1).mean())
     assert plain.stats["behaviour_proximal_k3"] == pytest.approx(k3)
     assert plain.stats["behaviour_proximal_abs_logp_diff_max"] == pytest.approx(float(np.log(4)))
 

@@ -50,15 +50,26 @@ class Launch:
     """`slipstream launch` of the demo. Quiet (the default console) or `verbose` (every role line on it)."""
 
     def __init__(
-        self, root: Path, exp: str, *overrides: str, resume: bool = False, log_name: str = "launch.log",
+        self,
+        root: Path,
+        exp: str,
+        *overrides: str,
+        resume: bool = False,
+        log_name: str = "launch.log",
         verbose: bool = False,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.log_path = root / log_name
         self.run_dir = root / "runs" / exp
         self.verbose = verbose
         env = {k: v for k, v in os.environ.items() if not k.startswith("SLIPSTREAM")} | {"SLIPSTREAM_EXP": exp}
-        sets = [f"run.root={root / 'runs'}", f"trainer.steps={STEPS}", "rendezvous.heartbeat_period_s=0.5",
-                "rendezvous.heartbeat_ttl_s=2.0", "trainer.final_eval_wait_s=300", *overrides]  # fmt: skip
+        sets = [
+            f"run.root={root / 'runs'}",
+            f"trainer.steps={STEPS}",
+            "rendezvous.heartbeat_period_s=0.5",
+            "rendezvous.heartbeat_ttl_s=2.0",
+            "trainer.final_eval_wait_s=300",
+            *overrides,
+        ]
         cmd = [sys.executable, "-m", "common.cli", "launch", "configs/demo.toml"]
         for s in sets:
             cmd += ["--set", s]
@@ -125,7 +136,8 @@ def end_of_run_rise(scores: dict[int, float], first: int, last: int) -> tuple[fl
     assert first in scores and all(v in scores for v in tail), f"held-out results for versions {sorted(scores)}"
     end = sum(scores[v] for v in tail) / LAST
     return end - scores[first], f"{scores[first]:.3f} at version {first} -> {end:.3f} over versions {tail} " + (
-        f"({', '.join(f'{scores[v]:.3f}' for v in tail)})")  # fmt: skip
+        f"({', '.join(f'{scores[v]:.3f}' for v in tail)})"
+    )
 
 
 def assert_clear_rise(run: Launch) -> None:
@@ -143,6 +155,7 @@ MIXTURE = (
     "trainer.warmup.steps=150",
 )
 
+
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
 def test_two_expert_parallel_ranks_with_routing_replay_learn_fully_async_through_killed_worker_router_and_redis(
@@ -158,9 +171,17 @@ def test_two_expert_parallel_ranks_with_routing_replay_learn_fully_async_through
     by new prompts, counted and logged. Then the run's sharded checkpoint loads into one unsharded rank,
     equals the last version the workers loaded, and trains on, and its dashboard page shows every figure the
     run wrote. (One run for all of it: each demo launch costs two vLLM starts.)"""
-    run = Launch(short_root, "rl-async", "flow.strategy=fully_async", "launch.roles.trainer.replicas=2",
-                 "trainer.parallel.ep=2", "trainer.checkpoint.interval_steps=5",
-                 "trainer.rl.routing_replay=rollout", *MIXTURE, "flow.dynamic_sampling=true")  # fmt: skip
+    run = Launch(
+        short_root,
+        "rl-async",
+        "flow.strategy=fully_async",
+        "launch.roles.trainer.replicas=2",
+        "trainer.parallel.ep=2",
+        "trainer.checkpoint.interval_steps=5",
+        "trainer.rl.routing_replay=rollout",
+        *MIXTURE,
+        "flow.dynamic_sampling=true",
+    )
     try:
         worker_pid = int(run.wait_for(r"started vllm/0 \(role vllm, pid (\d+)\)", 60).group(1))
         router_pid = int(run.wait_for(r"started router/0 \(role router, pid (\d+)\)", 60).group(1))
@@ -183,8 +204,9 @@ def test_two_expert_parallel_ranks_with_routing_replay_learn_fully_async_through
     console = run.console().splitlines()
     assert len(console) < 150 and not any("[vllm " in line for line in console), "\n".join(console)
     assert any(f"step {STEPS}/{STEPS} | reward" in line for line in console), "\n".join(console)
-    assert any(line.split() == ["step", "reward", "train", "acc", "held-out", "acc", "max", "stale"]
-               for line in console), "\n".join(console)  # fmt: skip
+    assert any(
+        line.split() == ["step", "reward", "train", "acc", "held-out", "acc", "max", "stale"] for line in console
+    ), "\n".join(console)
     assert "step 3: reward" in (run.run_dir / "logs" / "trainer-0.log").read_text()
     log = run.log()
     assert not noise_in(log), "\n".join(noise_in(log)[:40])
@@ -227,8 +249,10 @@ def assert_replay_telemetry(run_dir: Path) -> None:
     assert mismatch and max(mismatch) < 1e-3, mismatch
     # Every step measured how often the trainer's own router disagrees with vLLM's routing (fully async:
     # stale samples were routed by older weights) and how far apart the two policies' log-probs are.
-    telemetry = {t: [p.value for p in read_metrics(run_dir, [f"loss/{t}"])] for t in
-                 ("routing_disagreement", "behaviour_proximal_abs_logp_diff_p99", "behaviour_proximal_k3")}  # fmt: skip
+    telemetry = {
+        t: [p.value for p in read_metrics(run_dir, [f"loss/{t}"])]
+        for t in ("routing_disagreement", "behaviour_proximal_abs_logp_diff_p99", "behaviour_proximal_k3")
+    }
     for tag, values in telemetry.items():  # steps whose groups all had one reward train nothing: no figures
         assert len(values) >= STEPS // 2 and all(0 <= v < math.inf for v in values), (tag, values)
     assert all(v <= 1 for v in telemetry["routing_disagreement"])
@@ -248,8 +272,11 @@ def assert_checkpoint_is_the_last_version_and_trains_on_one_rank(run_dir: Path) 
     assert len(index["shards"]) >= 2
     published = dict(FileUpdateInfo(path=str(version)).tensors())
     cfg = load_config(run_dir / "config.toml", ["trainer.parallel.ep=1"])  # one unsharded rank
-    core = TrainingCore(cfg, Ranks.single(torch.device("cpu")), initial_model(cfg, torch.device("cpu"),
-                        next((run_dir / "models").iterdir())))  # fmt: skip
+    core = TrainingCore(
+        cfg,
+        Ranks.single(torch.device("cpu")),
+        initial_model(cfg, torch.device("cpu"), next((run_dir / "models").iterdir())),
+    )
     state = core.resume(run_dir / "checkpoints")
     assert state is not None and state.step == STEPS and state.flow_state
     for name, t in hf_tensors(core.model):
@@ -259,8 +286,14 @@ def assert_checkpoint_is_the_last_version_and_trains_on_one_rank(run_dir: Path) 
     assert result.optim.step == core.optimizer.steps and torch.isfinite(torch.tensor(result.figures["loss"]))
 
 
-NOISE = ("Traceback", "Task exception was never retrieved", "Unclosed client session", "never awaited",
-         "Task was destroyed but it is pending", "ignored SIGTERM")  # fmt: skip
+NOISE = (
+    "Traceback",
+    "Task exception was never retrieved",
+    "Unclosed client session",
+    "never awaited",
+    "Task was destroyed but it is pending",
+    "ignored SIGTERM",
+)
 # vLLM's own output, relayed by the worker role as `[vllm <worker id>] ...`.
 VLLM_LINE = re.compile(r"(^|\] )\[vllm \S+\] ")
 
@@ -289,17 +322,26 @@ def test_a_killed_trainer_resumes_exactly_and_a_relaunch_after_the_launchers_dea
     every step once, and version numbers only rise."""
     # No score is asserted: a short warm start, 12 steps of 16 prompts are enough, and keep the test short.
     steps, prompts = 12, 16
-    sets = ("flow.strategy=one_step_off", f"trainer.steps={steps}", "trainer.warmup.steps=10",
-            f"flow.prompts_per_step={prompts}", "trainer.checkpoint.interval_steps=4",
-            "launch.roles.evaluator.replicas=0", "launch.roles.vllm_eval.replicas=0")  # fmt: skip
+    sets = (
+        "flow.strategy=one_step_off",
+        f"trainer.steps={steps}",
+        "trainer.warmup.steps=10",
+        f"flow.prompts_per_step={prompts}",
+        "trainer.checkpoint.interval_steps=4",
+        "launch.roles.evaluator.replicas=0",
+        "launch.roles.vllm_eval.replicas=0",
+    )
     run = Launch(short_root, "rl-resume", *sets, verbose=True)
     try:
         trainer_pid = int(run.wait_for(r"started trainer/0 \(role trainer, pid (\d+)\)", 60).group(1))
         run.wait_for(r"step 6: reward", 900)
         os.kill(trainer_pid, signal.SIGKILL)
         run.wait_for(r"trainer/0 exited with code 137: restarting \(1/3\)", 60)
-        resumed = run.wait_for(r"resuming at step (\d+): the generators serve step (\d+)'s weights \(version (\d+)\) "
-                               r"again as version (\d+)", 300)  # fmt: skip
+        resumed = run.wait_for(
+            r"resuming at step (\d+): the generators serve step (\d+)'s weights \(version (\d+)\) "
+            r"again as version (\d+)",
+            300,
+        )
         assert [int(g) for g in resumed.groups()[:3]] == [4, 3, 3], resumed.group(0)
         assert int(resumed.group(4)) > 6
         # The restarted trainer trains on from step 4; after step 9 the launcher dies by SIGKILL.
@@ -346,8 +388,13 @@ def test_a_failed_run_tears_down_quietly_and_says_why_once(short_root):
     router, the vLLM worker and the evaluator (verifying through the router: no eval-pool worker, to save
     a vLLM start), and their ends print no traceback, no unclosed session and no pending task; the failure
     is reported once."""
-    run = Launch(short_root, "rl-fail", "launch.roles.trainer.max_restarts=0", "launch.roles.vllm_eval.replicas=0",
-                 "evaluator.pin=never")  # fmt: skip
+    run = Launch(
+        short_root,
+        "rl-fail",
+        "launch.roles.trainer.max_restarts=0",
+        "launch.roles.vllm_eval.replicas=0",
+        "evaluator.pin=never",
+    )
     try:
         trainer_pid = int(run.wait_for(r"started trainer/0 \(role trainer, pid (\d+)\)", 60).group(1))
         run.wait_for(r"evaluator rl-fail \| role up", 300)

@@ -98,8 +98,15 @@ def test_sequence_mean_weighs_sequences_equally_and_micro_batches_sum_to_the_bat
     assert seq == pytest.approx(-(1.0 + 3.0) / 2)
     for how, total in (("token_mean", 5.0), ("seq_mean", 2.0)):
         parts = sum(
-            ppo_loss(logp[i : i + 1], logp[i : i + 1], logp[i : i + 1], adv[i : i + 1], mask[i : i + 1],
-                     cfg(aggregation=how), total=total).loss.item()
+            ppo_loss(
+                logp[i : i + 1],
+                logp[i : i + 1],
+                logp[i : i + 1],
+                adv[i : i + 1],
+                mask[i : i + 1],
+                cfg(aggregation=how),
+                total=total,
+            ).loss.item()
             for i in range(2)
         )
         assert parts == pytest.approx(token if how == "token_mean" else seq)

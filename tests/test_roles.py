@@ -21,8 +21,11 @@ REPO = Path(__file__).resolve().parent.parent
 
 @pytest.fixture
 def ctx(tmp_path):
-    cfg = load_config(None, [f"run.root={tmp_path}", "rendezvous.heartbeat_period_s=0.2",
-                             "rendezvous.heartbeat_ttl_s=1.0"], environ={})
+    cfg = load_config(
+        None,
+        [f"run.root={tmp_path}", "rendezvous.heartbeat_period_s=0.2", "rendezvous.heartbeat_ttl_s=1.0"],
+        environ={},
+    )
     context = context_for(cfg, "router", environ={"SLIPSTREAM_EXP": "t-roles"})
     yield context
     context.rendezvous.close()
@@ -114,8 +117,12 @@ def test_heartbeat_refuses_a_ttl_shorter_than_two_periods(ctx):
 def test_run_without_a_valid_role_lists_the_roles(role, message):
     env = {k: v for k, v in os.environ.items() if k != "ROLE"} | ({"ROLE": role} if role else {})
     done = subprocess.run(
-        [sys.executable, "-m", "common.cli", "run", "configs/demo.toml"], cwd=REPO, env=env, capture_output=True,
-        text=True, timeout=60,
+        [sys.executable, "-m", "common.cli", "run", "configs/demo.toml"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert done.returncode == 2
     assert message in done.stderr

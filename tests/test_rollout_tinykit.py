@@ -60,9 +60,16 @@ def test_vllm_command_enables_rl_serving_and_passes_engine_args_through(tmp_path
     model = tiny_checkpoint(cfg.trainer.model, 0, tmp_path)
     cmd = vllm_command(cfg.rollout, model, "127.0.0.1", 8000, cpu=True)
     joined = " ".join(cmd)
-    for flag in ('--weight-transfer-config {"backend": "file"}', "--logprobs-mode processed_logprobs",
-                 "--enable-scale-out", "--kv-cache-memory-bytes 134217728", '"-rotary_embedding"',
-                 "--attention-backend CPU_MLA", "--tensor-parallel-size 1", "--max-num-seqs 64"):  # fmt: skip
+    for flag in (
+        '--weight-transfer-config {"backend": "file"}',
+        "--logprobs-mode processed_logprobs",
+        "--enable-scale-out",
+        "--kv-cache-memory-bytes 134217728",
+        '"-rotary_embedding"',
+        "--attention-backend CPU_MLA",
+        "--tensor-parallel-size 1",
+        "--max-num-seqs 64",
+    ):
         assert flag in joined
     cfg.rollout.weight_backend = "nccl"
     gpu = " ".join(vllm_command(cfg.rollout, model, "127.0.0.1", 8000, cpu=False))

@@ -262,9 +262,10 @@ async def test_late_worker_serves_the_current_version_before_registering_and_kil
             entry = run.workers()[late_id]
             assert entry["weight_version"] == version
             assert await served_version(http, entry["url"]) == str(version)
-            async with RolloutClient("policy", url=entry["url"]) as late, RolloutClient(
-                "policy", url=worker_url(run, next(w for w in run.workers() if w != late_id))
-            ) as first:
+            async with (
+                RolloutClient("policy", url=entry["url"]) as late,
+                RolloutClient("policy", url=worker_url(run, next(w for w in run.workers() if w != late_id))) as first,
+            ):
                 assert await greedy(late) == await greedy(first)
 
             deadline = time.monotonic() + 10

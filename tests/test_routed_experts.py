@@ -190,9 +190,11 @@ async def test_with_a_perturbed_router_bias_replay_gives_back_vllms_log_probs_de
             m.gate.e_score_correction_bias.add_(0.05 * torch.randn(m.num_experts, generator=gen))
     moved, disagreement = gap(replay=False)
     back, replayed_disagreement = gap(replay=True)
-    print(f"|trainer - vLLM| log-prob: own routing max {float(same.max()):.2e} mean {float(same.mean()):.2e}; "
-          f"bias perturbed: max {float(moved.max()):.2e} (disagreement {disagreement:.3f}); "
-          f"replayed: max {float(back.max()):.2e} mean {float(back.mean()):.2e}")  # fmt: skip
+    print(
+        f"|trainer - vLLM| log-prob: own routing max {float(same.max()):.2e} mean {float(same.mean()):.2e}; "
+        f"bias perturbed: max {float(moved.max()):.2e} (disagreement {disagreement:.3f}); "
+        f"replayed: max {float(back.max()):.2e} mean {float(back.mean()):.2e}"
+    )
     assert disagreement > 0 and replayed_disagreement == disagreement  # still measured against the own choice
     assert float(moved.max()) > 1e-3
     assert float(back.max()) <= 1e-5

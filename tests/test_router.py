@@ -252,14 +252,28 @@ async def test_no_healthy_worker_is_a_503_that_says_so(rz, http):
 async def test_unknown_paths_and_wrong_methods_get_openai_style_json_errors(rz, http):
     async with router(rz, exp="empty") as r:
         answers = []
-        for method, path in (("POST", "/v1/embeddings"), ("GET", "/nothing/here"), ("GET", "/v1/completions"),
-                             ("DELETE", "/workers")):  # fmt: skip
+        for method, path in (
+            ("POST", "/v1/embeddings"),
+            ("GET", "/nothing/here"),
+            ("GET", "/v1/completions"),
+            ("DELETE", "/workers"),
+        ):
             async with http.request(method, r.url + path) as resp:
-                answers.append((resp.status, resp.headers["Content-Type"], resp.headers.get("Allow"),
-                                await resp.json(content_type=None)))  # fmt: skip
+                answers.append(
+                    (
+                        resp.status,
+                        resp.headers["Content-Type"],
+                        resp.headers.get("Allow"),
+                        await resp.json(content_type=None),
+                    )
+                )
     for status, content_type, _, body in answers:
-        assert content_type.startswith("application/json") and set(body["error"]) == {"message", "type", "param",
-                                                                                    "code"}  # fmt: skip
+        assert content_type.startswith("application/json") and set(body["error"]) == {
+            "message",
+            "type",
+            "param",
+            "code",
+        }
         assert body["error"]["code"] == status
     (s1, _, _, b1), (s2, _, _, b2), (s3, _, allow3, b3), (s4, _, allow4, b4) = answers
     assert (s1, s2, s3, s4) == (404, 404, 405, 405)
@@ -338,8 +352,9 @@ async def test_a_request_waiting_on_a_removed_unreachable_worker_is_retried_on_a
             await wait_for(lambda: _routable(http, r.url, 2), 3.0, "both workers routable")
             start = time.monotonic()
             # w0 (the ghost's server) accepts and never answers; the live worker answers at once.
-            asked = asyncio.gather(*(post(http, r.url + "/v1/completions", {"prompt": f"p{i}", "hang_on": ["w0"]})
-                                     for i in range(4)))  # fmt: skip
+            asked = asyncio.gather(
+                *(post(http, r.url + "/v1/completions", {"prompt": f"p{i}", "hang_on": ["w0"]}) for i in range(4))
+            )
             await asyncio.sleep(0.3)
             await post(http, backends[0].url + "/_control", {"healthy": False})  # its engine died
             answers = await asyncio.wait_for(asked, 10)
@@ -362,8 +377,9 @@ async def test_a_removed_worker_whose_server_still_answers_finishes_its_requests
         await _ghost_and_live(client, keys, backends, ghost_ttl_ms=30_000)
         async with router(rz, exp="lapsed", policy="round_robin") as r:
             await wait_for(lambda: _routable(http, r.url, 2), 3.0, "both workers routable")
-            asked = asyncio.gather(*(post(http, r.url + "/v1/completions", {"prompt": f"p{i}", "delay_s": 2.5})
-                                     for i in range(2)))  # fmt: skip
+            asked = asyncio.gather(
+                *(post(http, r.url + "/v1/completions", {"prompt": f"p{i}", "delay_s": 2.5}) for i in range(2))
+            )
             await asyncio.sleep(0.3)
             await client.delete(keys.worker_alive("a-ghost"))  # the heartbeat lapses while w0 works
             answers = await asyncio.wait_for(asked, 10)

@@ -101,8 +101,11 @@ async def test_kill_9_of_one_backend_under_64_clients_fails_only_requests_that_h
                 await asyncio.sleep(0.02)
             listed_after = time.monotonic() - killed_at
             # When the router itself removed it (its event's clock), apart from this loaded test loop's delay.
-            removal = next(f for _, f in redis.xrange(Keys(EXP).events)
-                           if f["event"] == "worker_removed" and json.loads(f["detail"])["worker"] == "f1")  # fmt: skip
+            removal = next(
+                f
+                for _, f in redis.xrange(Keys(EXP).events)
+                if f["event"] == "worker_removed" and json.loads(f["detail"])["worker"] == "f1"
+            )
             removed_after = float(removal["ts"]) - killed_wall
             await asyncio.sleep(0.5)  # keep the load on the remaining two for a while
             stop.set()

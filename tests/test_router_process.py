@@ -108,8 +108,9 @@ def test_a_router_restarted_after_kill_9_takes_over_its_name_before_the_dead_cla
             time.sleep(0.05)
         took = time.monotonic() - killed
         assert url is not None and url != dead_url
-        request = urllib.request.Request(url + "/v1/completions", data=json.dumps({"prompt": "p"}).encode(),
-                                         method="POST")  # fmt: skip
+        request = urllib.request.Request(
+            url + "/v1/completions", data=json.dumps({"prompt": "p"}).encode(), method="POST"
+        )
         with urllib.request.urlopen(request, timeout=10) as resp:
             assert json.loads(resp.read())["worker"] == "w0"
         second.send_signal(signal.SIGTERM)

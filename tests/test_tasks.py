@@ -17,10 +17,13 @@ from rollout.tasks.mathanswer import answers_equal, extract_answer, extract_boxe
 def test_arithmetic_problems_are_a_pure_function_of_seed_and_index():
     task = ArithmeticTask(seed=3, operators="+-*", min_operands=2, max_operands=4, max_value=30)
     first = [task.problem(i) for i in range(200)]
-    assert first == [ArithmeticTask(seed=3, operators="+-*", min_operands=2, max_operands=4, max_value=30).problem(i)
-                     for i in range(200)]
-    assert first != [ArithmeticTask(seed=4, operators="+-*", min_operands=2, max_operands=4).problem(i)
-                     for i in range(200)]
+    assert first == [
+        ArithmeticTask(seed=3, operators="+-*", min_operands=2, max_operands=4, max_value=30).problem(i)
+        for i in range(200)
+    ]
+    assert first != [
+        ArithmeticTask(seed=4, operators="+-*", min_operands=2, max_operands=4).problem(i) for i in range(200)
+    ]
     for p in first:
         expression = p.prompt.removesuffix("=")
         assert p.prompt.endswith("=") and int(p.answer) == eval(expression)  # noqa: S307 - test oracle
@@ -38,8 +41,16 @@ def test_evaluate_respects_precedence_and_rejects_other_text():
 
 @pytest.mark.parametrize(
     ("completion", "answer", "expected"),
-    [("19", "19", True), (" 19 and more", "19", True), ("-4", "-4", True), ("20", "19", False),
-     ("1 9", "19", False), ("191", "19", False), ("", "19", False), ("the answer is 19", "19", False)],
+    [
+        ("19", "19", True),
+        (" 19 and more", "19", True),
+        ("-4", "-4", True),
+        ("20", "19", False),
+        ("1 9", "19", False),
+        ("191", "19", False),
+        ("", "19", False),
+        ("the answer is 19", "19", False),
+    ],
 )
 def test_arithmetic_verifier_is_exact(completion, answer, expected):
     assert verify(completion, answer) is expected
@@ -96,8 +107,12 @@ def test_a_pathological_expression_is_cut_off_by_the_time_limit():
 
 def test_jsonl_math_task_reads_records_and_names_bad_lines(tmp_path):
     path = tmp_path / "math.jsonl"
-    path.write_text(json.dumps({"prompt": "What is 6*7?", "answer": "42"}) + "\n\n" +
-                    json.dumps({"id": "b", "prompt": "Half of 1?", "answer": r"\frac{1}{2}"}) + "\n")
+    path.write_text(
+        json.dumps({"prompt": "What is 6*7?", "answer": "42"})
+        + "\n\n"
+        + json.dumps({"id": "b", "prompt": "Half of 1?", "answer": r"\frac{1}{2}"})
+        + "\n"
+    )
     cfg = load_config(None, ["rollout.task.kind=jsonl_math", f"rollout.task.path={path}"], environ={})
     task = load_task(cfg.rollout.task)
     assert len(task) == 2 and task.problem(1).id == "b"

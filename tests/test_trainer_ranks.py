@@ -100,8 +100,14 @@ def launch(cfg: Path, exp: str, timeout_s: float = 150) -> tuple[int, str]:
     after timeout_s (well inside the test's own limit) is stopped with SIGINT and fails the test with what it
     printed."""
     env = {**os.environ, "SLIPSTREAM_EXP": exp, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "common.cli", "launch", "--verbose", str(cfg)], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "common.cli", "launch", "--verbose", str(cfg)],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         out, _ = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -141,7 +147,10 @@ def single_rank(tmp_path_factory) -> tuple[list[float], dict[str, torch.Tensor]]
 
 
 def assert_same_run(
-    reference: tuple[list[float], dict[str, torch.Tensor]], run_dir: Path, cfg: Path, steps: int = STEPS,
+    reference: tuple[list[float], dict[str, torch.Tensor]],
+    run_dir: Path,
+    cfg: Path,
+    steps: int = STEPS,
     min_drop: float = 0.5,
     max_weight_error: float = 1e-5,
 ) -> None:
@@ -182,8 +191,7 @@ def test_muon_on_two_expert_parallel_ranks_trains_what_one_rank_trains(tmp_path)
     two = pretrain_config(tmp_path, "m2", 2, 2, steps=steps, muon=True)
     code, out = launch(two, "pt-muon-w2")
     assert code == 0, out
-    assert_same_run(reference, tmp_path / "runs" / "pt-muon-w2", two, steps=steps, min_drop=0.3,
-                    max_weight_error=1e-2)
+    assert_same_run(reference, tmp_path / "runs" / "pt-muon-w2", two, steps=steps, min_drop=0.3, max_weight_error=1e-2)
 
 
 def test_a_two_rank_checkpoint_resumes_on_one_rank_and_continues_the_same_run(tmp_path, single_rank):
@@ -204,8 +212,14 @@ def test_a_killed_rank_restarts_the_whole_trainer_which_resumes_exactly(tmp_path
     losses and weights (each re-trained step's loss equals the first one's: the resume is exact)."""
     cfg = pretrain_config(tmp_path, "gang", 2, 2)
     env = {**os.environ, "SLIPSTREAM_EXP": "pt-gang", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "common.cli", "launch", "--verbose", str(cfg)], cwd=REPO,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "common.cli", "launch", "--verbose", str(cfg)],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     out: list[str] = []
     try:
         assert proc.stdout is not None
@@ -252,10 +266,25 @@ def _free_port() -> int:
 
 def start_rank(cfg: Path, exp: str, rank: int, world: int, port: int) -> subprocess.Popen[str]:
     """`slipstream run` of one trainer rank with torchrun-style variables, as torchrun or Slurm would start it."""
-    env = {**os.environ, "ROLE": "trainer", "SLIPSTREAM_EXP": exp, "OMP_NUM_THREADS": "1", "RANK": str(rank),
-           "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # fmt: skip
-    return subprocess.Popen([sys.executable, "-m", "common.cli", "run", str(cfg)], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    env = {
+        **os.environ,
+        "ROLE": "trainer",
+        "SLIPSTREAM_EXP": exp,
+        "OMP_NUM_THREADS": "1",
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "LOCAL_RANK": str(rank),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
+    return subprocess.Popen(
+        [sys.executable, "-m", "common.cli", "run", str(cfg)],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def test_torchrun_variables_start_the_same_ranks_without_the_launcher(tmp_path, single_rank):

@@ -46,8 +46,10 @@ def test_trainer_logprobs_of_rollout_tokens_match_vllm_behaviour_logprobs(deepse
         url = deepseek_run.router_url()
         async with RolloutClient(cfg.rollout.served_model_name, url=url) as client:
             groups = await asyncio.gather(
-                *(client.generate(tok(p)["input_ids"], n=4, temperature=1.0, max_tokens=24, seed=i)
-                  for i, p in enumerate(prompts))
+                *(
+                    client.generate(tok(p)["input_ids"], n=4, temperature=1.0, max_tokens=24, seed=i)
+                    for i, p in enumerate(prompts)
+                )
             )
         return [s for g in groups for s in g]
 
@@ -86,8 +88,9 @@ def test_waits_for_eval_see_results_before_and_during_the_wait_and_time_out(tmp_
         start = time.monotonic()
         assert not wait_for_eval(client, keys, 5, "arithmetic", timeout_s=0.5)
         assert 0.4 < time.monotonic() - start < 3
-        later = threading.Timer(0.3, client.xadd, (keys.evals, {"version": 5, "benchmark": "arithmetic",
-                                                              "score": 0.75, "ts": 0}))  # fmt: skip
+        later = threading.Timer(
+            0.3, client.xadd, (keys.evals, {"version": 5, "benchmark": "arithmetic", "score": 0.75, "ts": 0})
+        )
         later.start()
         assert wait_for_eval(client, keys, 5, "arithmetic", timeout_s=10)
         assert held_out_scores(client, keys, "arithmetic") == {3: 0.5, 5: 0.75}
@@ -96,8 +99,9 @@ def test_waits_for_eval_see_results_before_and_during_the_wait_and_time_out(tmp_
         assert wait_for_evals(client, keys, {3, 5}, "arithmetic", timeout_s=0) == set()
         assert wait_for_evals(client, keys, {0, 3, 5}, "arithmetic", timeout_s=0.3) == {0}
         assert wait_for_evals(client, keys, set(), "arithmetic", timeout_s=30) == set()
-        backfill = threading.Timer(0.3, client.xadd, (keys.evals, {"version": 0, "benchmark": "arithmetic",
-                                                                 "score": 0.25, "ts": 0}))  # fmt: skip
+        backfill = threading.Timer(
+            0.3, client.xadd, (keys.evals, {"version": 0, "benchmark": "arithmetic", "score": 0.25, "ts": 0})
+        )
         backfill.start()
         assert wait_for_evals(client, keys, {0, 3, 5}, "arithmetic", timeout_s=10) == set()
         assert wait_for_evals(client, keys, {0, 7}, "ifeval", timeout_s=0) == {0, 7}

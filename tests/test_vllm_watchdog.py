@@ -70,8 +70,13 @@ def test_only_the_roles_direct_child_watches():
     grandchild = f"import subprocess, sys; subprocess.run([sys.executable, '-c', {code!r}])"
     out = subprocess.run([sys.executable, "-c", grandchild], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
-    out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=str(REPO)),
-                         capture_output=True, text=True, check=True)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert out.stdout.strip() == "False"
 
 

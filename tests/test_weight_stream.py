@@ -30,8 +30,13 @@ def mb_tensor(n_mb: float, fill: float) -> torch.Tensor:
 
 
 def test_shards_keep_the_model_order_stay_under_the_size_and_give_a_big_tensor_its_own():
-    named = [("a", mb_tensor(0.4, 0)), ("b", mb_tensor(0.4, 1)), ("c", mb_tensor(0.4, 2)), ("big", mb_tensor(3, 3)),
-             ("d", mb_tensor(0.1, 4))]  # fmt: skip
+    named = [
+        ("a", mb_tensor(0.4, 0)),
+        ("b", mb_tensor(0.4, 1)),
+        ("c", mb_tensor(0.4, 2)),
+        ("big", mb_tensor(3, 3)),
+        ("d", mb_tensor(0.1, 4)),
+    ]
     shards = plan_shards(named, 1 * MB)
     assert [[n for n, _ in s] for s in shards] == [["a", "b"], ["c"], ["big"], ["d"]]
     with pytest.raises(PublishError, match="shard size"):

@@ -36,8 +36,15 @@ def test_fused_expert_tensors_are_split_into_one_name_per_expert():
     gate_up = torch.arange(2 * 6 * 3, dtype=torch.float32).reshape(2, 6, 3)  # [E, 2I, H] with I = 3
     down = torch.arange(2 * 3 * 3, dtype=torch.float32).reshape(2, 3, 3)  # [E, H, I]
     other = torch.ones(4)
-    out = dict(hf_tensors({"model.layers.1.mlp.experts.gate_up_proj": gate_up,
-                           "model.layers.1.mlp.experts.down_proj": down, "model.norm.weight": other}))  # fmt: skip
+    out = dict(
+        hf_tensors(
+            {
+                "model.layers.1.mlp.experts.gate_up_proj": gate_up,
+                "model.layers.1.mlp.experts.down_proj": down,
+                "model.norm.weight": other,
+            }
+        )
+    )
     assert sorted(out) == sorted(
         [f"model.layers.1.mlp.experts.{e}.{p}_proj.weight" for e in range(2) for p in ("gate", "up", "down")]
         + ["model.norm.weight"]
@@ -112,8 +119,14 @@ async def test_a_failing_worker_is_evicted_and_the_version_advances_over_the_one
             result = await pub.publish(1, {"w": torch.zeros(2, 2)})
             with pytest.raises(PublishError, match="already 1"):
                 await pub.publish(1, {"w": torch.zeros(2, 2)})
-        assert good_calls == ["/pause?mode=abort", "/start_weight_update", "/update_weights",
-                              "/finish_weight_update", "/reset_prefix_cache", "/resume"]  # fmt: skip
+        assert good_calls == [
+            "/pause?mode=abort",
+            "/start_weight_update",
+            "/update_weights",
+            "/finish_weight_update",
+            "/reset_prefix_cache",
+            "/resume",
+        ]
         assert bad_calls == ["/pause?mode=abort", "/start_weight_update", "/update_weights", "/resume"]
         assert [w.worker_id for w in result.evicted] == ["bad"] and "HTTP 500" in result.evicted[0].error
         assert sorted(await r.hkeys(keys.workers)) == ["dead", "good"]
@@ -250,8 +263,13 @@ async def test_republish_serves_the_files_of_an_old_version_under_a_new_number(t
         assert int(await r.get(keys.weights_current)) == 7
         log = [(int(f["version"]), f.get("source")) for _, f in await r.xrange(keys.weights_log)]
         assert log == [(4, None), (5, None), (6, None), (7, "4")]
-        assert calls[-5:] == ["/start_weight_update", "/update_weights", "/finish_weight_update",
-                              "/reset_prefix_cache", "/resume"]  # fmt: skip
+        assert calls[-5:] == [
+            "/start_weight_update",
+            "/update_weights",
+            "/finish_weight_update",
+            "/reset_prefix_cache",
+            "/resume",
+        ]
     finally:
         await worker.cleanup()
 

@@ -125,8 +125,13 @@ def build_plan(model: Transformer, ranks: Ranks, ep: int, transport: str) -> Par
     ep_groups = [dist.new_group(list(range(d * ep, (d + 1) * ep)), backend=backend) for d in range(W // ep)]
     replica_groups = [dist.new_group(list(range(e, W, ep)), backend=backend) for e in range(ep)] if W > ep else []
     kind = "p2p" if transport == "auto" else transport
-    log.info("parallel plan: %d ranks = %d data-parallel replica(s) x expert-parallel %d (%s transport)",
-             W, W // ep, ep, kind)  # fmt: skip
+    log.info(
+        "parallel plan: %d ranks = %d data-parallel replica(s) x expert-parallel %d (%s transport)",
+        W,
+        W // ep,
+        ep,
+        kind,
+    )
     ep_group = ep_groups[ranks.rank // ep]
     replica_group = replica_groups[ranks.rank % ep] if replica_groups else None
     return apply_expert_parallel(model, make_transport(kind, ep_group), world_group, replica_group)

@@ -173,8 +173,13 @@ class TrainerRank:
         rl = self.cfg.trainer.rl
         if cmd.op == "sft":
             assert cmd.batch is not None
-            return self.core.step(cmd.batch, cross_entropy_loss(int(cmd.total)), self.cfg.trainer.warmup.batch_size,
-                                  tokens=cmd.tokens, lr=cmd.lr)  # fmt: skip
+            return self.core.step(
+                cmd.batch,
+                cross_entropy_loss(int(cmd.total)),
+                self.cfg.trainer.warmup.batch_size,
+                tokens=cmd.tokens,
+                lr=cmd.lr,
+            )
         if cmd.op == "rl":
             assert cmd.batch is not None and cmd.mini_batches is not None
             updates = rl_updates(cmd.batch, cmd.mini_batches, rl)
@@ -198,8 +203,9 @@ class TrainerRank:
         if where is None:
             return
         try:
-            report: PartReport | str = VersionPart(Path(where["tmp"]), version, part, self.shard_bytes,
-                                                   where["first"][self.ranks.rank - 1], where["total"]).write()  # fmt: skip
+            report: PartReport | str = VersionPart(
+                Path(where["tmp"]), version, part, self.shard_bytes, where["first"][self.ranks.rank - 1], where["total"]
+            ).write()
         except Exception as exc:  # reported to rank 0, which fails the publish and says why
             report = f"trainer rank {self.ranks.rank}: {type(exc).__name__}: {exc}"
         self.ranks.all_gather(report)
@@ -290,8 +296,9 @@ class RLTrainer(TrainerRank):
             targets = torch.where(mask[:, 1:] > 0, tokens[:, 1:], torch.full_like(tokens[:, 1:], -1))
             n_targets = int((targets >= 0).sum())
             # The warm start does not advance the RL schedule: tokens = 0, a constant rate of its own.
-            result = self.command(Command("sft", {"tokens": tokens[:, :-1], "targets": targets}, total=n_targets,
-                                          tokens=0, lr=w.lr))  # fmt: skip
+            result = self.command(
+                Command("sft", {"tokens": tokens[:, :-1], "targets": targets}, total=n_targets, tokens=0, lr=w.lr)
+            )
             assert result is not None
             loss = result.figures["loss"]
             self.metrics.log("warmup/loss", step, loss)
@@ -340,9 +347,15 @@ class RLTrainer(TrainerRank):
             fh.write(json.dumps(ledger_record(step, groups, self.task.name)) + "\n")
         log.info(
             "step %d: reward %.3f accuracy %.3f groups %d/%d (dynamic sampling dropped %d) staleness<=%d %s",
-            step, reward_mean, accuracy, len(used), len(groups), dropped_groups, max(staleness),
+            step,
+            reward_mean,
+            accuracy,
+            len(used),
+            len(groups),
+            dropped_groups,
+            max(staleness),
             " ".join(f"{k}={v:.4g}" for k, v in stats.items() if k in ("loss", "clip_fraction", "iw_mean")),
-        )  # fmt: skip
+        )
 
     def _update(
         self, step: int, rollouts: list[Rollout], advantages: torch.Tensor, group_sizes: list[int]
@@ -354,15 +367,23 @@ class RLTrainer(TrainerRank):
         tokens, targets, behaviour, mask = padded_batch(rollouts, self.tokenizer.pad_token_id)
         n_tokens = int(mask.sum())
         fresh = torch.tensor([float(all(self.lineage.step_of(v) == step for v in r.weight_versions)) for r in rollouts])
-        batch = {"tokens": tokens, "targets": targets, "behaviour": behaviour, "mask": mask, "advantages": advantages,
-                 "fresh": fresh, "step_tokens": torch.full((len(rollouts),), float(n_tokens))}  # fmt: skip
+        batch = {
+            "tokens": tokens,
+            "targets": targets,
+            "behaviour": behaviour,
+            "mask": mask,
+            "advantages": advantages,
+            "fresh": fresh,
+            "step_tokens": torch.full((len(rollouts),), float(n_tokens)),
+        }
         layers = self.model.moe_layer_ids()
         replay = self.cfg.trainer.rl.routing_replay == "rollout"
         # The rollout's routing goes with the batch when every sample has it (the mismatch telemetry), and
         # must when it is replayed (routing_batch then names what is missing).
         if layers and (replay or all(r.sample.routed_experts is not None for r in rollouts)):
-            batch["routing"] = routing_batch([r.sample for r in rollouts], tokens.shape[1], layers,
-                                             self.cfg.trainer.model.num_experts_per_tok)  # fmt: skip
+            batch["routing"] = routing_batch(
+                [r.sample for r in rollouts], tokens.shape[1], layers, self.cfg.trainer.model.num_experts_per_tok
+            )
         rows = mini_batch_rows(group_sizes, self.cfg.trainer.rl.mini_batches)
         t1 = time.perf_counter()
         result = self.command(Command("rl", batch, step=step, mini_batches=rows))
@@ -381,7 +402,11 @@ class RLTrainer(TrainerRank):
         self._router = result.optim.router  # logged by train_step beside the step's figures, as pretraining does
         # The parts of a step: building the batch, the proximal pass and the updates on every rank (the rest of
         # perf/step_s is rewards, advantages and bookkeeping); trained tokens per second of the whole update.
-        self._perf = {"perf/batch_s": t1 - t0, "perf/update_s": t2 - t1, "perf/train_tokens_per_s": n_tokens / (t2 - t0)}
+        self._perf = {
+            "perf/batch_s": t1 - t0,
+            "perf/update_s": t2 - t1,
+            "perf/train_tokens_per_s": n_tokens / (t2 - t0),
+        }
         return figures
 
     def publish(self, step: int) -> None:
@@ -400,8 +425,15 @@ class RLTrainer(TrainerRank):
         finally:
             if peers is not None and not peers.called:
                 peers.cancel()
-        self.metrics.log_many(version, {"weights/publish_s": result.total_s, "weights/max_pause_s": result.max_pause_s,
-                                        "weights/write_s": result.write_s, "weights/max_load_s": result.max_load_s})  # fmt: skip
+        self.metrics.log_many(
+            version,
+            {
+                "weights/publish_s": result.total_s,
+                "weights/max_pause_s": result.max_pause_s,
+                "weights/write_s": result.write_s,
+                "weights/max_load_s": result.max_load_s,
+            },
+        )
 
     def checkpoint(self, next_step: int, flow_state: FlowState) -> None:
         if self.schedule.due(next_step):
@@ -437,8 +469,12 @@ class RLTrainer(TrainerRank):
         tmp = self.audit.with_suffix(".tmp")
         tmp.write_text("".join(kept))
         os.replace(tmp, self.audit)
-        log.warning("ledger: %d step(s) trained after step %d by the lost run moved to %s", len(lines) - len(kept),
-                    self.state.step, "trained_prompts.abandoned.jsonl")  # fmt: skip
+        log.warning(
+            "ledger: %d step(s) trained after step %d by the lost run moved to %s",
+            len(lines) - len(kept),
+            self.state.step,
+            "trained_prompts.abandoned.jsonl",
+        )
 
     def _serve(self, step: int) -> None:
         """Make the generators serve the weights of `step` (the flow state's generator version) under a version
@@ -467,8 +503,15 @@ class RLTrainer(TrainerRank):
             )
         version = self.lineage.next_version()
         self.lineage.record(step, version)
-        log.info("resuming at step %d: the generators serve step %d's weights (version %d) again as version %d "
-                 "(the lost run had reached version %s)", self.state.step, step, served, version, newest)  # fmt: skip
+        log.info(
+            "resuming at step %d: the generators serve step %d's weights (version %d) again as version %d "
+            "(the lost run had reached version %s)",
+            self.state.step,
+            step,
+            served,
+            version,
+            newest,
+        )
         self._io(self.publisher.republish(version, served))
 
     # -- the run -------------------------------------------------------------------------------
@@ -489,9 +532,14 @@ class RLTrainer(TrainerRank):
             controller.close()
         controller.set_tqdm(disabled=False, total=None, desc="samples")
         runtime: FlowRuntime[Problem, Rollout] = FlowRuntime(
-            policy, controller, lambda i: self.task.problem(i) if i < len(self.task) else None,
-            self.train_step, self.publish, checkpoint=self.checkpoint, versions=self._steps_of,
-        )  # fmt: skip
+            policy,
+            controller,
+            lambda i: self.task.problem(i) if i < len(self.task) else None,
+            self.train_step,
+            self.publish,
+            checkpoint=self.checkpoint,
+            versions=self._steps_of,
+        )
         if resumed is not None and self.state.flow_state:
             runtime.load_state_dict(self.state.flow_state)
         try:
@@ -509,8 +557,9 @@ class RLTrainer(TrainerRank):
         self.command(Command("stop"))
         c = report.counters
         log.info("flow finished: %s; counters %s", report.finish_reason, c)
-        self.metrics.log_many(self.state.step, {f"flow/{k}": float(v) for k, v in vars(c).items()
-                                                if isinstance(v, (int, float))})  # fmt: skip
+        self.metrics.log_many(
+            self.state.step, {f"flow/{k}": float(v) for k, v in vars(c).items() if isinstance(v, (int, float))}
+        )
         # The prompt ledger: every admitted prompt is trained (see trained_prompts.jsonl), still
         # untrained in the saved flow state, filtered by dynamic sampling (listed) or dropped stale (counted).
         summary = {
@@ -537,8 +586,12 @@ class RLTrainer(TrainerRank):
         final = self.state.step if final is None else final
         last = final - final % ev.every_n_versions
         if benchmark and evaluator_alive:
-            log.info("waiting up to %.0fs for the evaluator's %s result of version %d", self.cfg.trainer.final_eval_wait_s,
-                     benchmark, last)  # fmt: skip
+            log.info(
+                "waiting up to %.0fs for the evaluator's %s result of version %d",
+                self.cfg.trainer.final_eval_wait_s,
+                benchmark,
+                last,
+            )
             deadline = time.monotonic() + self.cfg.trainer.final_eval_wait_s
             if not wait_for_eval(client, self.ctx.keys, last, benchmark, self.cfg.trainer.final_eval_wait_s):
                 log.warning("no %s result for version %d yet; the table shows what was evaluated", benchmark, last)
@@ -547,8 +600,11 @@ class RLTrainer(TrainerRank):
                 due = {v for _, v in self.lineage.pairs if v % ev.every_n_versions == 0 and v <= last}
                 missing = wait_for_evals(client, self.ctx.keys, due, benchmark, max(0.0, deadline - time.monotonic()))
                 if missing:
-                    log.warning("no %s result yet for version(s) %s; the table shows what was evaluated", benchmark,
-                                sorted(missing))  # fmt: skip
+                    log.warning(
+                        "no %s result yet for version(s) %s; the table shows what was evaluated",
+                        benchmark,
+                        sorted(missing),
+                    )
         heldout = held_out_scores(client, self.ctx.keys, benchmark) if benchmark else {}
         # The table is by step: a version holds the weights of one step (several, after a resume).
         by_step = {self.lineage.step_of(v): score for v, score in sorted(heldout.items()) if v in self.lineage}
@@ -557,12 +613,16 @@ class RLTrainer(TrainerRank):
         png = save_png(rows, self.ctx.run_dir / "report.png", f"{self.ctx.exp}: {self.cfg.flow.strategy}")
         if heldout:
             first, final = min(heldout), max(heldout)
-            lines.append(f"held-out {benchmark}: {heldout[first]:.3f} at version {first} -> {heldout[final]:.3f} at "
-                         f"version {final} ({100 * (heldout[final] - heldout[first]):+.1f} points)")  # fmt: skip
+            lines.append(
+                f"held-out {benchmark}: {heldout[first]:.3f} at version {first} -> {heldout[final]:.3f} at "
+                f"version {final} ({100 * (heldout[final] - heldout[first]):+.1f} points)"
+            )
         if self._mismatch:
-            lines.append(f"trainer-vs-vLLM log-prob mismatch on fresh samples: mean "
-                         f"{sum(self._mismatch) / len(self._mismatch):.3g}, max {max(self._mismatch):.3g} nats per "
-                         f"token ({len(self._mismatch)} steps)")  # fmt: skip
+            lines.append(
+                f"trainer-vs-vLLM log-prob mismatch on fresh samples: mean "
+                f"{sum(self._mismatch) / len(self._mismatch):.3g}, max {max(self._mismatch):.3g} nats per "
+                f"token ({len(self._mismatch)} steps)"
+            )
         lines.append(f"report: {png}; metrics: {self.ctx.run_dir / 'metrics'}")
         text = "\n".join(lines)
         print(text, flush=True)
@@ -633,8 +693,7 @@ async def main(ctx: RunContext) -> int:
     device = _device(ctx.cfg, info)
     client = ctx.redis
     store = RedisStoreAddress(client, ctx.keys.trainer_store)
-    ranks = await asyncio.to_thread(form_group, info, device, store, BOOTSTRAP_TIMEOUT_S,
-                                    _store_host(ctx))  # fmt: skip
+    ranks = await asyncio.to_thread(form_group, info, device, store, BOOTSTRAP_TIMEOUT_S, _store_host(ctx))
     record = rank_record(ctx.instance)
     client.hset(ctx.keys.trainer_ranks, str(ranks.rank), json.dumps(record))
     # Every rank's record is this group's before any rank watches the others: a record left by a rank of

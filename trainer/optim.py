@@ -134,11 +134,21 @@ class Optimizer:
         if matrices:
             # Replicated matrices with all-reduced gradients: every rank orthogonalises the same momentum, so
             # W ranks take W = 1's step. The rate is rescaled to AdamW's update RMS, so `lr` means the same.
-            muon_group = {"params": matrices, "name": "dense", "peak_lr": cfg.lr, "lr": cfg.lr,
-                          "weight_decay": cfg.weight_decay}  # fmt: skip
+            muon_group = {
+                "params": matrices,
+                "name": "dense",
+                "peak_lr": cfg.lr,
+                "lr": cfg.lr,
+                "weight_decay": cfg.weight_decay,
+            }
             self.optimizers.append(
-                torch.optim.Muon([muon_group], lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.muon_momentum,
-                                 adjust_lr_fn="match_rms_adamw")  # fmt: skip
+                torch.optim.Muon(
+                    [muon_group],
+                    lr=cfg.lr,
+                    weight_decay=cfg.weight_decay,
+                    momentum=cfg.muon_momentum,
+                    adjust_lr_fn="match_rms_adamw",
+                )
             )
         self.steps = 0
         self.tokens = 0

@@ -66,8 +66,9 @@ def rank_info(environ: Mapping[str, str]) -> RankInfo:
                 f"torchrun-style start without {', '.join(missing)}: set RANK, WORLD_SIZE, MASTER_ADDR and "
                 "MASTER_PORT together (torchrun does), or none of them to start through the launcher"
             )
-        info = RankInfo(number("RANK"), number("WORLD_SIZE"), number("LOCAL_RANK") if "LOCAL_RANK" in environ else 0,
-                        "torchrun")  # fmt: skip
+        info = RankInfo(
+            number("RANK"), number("WORLD_SIZE"), number("LOCAL_RANK") if "LOCAL_RANK" in environ else 0, "torchrun"
+        )
     elif "SLIPSTREAM_REPLICAS" in environ:
         rank = number("SLIPSTREAM_REPLICA") if "SLIPSTREAM_REPLICA" in environ else 0
         info = RankInfo(rank, number("SLIPSTREAM_REPLICAS"), rank, "launcher")
@@ -177,8 +178,13 @@ def _connect_store(store_address: Any, info: RankInfo, timeout_s: float) -> dist
         addr = store_address.wait(remaining)
         host, _, port = addr.rpartition(":")
         try:
-            return dist.TCPStore(host, int(port), info.world, is_master=False,
-                                 timeout=datetime.timedelta(seconds=max(1.0, min(10.0, remaining))))  # fmt: skip
+            return dist.TCPStore(
+                host,
+                int(port),
+                info.world,
+                is_master=False,
+                timeout=datetime.timedelta(seconds=max(1.0, min(10.0, remaining))),
+            )
         except (RuntimeError, OSError) as exc:
             last = f"{addr}: {exc}"
             time.sleep(_POLL_S)

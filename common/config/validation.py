@@ -67,11 +67,17 @@ def _validate_arithmetic(key: str, t: TaskConfig | PromptSourceConfig) -> None:
 
 def _validate_task_sources(t: TaskConfig) -> None:
     if t.kind != "mixture":
-        _require(not t.sources, f"rollout.task.sources is read only by kind = 'mixture' (kind is {t.kind!r}): "
-                                "set rollout.task.kind = 'mixture' or drop the sources")  # fmt: skip
+        _require(
+            not t.sources,
+            f"rollout.task.sources is read only by kind = 'mixture' (kind is {t.kind!r}): "
+            "set rollout.task.kind = 'mixture' or drop the sources",
+        )
         return
-    _require(bool(t.sources), "rollout.task.kind = 'mixture' needs [[rollout.task.sources]] tables (name, path, "
-                              "weight, verifier), or format = 'arithmetic' sources")  # fmt: skip
+    _require(
+        bool(t.sources),
+        "rollout.task.kind = 'mixture' needs [[rollout.task.sources]] tables (name, path, "
+        "weight, verifier), or format = 'arithmetic' sources",
+    )
     seen: set[str] = set()
     for i, src in enumerate(t.sources):
         key = f"rollout.task.sources[{i}]"
@@ -96,13 +102,19 @@ def _validate_task_sources(t: TaskConfig) -> None:
             _require(src.num_problems >= 1, f"{key}.num_problems must be >= 1, got {src.num_problems}")
             _validate_arithmetic(key, src)
             continue
-        _require(bool(src.path), f"{key} has no path: give a .jsonl/.parquet file or a datasets directory, or "
-                                 "format = 'arithmetic' for the generator")  # fmt: skip
+        _require(
+            bool(src.path),
+            f"{key} has no path: give a .jsonl/.parquet file or a datasets directory, or "
+            "format = 'arithmetic' for the generator",
+        )
         path = Path(src.path)
         _require(path.exists(), f"{key}.path {src.path!r} does not exist (relative paths are from {os.getcwd()})")
         fmt = source_format(src)
-        _require(bool(fmt), f"{key}.path {src.path!r}: cannot tell the format from its name; set format = 'jsonl', "
-                            "'parquet' or 'datasets'")  # fmt: skip
+        _require(
+            bool(fmt),
+            f"{key}.path {src.path!r}: cannot tell the format from its name; set format = 'jsonl', "
+            "'parquet' or 'datasets'",
+        )
         _require(
             (fmt == "datasets") == path.is_dir(),
             f"{key}.path {src.path!r} is {'a directory' if path.is_dir() else 'a file'}, but format {fmt!r} "

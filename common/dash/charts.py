@@ -265,8 +265,10 @@ def timeline(lanes: Sequence[tuple[str, str, str, Sequence[Span]]], x_label: str
     for i, (tag, name, label, spans) in enumerate(drawn):
         color = PALETTE[i % len(PALETTE)]
         top = frame.y(i + 1) + lane_h * 0.2
-        body.append(f'<text x="{LEFT - 5}" y="{top + lane_h * 0.3 + 4:.1f}" class="tick" text-anchor="end">'
-                    f"{escape(name[:10])}</text>")  # fmt: skip
+        body.append(
+            f'<text x="{LEFT - 5}" y="{top + lane_h * 0.3 + 4:.1f}" class="tick" text-anchor="end">'
+            f"{escape(name[:10])}</text>"
+        )
         body.append(f'<g class="series" data-tag="{escape(tag)}" data-points="{len(spans)}">')
         for s in spans:
             x = frame.x(s.start)

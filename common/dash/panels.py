@@ -84,48 +84,115 @@ def _timeline(series: Tagged) -> Panel:
         (tag, name, label, [Span(s - t0, e - t0, text) for s, e, text in lane]) for tag, name, label, lane in lanes_raw
     ]
     svg = charts.timeline(lanes, "seconds since the first step", "no points yet of perf/step_s, weights/publish_s")
-    return Panel("timeline", "Flow timeline: training, publishes, evaluations", svg,
-                 {tag: len(spans_) for tag, _, _, spans_ in lanes if spans_})  # fmt: skip
+    return Panel(
+        "timeline",
+        "Flow timeline: training, publishes, evaluations",
+        svg,
+        {tag: len(spans_) for tag, _, _, spans_ in lanes if spans_},
+    )
 
 
 def build_panels(series: Tagged, flow_summary: dict | None, summary_problem: str = "") -> list[Panel]:
     """Every panel of a run page; `summary_problem` says why flow_summary.json could not be read."""
     panels = [
-        _lines("reward", "Reward and train accuracy", series, ["rl/reward_mean", "rl/accuracy"], "step", "fraction",
-               "rl/reward_mean, rl/accuracy"),
-    ]  # fmt: skip
+        _lines(
+            "reward",
+            "Reward and train accuracy",
+            series,
+            ["rl/reward_mean", "rl/accuracy"],
+            "step",
+            "fraction",
+            "rl/reward_mean, rl/accuracy",
+        ),
+    ]
     evals = eval_score_tags(series)
     for bench, tags in evals.items():
-        panels.append(_lines(f"heldout-{bench}", f"Held-out {bench} per policy version", series, tags,
-                             "policy version", "score", f"eval/{bench}/*"))  # fmt: skip
+        panels.append(
+            _lines(
+                f"heldout-{bench}",
+                f"Held-out {bench} per policy version",
+                series,
+                tags,
+                "policy version",
+                "score",
+                f"eval/{bench}/*",
+            )
+        )
     if not evals:
-        panels.append(_lines("heldout", "Held-out score per policy version", series, [], "policy version", "score",
-                             "eval/<benchmark>/<metric> (evaluator)"))  # fmt: skip
-    panels.append(_lines("staleness", "Staleness of trained samples (steps)", series,
-                         ["rl/staleness_mean", "rl/staleness_max"], "step", "steps",
-                         "rl/staleness_mean, rl/staleness_max"))  # fmt: skip
+        panels.append(
+            _lines(
+                "heldout",
+                "Held-out score per policy version",
+                series,
+                [],
+                "policy version",
+                "score",
+                "eval/<benchmark>/<metric> (evaluator)",
+            )
+        )
+    panels.append(
+        _lines(
+            "staleness",
+            "Staleness of trained samples (steps)",
+            series,
+            ["rl/staleness_mean", "rl/staleness_max"],
+            "step",
+            "steps",
+            "rl/staleness_mean, rl/staleness_max",
+        )
+    )
     hist = {int(k): int(v) for k, v in ((flow_summary or {}).get("counters", {}).get("staleness") or {}).items()}
     waits = summary_problem or "flow_summary.json not written yet (the trainer writes it at the end)"
-    panels.append(Panel("staleness-hist", "Staleness histogram (flow_summary.json, end of run)",
-                        charts.histogram("flow_summary/staleness", hist, "staleness (steps)", "trained samples", waits),
-                        {"flow_summary/staleness": len(hist)} if hist else {}))  # fmt: skip
+    panels.append(
+        Panel(
+            "staleness-hist",
+            "Staleness histogram (flow_summary.json, end of run)",
+            charts.histogram("flow_summary/staleness", hist, "staleness (steps)", "trained samples", waits),
+            {"flow_summary/staleness": len(hist)} if hist else {},
+        )
+    )
     throughput = _matching(series, lambda t: t == "perf/samples_per_s" or t.endswith("tokens_per_s"))
-    panels.append(_lines("throughput", "Throughput", series, throughput, "step", "per second",
-                         "perf/samples_per_s, */tokens_per_s"))  # fmt: skip
+    panels.append(
+        _lines(
+            "throughput", "Throughput", series, throughput, "step", "per second", "perf/samples_per_s, */tokens_per_s"
+        )
+    )
     parts = _matching(series, lambda t: t.startswith("perf/") and t.endswith("_s") and not t.endswith("_per_s"))
-    panels.append(_lines("step-time", "Train step time and its parts", series, parts, "step", "seconds",
-                         "perf/step_s"))  # fmt: skip
+    panels.append(_lines("step-time", "Train step time and its parts", series, parts, "step", "seconds", "perf/step_s"))
     weights = _matching(series, lambda t: t.startswith("weights/") and t.endswith("_s"))
-    panels.append(_lines("publish", "Weight publish and pause times", series, weights, "policy version", "seconds",
-                         "weights/publish_s, weights/max_pause_s"))  # fmt: skip
+    panels.append(
+        _lines(
+            "publish",
+            "Weight publish and pause times",
+            series,
+            weights,
+            "policy version",
+            "seconds",
+            "weights/publish_s, weights/max_pause_s",
+        )
+    )
     mismatch = _matching(series, lambda t: t == "loss/fresh_logprob_mismatch" or t.startswith("loss/behaviour_"))
-    panels.append(_lines("mismatch", "Trainer vs vLLM log-prob mismatch", series, mismatch, "step", "|Δ log p|",
-                         "loss/fresh_logprob_mismatch, loss/behaviour_*"))  # fmt: skip
+    panels.append(
+        _lines(
+            "mismatch",
+            "Trainer vs vLLM log-prob mismatch",
+            series,
+            mismatch,
+            "step",
+            "|Δ log p|",
+            "loss/fresh_logprob_mismatch, loss/behaviour_*",
+        )
+    )
     layers = sorted((int(m.group(1)), t) for t in series if (m := _LAYER.match(t)))
     rows = [Series(t, f"layer {i}", [(p.step, p.value) for _, p in sorted(series[t].items())]) for i, t in layers]
-    panels.append(Panel("expert-load", "MoE expert load per layer (coefficient of variation)",
-                        charts.heatmap(rows, "step", "layer", "load_cv", "no points yet of router/layer<i>/load_cv"),
-                        {r.tag: len(r.points) for r in rows}))  # fmt: skip
+    panels.append(
+        Panel(
+            "expert-load",
+            "MoE expert load per layer (coefficient of variation)",
+            charts.heatmap(rows, "step", "layer", "load_cv", "no points yet of router/layer<i>/load_cv"),
+            {r.tag: len(r.points) for r in rows},
+        )
+    )
     panels.append(_timeline(series))
     return panels
 

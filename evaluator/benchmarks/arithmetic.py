@@ -55,8 +55,9 @@ class HeldOutArithmetic(Benchmark):
         except (json.JSONDecodeError, TypeError) as exc:
             raise BenchmarkError(f"{path}: expected a JSON object with the fields of HeldOutSpec ({exc})") from None
         if not spec.operators or set(spec.operators) - set(OPERATOR_LETTERS):
-            raise BenchmarkError(f"{path}: operators = {spec.operators!r}; use a non-empty subset of "
-                                 f"{''.join(OPERATOR_LETTERS)!r}")  # fmt: skip
+            raise BenchmarkError(
+                f"{path}: operators = {spec.operators!r}; use a non-empty subset of {''.join(OPERATOR_LETTERS)!r}"
+            )
         t = self.train_task
         if t is None:
             return spec

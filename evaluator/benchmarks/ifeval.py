@@ -33,8 +33,13 @@ class IFEval(Benchmark):
         instructions = tuple(Instruction.parse(r, where) for r in record["instructions"])
         if not instructions:
             raise ValueError(f"case {record['id']!r} has no instructions")
-        return Case(str(record["id"]), (ChatMessage("user", record["prompt"]),), self.sampling, 1,
-                    {"instructions": instructions})  # fmt: skip
+        return Case(
+            str(record["id"]),
+            (ChatMessage("user", record["prompt"]),),
+            self.sampling,
+            1,
+            {"instructions": instructions},
+        )
 
     def cases(self) -> list[Case]:
         return self._cases

@@ -93,23 +93,35 @@ class MixtureSource:
     def from_config(cls, src: PromptSourceConfig, task: TaskConfig, config_key: str) -> MixtureSource:
         verifier = make_verifier(src, task, config_key)
         if src.format == "arithmetic":
-            generator = ArithmeticTask(src.seed, src.num_problems, src.min_operands, src.max_operands, src.max_value,
-                                       src.operators, task.max_completion_chars, name=src.name)  # fmt: skip
+            generator = ArithmeticTask(
+                src.seed,
+                src.num_problems,
+                src.min_operands,
+                src.max_operands,
+                src.max_value,
+                src.operators,
+                task.max_completion_chars,
+                name=src.name,
+            )
             return cls(src, verifier, generator)
         keys = RecordKeys(src.prompt_key, src.answer_key, src.id_key)
         problems = read_problems(src.path, source_format(src), keys, config_key, source=src.name)
         seen: set[str] = set()
         for p in problems:
             if p.id in seen:
-                raise ValueError(f"{config_key}: problem id {p.id!r} appears twice in {src.path}; ids must be unique: "
-                                 f"fix the file, or set id_key = \"\" to name rows by their line or row number")  # fmt: skip
+                raise ValueError(
+                    f"{config_key}: problem id {p.id!r} appears twice in {src.path}; ids must be unique: "
+                    f'fix the file, or set id_key = "" to name rows by their line or row number'
+                )
             seen.add(p.id)
         if resolved_verifier(src) == "arithmetic":
             # The arithmetic check compares integers: a reference that is not one would fail every completion.
             for p in problems:
                 if not p.answer.strip().lstrip("-").isdigit():
-                    raise ValueError(f"{config_key}: problem {p.id!r} has answer {p.answer!r}, not an integer, which "
-                                     "the arithmetic verifier needs; use verifier = 'math' or 'exact'")  # fmt: skip
+                    raise ValueError(
+                        f"{config_key}: problem {p.id!r} has answer {p.answer!r}, not an integer, which "
+                        "the arithmetic verifier needs; use verifier = 'math' or 'exact'"
+                    )
         return cls(src, verifier, problems)
 
     @property
@@ -169,8 +181,9 @@ class MixtureTask:
 
     @classmethod
     def from_config(cls, cfg: TaskConfig) -> MixtureTask:
-        task = cls([MixtureSource.from_config(src, cfg, f"rollout.task.sources[{i}]")
-                    for i, src in enumerate(cfg.sources)])  # fmt: skip
+        task = cls(
+            [MixtureSource.from_config(src, cfg, f"rollout.task.sources[{i}]") for i, src in enumerate(cfg.sources)]
+        )
         parts = [f"{s.name} {s.share:.1%} ({s.items} of {s.rows} rows, {s.passes:.2f} passes)" for s in task.shares()]
         log.info("task: mixture of %d problems: %s", len(task), "; ".join(parts))
         return task
@@ -178,8 +191,9 @@ class MixtureTask:
     def shares(self) -> list[SourceShare]:
         total = sum(s.cfg.weight for s in self.sources)
         counts = np.bincount(self._source, minlength=len(self.sources))
-        return [SourceShare(s.name, s.cfg.weight / total, len(s), int(c))
-                for s, c in zip(self.sources, counts, strict=True)]  # fmt: skip
+        return [
+            SourceShare(s.name, s.cfg.weight / total, len(s), int(c)) for s, c in zip(self.sources, counts, strict=True)
+        ]
 
     def __len__(self) -> int:
         return len(self._source)
@@ -192,6 +206,8 @@ class MixtureTask:
     def reward(self, problem: Problem, completion: str) -> float:
         source = self._by_name.get(problem.source)
         if source is None:
-            raise ValueError(f"problem {problem.id!r} names source {problem.source!r}, which is not in this mixture "
-                             f"({', '.join(self._by_name)})")  # fmt: skip
+            raise ValueError(
+                f"problem {problem.id!r} names source {problem.source!r}, which is not in this mixture "
+                f"({', '.join(self._by_name)})"
+            )
         return source.verifier(problem, completion)

@@ -52,8 +52,9 @@ def read_problems(
         records = _jsonl_records(path, keys)
         what = "a JSON object"
     elif fmt in ("parquet", "datasets"):
-        records = _table_records(path, _read_parquet(path) if fmt == "parquet" else _read_saved_dataset(path),
-                                 keys, config_key)  # fmt: skip
+        records = _table_records(
+            path, _read_parquet(path) if fmt == "parquet" else _read_saved_dataset(path), keys, config_key
+        )
         what = "a row"
     else:
         raise ValueError(f"{config_key}: unknown prompt file format {fmt!r}; use jsonl, parquet or datasets")
@@ -99,12 +100,16 @@ def _read_saved_dataset(path: Path) -> Any:
 
     if (path / "dataset_dict.json").is_file():
         splits = sorted(p.name for p in path.iterdir() if p.is_dir())
-        raise ValueError(f"{path} is a saved DatasetDict (splits {', '.join(splits)}); point the path at one split, "
-                         f"e.g. {path / (splits[0] if splits else 'train')}")  # fmt: skip
+        raise ValueError(
+            f"{path} is a saved DatasetDict (splits {', '.join(splits)}); point the path at one split, "
+            f"e.g. {path / (splits[0] if splits else 'train')}"
+        )
     state = path / "state.json"
     if not state.is_file():
-        raise ValueError(f"{path} is not a Dataset.save_to_disk directory (no state.json); give such a directory, "
-                         "or a .jsonl/.parquet file")  # fmt: skip
+        raise ValueError(
+            f"{path} is not a Dataset.save_to_disk directory (no state.json); give such a directory, "
+            "or a .jsonl/.parquet file"
+        )
     files = [path / entry["filename"] for entry in json.loads(state.read_text())["_data_files"]]
     tables = []
     for file in files:
@@ -124,8 +129,9 @@ def _table_records(
     """(file row N, row number, record) of every row of an arrow table (rows numbered from 0)."""
     for key, name in ((keys.prompt, "prompt_key"), (keys.answer, "answer_key")):
         if key not in table.column_names:
-            raise ValueError(f"{path}: no column {key!r} (columns: {', '.join(table.column_names)}); "
-                             f"set {config_key}.{name}")  # fmt: skip
+            raise ValueError(
+                f"{path}: no column {key!r} (columns: {', '.join(table.column_names)}); set {config_key}.{name}"
+            )
     names = [k for k in (keys.prompt, keys.answer, keys.id) if k in table.column_names]
     columns = [table.column(k).to_pylist() for k in names]
     for row, values in enumerate(zip(*columns, strict=True)):

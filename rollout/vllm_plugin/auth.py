@@ -41,8 +41,20 @@ class RequireBearer:
         if scope["type"] == "websocket":
             await send({"type": "websocket.close", "code": 1008})
             return
-        body = json.dumps({"error": {"message": "missing or wrong bearer token (rollout.api_key)",
-                                     "type": "unauthorized", "code": 401}}).encode()  # fmt: skip
-        await send({"type": "http.response.start", "status": 401,
-                    "headers": [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer")]})  # fmt: skip
+        body = json.dumps(
+            {
+                "error": {
+                    "message": "missing or wrong bearer token (rollout.api_key)",
+                    "type": "unauthorized",
+                    "code": 401,
+                }
+            }
+        ).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 401,
+                "headers": [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer")],
+            }
+        )
         await send({"type": "http.response.body", "body": body})

@@ -24,6 +24,7 @@ def make_transport(
                 "rollout.weight_backend = 'nccl' needs the NCCL group of the trainer and a fixed set of workers "
                 "(NcclGroup: their URLs, the rendezvous address and port); pass nccl_group, or use 'file'"
             )
-        return NcclTransport(list(nccl_group.urls), nccl_group.master_address, nccl_group.master_port,
-                             cfg.tensor_parallel_size, driver)  # fmt: skip
+        return NcclTransport(
+            list(nccl_group.urls), nccl_group.master_address, nccl_group.master_port, cfg.tensor_parallel_size, driver
+        )
     raise ValueError(f"rollout.weight_backend = {cfg.weight_backend!r} is not one of 'file', 'nccl'")

@@ -76,8 +76,9 @@ class FileTransport(WeightTransport):
         self, version: int, tensors: Mapping[str, torch.Tensor], peers: PeerWriters | None = None
     ) -> None:
         peer_shards = list(peers.shard_counts) if peers is not None else []
-        self._writer = await asyncio.to_thread(VersionWriter, self.root, version, tensors, self.shard_bytes,
-                                               peer_shards)  # fmt: skip
+        self._writer = await asyncio.to_thread(
+            VersionWriter, self.root, version, tensors, self.shard_bytes, peer_shards
+        )
         self._peers = peers
 
     async def prepare_copy(self, version: int, source: int) -> None:
@@ -104,8 +105,19 @@ class FileTransport(WeightTransport):
         t1 = time.perf_counter()
         if (copy := self._copy) is not None:
             outcomes = await self._update(workers, version, {"path": str(copy.location)}, pause_mode)
-            return PublishResult(version, str(copy.location), copy.bytes, 0.0, copy.link_s, time.perf_counter() - t1,
-                                 0.0, copy.shards, False, outcomes, source=copy.source)  # fmt: skip
+            return PublishResult(
+                version,
+                str(copy.location),
+                copy.bytes,
+                0.0,
+                copy.link_s,
+                time.perf_counter() - t1,
+                0.0,
+                copy.shards,
+                False,
+                outcomes,
+                source=copy.source,
+            )
         writer = self._writer
         if writer is None or writer.version != version:
             raise RuntimeError(f"FileTransport.send({version}) without prepare({version}) first")
@@ -122,14 +134,25 @@ class FileTransport(WeightTransport):
         location = writer.commit()
         if not streamed:
             outcomes = await self._update(workers, version, {"path": str(location)}, pause_mode)
-        return PublishResult(version, str(location), writer.bytes, writer.export_s, writer.write_s,
-                             time.perf_counter() - t1, 0.0, writer.total_shards, streamed, outcomes)  # fmt: skip
+        return PublishResult(
+            version,
+            str(location),
+            writer.bytes,
+            writer.export_s,
+            writer.write_s,
+            time.perf_counter() - t1,
+            0.0,
+            writer.total_shards,
+            streamed,
+            outcomes,
+        )
 
     async def _update(
         self, workers: Mapping[str, str], version: int, info: dict[str, Any], pause_mode: str
     ) -> list[WorkerOutcome]:
-        return list(await asyncio.gather(*(self.driver.update(w, url, version, info, pause_mode)
-                                           for w, url in workers.items())))  # fmt: skip
+        return list(
+            await asyncio.gather(*(self.driver.update(w, url, version, info, pause_mode) for w, url in workers.items()))
+        )
 
     async def finish(self, published: bool) -> None:
         writer, write = self._writer, self._write

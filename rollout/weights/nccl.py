@@ -75,8 +75,12 @@ class _FanoutClient:
                 f.result()
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self._all([partial(c.init_weight_transfer_engine, {**init_info, "rank_offset": 1 + i * self.tp})
-                   for i, c in enumerate(self.clients)])  # fmt: skip
+        self._all(
+            [
+                partial(c.init_weight_transfer_engine, {**init_info, "rank_offset": 1 + i * self.tp})
+                for i, c in enumerate(self.clients)
+            ]
+        )
 
     def start_weight_update(self) -> None:
         self._all([c.start_weight_update for c in self.clients])
@@ -130,16 +134,19 @@ class NcclTransport(WeightTransport):
         self.client = _FanoutClient(self.urls, self.tp)
         self.source = _tensor_source()
         self.source.tensors = dict(tensors)
-        info = NCCLTrainerInitInfo(master_address=self.master_address, master_port=self.master_port,
-                                   world_size=self.world_size, rank=0)  # fmt: skip
+        info = NCCLTrainerInitInfo(
+            master_address=self.master_address, master_port=self.master_port, world_size=self.world_size, rank=0
+        )
         self.engine = WeightTransferTrainerFactory.trainer_init(info, client=self.client, source=self.source)
 
     async def prepare(
         self, version: int, tensors: Mapping[str, torch.Tensor], peers: PeerWriters | None = None
     ) -> None:
         if peers is not None:
-            raise PublishError(f"publish({version}): the nccl transport sends rank 0's tensors only, but other "
-                               "trainer ranks hold parts of this version; use rollout.weight_backend = 'file'")  # fmt: skip
+            raise PublishError(
+                f"publish({version}): the nccl transport sends rank 0's tensors only, but other "
+                "trainer ranks hold parts of this version; use rollout.weight_backend = 'file'"
+            )
         t0 = time.perf_counter()
         self._tensors = await asyncio.to_thread(lambda: dict(hf_tensors(tensors)))
         self._export_s = time.perf_counter() - t0

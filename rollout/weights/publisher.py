@@ -120,19 +120,36 @@ class WeightPublisher:
         """Every worker still live has acknowledged (failures were evicted), so the version is current."""
         version = result.version
         await self.client.set(self.keys.weights_current, version)
-        entry = {"version": version, "backend": self.transport.backend, "location": result.location,
-                 "ts": f"{time.time():.3f}"}  # fmt: skip
+        entry = {
+            "version": version,
+            "backend": self.transport.backend,
+            "location": result.location,
+            "ts": f"{time.time():.3f}",
+        }
         if result.source is not None:
             entry["source"] = result.source
         await self.client.xadd(self.keys.weights_log, entry, maxlen=WEIGHTS_LOG_MAXLEN, approximate=True)  # type: ignore[arg-type]
         result.total_s = time.perf_counter() - t0
         evicted = [w.worker_id for w in result.evicted]
         extra = {} if result.source is None else {"source": result.source}
-        await announce(self.client, self.keys, "trainer", "version published", version=version,
-                       workers=len(result.workers), evicted=evicted, **extra)  # fmt: skip
+        await announce(
+            self.client,
+            self.keys,
+            "trainer",
+            "version published",
+            version=version,
+            workers=len(result.workers),
+            evicted=evicted,
+            **extra,
+        )
         log.info(
             "published weight version %d%s (%.1f MB) to %d worker(s) in %.3fs (write %.3fs, max pause %.3fs)%s",
-            version, "" if result.source is None else f" (the files of version {result.source})",
-            result.bytes / 1e6, len(result.workers) - len(evicted), result.total_s, result.write_s,
-            result.max_pause_s, f"; EVICTED {evicted}" if evicted else "",
-        )  # fmt: skip
+            version,
+            "" if result.source is None else f" (the files of version {result.source})",
+            result.bytes / 1e6,
+            len(result.workers) - len(evicted),
+            result.total_s,
+            result.write_s,
+            result.max_pause_s,
+            f"; EVICTED {evicted}" if evicted else "",
+        )

@@ -141,8 +141,7 @@ class WorkerDriver:
         took: dict[str, float] = {}
         try:
             async with weight_lock(self.client, self.keys, worker_id):
-                update = apply_version(self.session(), url, version, update_info["path"], pause_mode, update_info,
-                                       took)  # fmt: skip
+                update = apply_version(self.session(), url, version, update_info["path"], pause_mode, update_info, took)
                 pause = await while_alive(self.client, self.keys, worker_id, update)
                 await set_worker_version(self.client, self.keys.workers, worker_id, version)
         except (WorkerError, redis.exceptions.LockError) as exc:

@@ -192,8 +192,11 @@ class VersionWriter:
             mine = pool.submit(self.part.write)
             theirs = pool.submit(peers.write, self.tmp, self.peer_first_shards, self.total_shards) if peers else None
         # Both have ended (the pool's exit waits), so nothing writes into the directory after this.
-        failures = [(who, exc) for who, f in (("rank 0", mine), ("the other ranks", theirs))
-                    if f is not None and (exc := f.exception()) is not None]  # fmt: skip
+        failures = [
+            (who, exc)
+            for who, f in (("rank 0", mine), ("the other ranks", theirs))
+            if f is not None and (exc := f.exception()) is not None
+        ]
         if failures:
             _mark_aborted(self.tmp, failures[0][1])
             raise PublishError("; ".join(f"{who}: {type(e).__name__}: {e}" for who, e in failures)) from failures[0][1]

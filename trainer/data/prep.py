@@ -314,8 +314,10 @@ def prep(cfg: Config, progress: bool = True) -> list[SourceReport]:
     """Tokenize the sources of trainer.data.sources that are not prepped yet; a report per source."""
     d = cfg.trainer.data
     if not d.sources:
-        raise ConfigError("slipstream prep tokenizes trainer.data.sources, and the config has none; add "
-                          '[[trainer.data.sources]] tables (name = "...", path = "...")')  # fmt: skip
+        raise ConfigError(
+            "slipstream prep tokenizes trainer.data.sources, and the config has none; add "
+            '[[trainer.data.sources]] tables (name = "...", path = "...")'
+        )
     root = data_root(cfg)
     root.mkdir(parents=True, exist_ok=True)
     tokenizer = data_tokenizer(cfg, root)
@@ -371,8 +373,14 @@ def cli_main(argv: Sequence[str]) -> int:
         description="Tokenize trainer.data.sources into token shards under trainer.data.root; a re-run skips finished shards.",
     )
     ap.add_argument("config", help="TOML config with [[trainer.data.sources]] tables")
-    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                    help="override a config value, e.g. --set trainer.data.prep_processes=4 (repeatable)")  # fmt: skip
+    ap.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config value, e.g. --set trainer.data.prep_processes=4 (repeatable)",
+    )
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = ap.parse_args(list(argv))
     try:
@@ -383,7 +391,9 @@ def cli_main(argv: Sequence[str]) -> int:
         print(f"slipstream prep: {exc}", file=sys.stderr)
         return 2
     for r in reports:
-        print(f"{r.name}: {r.shards} shards ({r.tokenized} tokenized, {r.shards - r.tokenized} already done), "
-              f"{r.tokens:,} tokens, {r.documents:,} documents -> {r.directory}")  # fmt: skip
+        print(
+            f"{r.name}: {r.shards} shards ({r.tokenized} tokenized, {r.shards - r.tokenized} already done), "
+            f"{r.tokens:,} tokens, {r.documents:,} documents -> {r.directory}"
+        )
     print(f"prep finished in {time.perf_counter() - t0:.1f}s")
     return 0

@@ -139,8 +139,10 @@ class ParallelPlan:
         """Sum replicated gradients over `dense_group` and expert shards' over `expert_replica_group`.
 
         A parameter without a gradient on this rank contributes zeros (another rank may have one)."""
-        for params, group in ((self.replicated_params(), self.dense_group),
-                              (self.expert_params(), self.expert_replica_group)):  # fmt: skip
+        for params, group in (
+            (self.replicated_params(), self.dense_group),
+            (self.expert_params(), self.expert_replica_group),
+        ):
             if group is None:
                 continue
             for p in params:
@@ -208,5 +210,6 @@ def apply_expert_parallel(
         if isinstance(moe.experts, ShardedExperts):
             raise ValueError("expert parallelism is already applied to this model")
         moe.experts = ShardedExperts(moe.experts, transport, mesh)
-    return ParallelPlan(model, transport, dense_group if dense_group is not None else transport.group,
-                        expert_replica_group)  # fmt: skip
+    return ParallelPlan(
+        model, transport, dense_group if dense_group is not None else transport.group, expert_replica_group
+    )

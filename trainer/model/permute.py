@@ -188,8 +188,9 @@ def _combine_backward(
     gy = y_sorted.new_empty(y_sorted.shape)
     gw = weights.new_empty(T, k)
     block, warps = _launch(H)
-    _kernels()[2][(T,)](grad, y_sorted, sorted_pos, weights, gy, gw, H, K=k, NEED_GW=need_gw, BLOCK_H=block,
-                        num_warps=warps)  # fmt: skip
+    _kernels()[2][(T,)](
+        grad, y_sorted, sorted_pos, weights, gy, gw, H, K=k, NEED_GW=need_gw, BLOCK_H=block, num_warps=warps
+    )
     return gy, gw
 
 

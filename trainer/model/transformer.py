@@ -26,7 +26,11 @@ class Block(nn.Module):
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size) if layer < cfg.first_k_dense else MoE(cfg, backend)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, routing: torch.Tensor | None = None,
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        routing: torch.Tensor | None = None,
         replay: bool = False,
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin)

@@ -31,8 +31,11 @@ def proximal_fn(rl: RLConfig) -> PrepareFn:
 
     def prepare(model: Transformer, mb: Batch) -> Batch:
         routing = mb.get("routing")
-        out = {"proximal": model.token_logprobs(mb["tokens"], mb["targets"], routing=routing,
-                                                replay=rl.routing_replay == "rollout")}  # fmt: skip
+        out = {
+            "proximal": model.token_logprobs(
+                mb["tokens"], mb["targets"], routing=routing, replay=rl.routing_replay == "rollout"
+            )
+        }
         if routing is not None:
             differ, compared = model.routing_disagreement()
             out["routing_differ"], out["routing_compared"] = differ.float(), compared.float()
@@ -65,8 +68,14 @@ def rl_loss_fn(rl: RLConfig, total: float, step_total: float | None = None) -> L
         logp = model.token_logprobs(mb["tokens"], mb["targets"], routing=routing, replay=routing is not None)
         out = ppo_loss(logp, mb["proximal"], mb["behaviour"], mb["advantages"], mask, rl, total=total)
         weight = float(mask.sum()) / float(mb["step_tokens"][0])
-        stats = {k: v * share if k in ("loss", "pg_loss", "kl") else v if k == "tokens" or k.endswith(("_max", "_min"))
-                 else v * weight for k, v in out.stats.items()}  # fmt: skip
+        stats = {
+            k: v * share
+            if k in ("loss", "pg_loss", "kl")
+            else v
+            if k == "tokens" or k.endswith(("_max", "_min"))
+            else v * weight
+            for k, v in out.stats.items()
+        }
         # On samples made entirely by the weights that began the step, behaviour and proximal log-probs come
         # from the same function: their gap is the trainer-vs-vLLM numerical mismatch.
         fresh = mask * mb["fresh"].unsqueeze(1)
