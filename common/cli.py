@@ -15,21 +15,26 @@ from common.config import ROLES, ConfigError, diff, load_config, render
 # only when used, so `slipstream --help` stays fast and needs none of their dependencies.
 DELEGATED = {
     "simulate": ("rollout.flow.simulator:cli_main", "run the flow-control simulator"),
-    "eval": ("evaluator.runner:cli_main", "run benchmarks against an OpenAI-compatible URL"),
+    "eval": ("evaluator.cli:cli_main", "run benchmarks against an OpenAI-compatible URL"),
     "prep": ("trainer.data.prep:cli_main", "tokenize trainer.data.sources into token shards under trainer.data.root"),
 }
 
 
-def _add_config_args(p: argparse.ArgumentParser, required: bool = True) -> None:
-    p.add_argument("config", nargs=None if required else "?", help="TOML config file, e.g. configs/demo.toml")
+def add_set_argument(p: argparse.ArgumentParser, example: str = "trainer.optim.lr=3e-4") -> None:
+    """`--set KEY=VALUE` (repeatable) into `overrides`: every command that reads a config takes it."""
     p.add_argument(
         "--set",
         dest="overrides",
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="override a config value, e.g. --set trainer.optim.lr=3e-4 (repeatable)",
+        help=f"override a config value, e.g. --set {example} (repeatable)",
     )
+
+
+def _add_config_args(p: argparse.ArgumentParser, required: bool = True) -> None:
+    p.add_argument("config", nargs=None if required else "?", help="TOML config file, e.g. configs/demo.toml")
+    add_set_argument(p)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,16 +53,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="continue the experiment of this run dir from its newest checkpoint (CONFIG defaults to its "
         "config.toml); the run must not be running",
     )
-    p.add_argument("--verbose", action="store_true",
-                   help="print every line of every role (default: warnings, errors and one progress line; the "
-                   "whole output is in <run dir>/logs either way)")  # fmt: skip
+    p.add_argument(
+        "--verbose",
+        action="store_true",
+        help="print every line of every role (default: warnings, errors and one progress line; the "
+        "whole output is in <run dir>/logs either way)",
+    )
     p = sub.add_parser("scripts", help="write one script per role replica plus Slurm and Kubernetes files")
     _add_config_args(p)
     p.add_argument("outdir", help="directory to write the scripts into")
     p = sub.add_parser("show", help="print the resolved config with each field's docstring, or a diff of two")
     p.add_argument("config", help="TOML config file")
     p.add_argument("other", nargs="?", help="a second config: print only the differences")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    add_set_argument(p)
     p = sub.add_parser("dash", help="serve the run dashboard of a run root (all its runs) or of one run dir")
     p.add_argument("path", nargs="?", default="runs", metavar="RUN_ROOT|RUN_DIR", help="default: runs")
     p.add_argument("--host", default="127.0.0.1", help="address to bind; beyond loopback needs --token")
@@ -116,13 +124,19 @@ def _cmd_scripts(args: argparse.Namespace) -> int:
     for path in write_scripts(args.config, args.overrides, args.outdir):
         print(path)
     cfg = load_config(args.config, args.overrides)
-    binds = {"rendezvous.bind_host": cfg.rendezvous.bind_host, "router.bind_host": cfg.router.bind_host,
-             "rollout.bind_host": cfg.rollout.bind_host}  # fmt: skip
+    binds = {
+        "rendezvous.bind_host": cfg.rendezvous.bind_host,
+        "router.bind_host": cfg.router.bind_host,
+        "rollout.bind_host": cfg.rollout.bind_host,
+    }
     local = [f"{name} = {host!r}" for name, host in binds.items() if is_loopback(host)]
     if local:
-        print(f"slipstream: note: {', '.join(local)}: fine for the role scripts on one host, but the Slurm batch "
-              "and the Kubernetes manifest put roles on other nodes, which cannot reach a loopback address; "
-              "set them to 0.0.0.0 (with router.auth_token and rollout.api_key)", file=sys.stderr)  # fmt: skip
+        print(
+            f"slipstream: note: {', '.join(local)}: fine for the role scripts on one host, but the Slurm batch "
+            "and the Kubernetes manifest put roles on other nodes, which cannot reach a loopback address; "
+            "set them to 0.0.0.0 (with router.auth_token and rollout.api_key)",
+            file=sys.stderr,
+        )
     return 0
 
 
@@ -150,8 +164,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(getattr(importlib.import_module(module_name), func)(argv[1:]))
     args = build_parser().parse_args(argv)
     commands = {
-        "show": _cmd_show, "run": _cmd_run, "launch": _cmd_launch, "scripts": _cmd_scripts, "dash": _cmd_dash,
-    }  # fmt: skip
+        "show": _cmd_show,
+        "run": _cmd_run,
+        "launch": _cmd_launch,
+        "scripts": _cmd_scripts,
+        "dash": _cmd_dash,
+    }
     try:
         return commands[args.command](args)
     except ConfigError as exc:

@@ -7,13 +7,16 @@ which neither the router nor the weight publisher sees, and evaluates against it
 record (a restarted watcher does not repeat a (version, benchmark)), the result cache under `<run
 dir>/evals/` lets it finish a half-done version without regenerating, and every result goes to the `evals`
 stream {version, benchmark, score, ts}, to DuckDB as `eval/<benchmark>/<metric>` at step = version, and to
-the runner's JSON summary and per-case JSONL under `<run dir>/evals/`.
+the runner's JSON summary and per-case JSONL under `<run dir>/evals/`. Both modes run one loop (`Watcher.run`)
+that waits for the next publish, and every other wait for the fleet, on the experiment's streams
+(evaluator/fleetview.py: finding the router, choosing the mode, the fleet's version, `StreamWait`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,124 +24,37 @@ from pathlib import Path
 import aiohttp
 import redis.asyncio
 
-from common.fleet import WorkerError, current_version, evict, live_workers, set_worker_version, while_alive
+from common.fleet import WorkerError, evict, live_workers, set_worker_version, while_alive
 from common.http import RetryPolicy
-from common.keys import Keys
 from common.metrics import MetricsWriter
 from common.net import bearer
 from common.roles import RunContext, announce
 from evaluator.backend import Backend, RequestError
 from evaluator.benchmark import Benchmark
 from evaluator.cache import ResultCache
+from evaluator.fleetview import (
+    EvaluatorError,
+    FleetProbe,
+    FleetSnapshot,
+    StreamWait,
+    choose_mode,
+    entries,
+    wait_for_router,
+)
 from evaluator.runner import PIN_PAUSE_MODE, EvalPlan, EvalResult, Snapshot, VersionMoved, eval_plan, evaluate
 from rollout.weights.workers import apply_version, served_version
 
 log = logging.getLogger(__name__)
 
 EVALS_MAXLEN = 100_000
-PROBE_TIMEOUT_S = 5.0
-WAIT_POLL_S = 0.5
-# XREAD BLOCK stays below the Redis client's socket timeout (5 s), so a quiet stream is not an error.
-BLOCK_MS = 2000
 TRANSIENT_PAUSE_S = 2.0
 UNSETTLED_LOG_S = 30.0
 
 
-class EvaluatorError(RuntimeError):
-    """The evaluator cannot run: no router, served model or eval worker within the wait; the message says which."""
-
-
-@dataclass(frozen=True)
-class FleetSnapshot(Snapshot):
-    settled: bool = True
-
-
-class FleetProbe:
-    """What the fleet serves: `weights:current` and each live worker's /weight_info."""
-
-    def __init__(self, client: redis.asyncio.Redis, keys: Keys, session: aiohttp.ClientSession) -> None:
-        self.client, self.keys, self.session = client, keys, session
-
-    async def _served(self, url: str) -> str:
-        try:
-            async with self.session.get(
-                url.rstrip("/") + "/weight_info", timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)
-            ) as r:
-                if r.status != 200:
-                    return f"unreadable (HTTP {r.status})"
-                return str((await r.json())["weight_version"])
-        except (aiohttp.ClientError, TimeoutError, ValueError, KeyError) as exc:
-            return f"unreadable ({type(exc).__name__})"
-
-    async def read(self) -> FleetSnapshot:
-        version = await current_version(self.client, self.keys)
-        current = "0" if version is None else str(version)
-        workers = await live_workers(self.client, self.keys)
-        served = await asyncio.gather(*(self._served(url) for url in workers.values()))
-        detail = tuple(zip(workers, served, strict=True))
-        settled = bool(detail) and all(v == current for v in served)
-        return FleetSnapshot(current, detail, settled)
-
-
-async def wait_for_router(client: redis.asyncio.Redis, keys: Keys, name: str, timeout_s: float) -> str:
-    """The router's URL from Redis, waiting up to timeout_s for it to appear."""
-    deadline = time.monotonic() + timeout_s
-    key = keys.router(name)
-    logged = False
-    while True:
-        url = await client.get(key)
-        if url:
-            return url
-        if time.monotonic() > deadline:
-            raise EvaluatorError(
-                f"no router {name!r} registered under Redis key {key} after {timeout_s:.0f}s; start the router role "
-                "(or raise evaluator.router_wait_s)"
-            )
-        if not logged:
-            log.info("waiting for router %r (Redis key %s, up to %.0fs)", name, key, timeout_s)
-            logged = True
-        await asyncio.sleep(WAIT_POLL_S)
-
-
-async def starting_workers(client: redis.asyncio.Redis, keys: Keys) -> list[str]:
-    """Instances of ROLE=vllm processes that are alive (role liveness key) but registered in neither pool yet."""
-    prefix, suffix = keys.role_pattern("vllm").split("*")
-    instances = [key[len(prefix) : -len(suffix)] async for key in client.scan_iter(match=keys.role_pattern("vllm"))]
-    registered = set(await client.hkeys(keys.workers)) | set(await client.hkeys(keys.eval_workers))
-    return sorted(i for i in instances if i not in registered)
-
-
-async def choose_mode(client: redis.asyncio.Redis, keys: Keys, timeout_s: float) -> str:
-    """evaluator.pin = "auto": "pin" if an eval-pool worker is live, "verify" once every started vLLM worker has
-    registered in the train pool (or timeout_s has passed with some still starting); the choice is logged."""
-    deadline = time.monotonic() + timeout_s
-    logged = False
-    while True:
-        # Starting workers first, the eval pool second: a worker that registers between the two reads
-        # is then seen in the pool; in the other order it would be seen in neither.
-        starting = await starting_workers(client, keys)
-        pinned = await live_workers(client, keys, keys.eval_workers)
-        if pinned:
-            log.info("evaluator.pin = auto: eval-pool worker(s) %s registered; pinning each version on one of them",
-                     sorted(pinned))  # fmt: skip
-            return "pin"
-        if not starting:
-            log.info("evaluator.pin = auto: no eval-pool worker (every vLLM worker is in the train pool); verifying "
-                     "each version through the router")  # fmt: skip
-            return "verify"
-        if time.monotonic() > deadline:
-            log.warning("evaluator.pin = auto: vLLM worker(s) %s still not registered after %.0fs and no eval-pool "
-                        "worker; verifying each version through the router", starting, timeout_s)  # fmt: skip
-            return "verify"
-        if not logged:
-            log.info("evaluator.pin = auto: waiting for starting vLLM worker(s) %s to register (one may be an "
-                     "eval-pool worker)", starting)  # fmt: skip
-            logged = True
-        await asyncio.sleep(WAIT_POLL_S)
-
-
 class Watcher:
-    """What both modes share: the benchmarks, the record of what was evaluated, and writing results."""
+    """What both modes share: the benchmarks, the record of what was evaluated, writing results, and the loop
+    that steps (`step`: True if it did something, so step again at once) until `finished`, waiting for the
+    next publish when a step found nothing to do."""
 
     def __init__(
         self,
@@ -158,7 +74,7 @@ class Watcher:
 
     async def load_done(self) -> None:
         """(version, benchmark) pairs already in the evals stream (a restarted watcher skips them)."""
-        for _id, fields in await self.client.xrange(self.ctx.keys.evals):
+        for _id, fields in entries(await self.client.xrange(self.ctx.keys.evals)):
             self.done.add((int(fields["version"]), fields["benchmark"]))
         if self.done:
             log.info("resuming: %d (version, benchmark) results already recorded", len(self.done))
@@ -184,8 +100,48 @@ class Watcher:
         self.metrics.log_many(version, {f"eval/{result.benchmark}/{k}": v for k, v in result.metrics.items()})
         self.metrics.flush()
         self.done.add((version, result.benchmark))
-        log.info("version %d %s: %s = %.4f (%d generated, %d from cache)", version, result.benchmark,
-                 result.primary, result.score, result.generated, result.cached)  # fmt: skip
+        log.info(
+            "version %d %s: %s = %.4f (%d generated, %d from cache)",
+            version,
+            result.benchmark,
+            result.primary,
+            result.score,
+            result.generated,
+            result.cached,
+        )
+
+    async def step(self) -> bool:
+        """One round: True if it did something (step again at once), False if it waits for the next publish."""
+        raise NotImplementedError
+
+    def finished(self) -> bool:
+        raise NotImplementedError
+
+    def recover(self, exc: RequestError | WorkerError) -> bool:
+        """Whether a step that raised `exc` is tried again after a pause (said in the log): yes for requests
+        that kept failing (the server may recover)."""
+        if isinstance(exc, RequestError) and exc.transient:
+            log.error("evaluation requests keep failing (%s); trying again in %.0fs", exc, TRANSIENT_PAUSE_S)
+            return True
+        return False
+
+    async def run(self) -> int:
+        await self.load_done()
+        publishes = await StreamWait(self.client, self.ctx.keys.weights_log).start()
+        while True:
+            try:
+                progressed = await self.step()
+            except (RequestError, WorkerError) as exc:
+                if not self.recover(exc):
+                    raise
+                # A back-off: nothing announces that a failing server recovered, so time passing is the point.
+                await asyncio.sleep(TRANSIENT_PAUSE_S)
+                continue
+            if self.finished():
+                log.info("evaluated every due version up to evaluator.until_version = %d; done", self.until)
+                return 0
+            if not progressed:
+                await publishes.wait()  # the next publish, or BLOCK_S: step reads the state again either way
 
 
 class VerifyWatcher(Watcher):
@@ -202,65 +158,80 @@ class VerifyWatcher(Watcher):
     (every discard is logged): run an eval-pool worker (pin mode), or evaluate fewer cases.
     """
 
-    def __init__(self, ctx: RunContext, client: redis.asyncio.Redis, plan: EvalPlan, cache: ResultCache,
-                 metrics: MetricsWriter, backend: Backend, probe: FleetProbe) -> None:  # fmt: skip
+    def __init__(
+        self,
+        ctx: RunContext,
+        client: redis.asyncio.Redis,
+        plan: EvalPlan,
+        cache: ResultCache,
+        metrics: MetricsWriter,
+        backend: Backend,
+        probe: FleetProbe,
+    ) -> None:
         super().__init__(ctx, client, plan, cache, metrics)
         self.backend, self.probe = backend, probe
+        self.served = -1  # the version served during the last step that was not discarded
 
     async def settled(self) -> FleetSnapshot:
-        """The fleet's snapshot once every live worker serves weights:current (a publish may be midway)."""
+        """The fleet's snapshot once every live worker serves weights:current (a publish may be midway), read
+        again on every event: the publish's, a worker registered, deregistered or evicted."""
+        events = await StreamWait(self.client, self.ctx.keys.events).start()
         next_log = time.monotonic() + UNSETTLED_LOG_S
         while True:
             snap = await self.probe.read()
             if snap.settled:
                 return snap
             if time.monotonic() > next_log:
-                log.warning("no settled fleet for %.0fs: weights:current = %s, workers (id, served) = %s",
-                            UNSETTLED_LOG_S, snap.version, snap.detail or "none live")  # fmt: skip
+                log.warning(
+                    "no settled fleet for %.0fs: weights:current = %s, workers (id, served) = %s",
+                    UNSETTLED_LOG_S,
+                    snap.version,
+                    snap.detail or "none live",
+                )
                 next_log = time.monotonic() + UNSETTLED_LOG_S
-            await asyncio.sleep(WAIT_POLL_S)
+            await events.wait()
 
-    async def step(self) -> int | None:
-        """Evaluate the served version if due; the version now served (evaluated or not)."""
+    async def step(self) -> bool:
+        """Evaluate the served version if due; True if it moved during the evaluation (read again at once)."""
         snap = await self.settled()
         version = int(snap.version)
         for bench in self.due(version):
             try:
-                result = await evaluate(bench, self.backend, self.cache, self.out_dir, self.probe, self.options,
-                                        self.max_concurrent, self.chunk_cases, expect=snap)  # fmt: skip
+                result = await evaluate(
+                    bench,
+                    self.backend,
+                    self.cache,
+                    self.out_dir,
+                    self.probe,
+                    self.options,
+                    self.max_concurrent,
+                    self.chunk_cases,
+                    expect=snap,
+                )
             except VersionMoved as exc:
-                log.warning("%s: version %s stopped being served during the evaluation (now %s); its unfinished "
-                            "results are discarded, moving to the newest version", bench.name, exc.expected,
-                            exc.seen)  # fmt: skip
-                await announce(self.client, self.ctx.keys, "evaluator", "eval discarded", benchmark=bench.name,
-                               version=exc.expected, seen=exc.seen)  # fmt: skip
-                return None
+                log.warning(
+                    "%s: version %s stopped being served during the evaluation (now %s); its unfinished "
+                    "results are discarded, moving to the newest version",
+                    bench.name,
+                    exc.expected,
+                    exc.seen,
+                )
+                await announce(
+                    self.client,
+                    self.ctx.keys,
+                    "evaluator",
+                    "eval discarded",
+                    benchmark=bench.name,
+                    version=exc.expected,
+                    seen=exc.seen,
+                )
+                return True
             await self.record(version, result)
-        return version
+        self.served = version
+        return False
 
-    async def run(self) -> int:
-        await self.load_done()
-        log_key = self.ctx.keys.weights_log
-        last_id = "0-0"
-        while True:
-            newest = await self.client.xrevrange(log_key, count=1)
-            if newest:
-                last_id = newest[0][0]
-            try:
-                version = await self.step()
-            except RequestError as exc:
-                if not exc.transient:
-                    raise
-                log.error("evaluation requests keep failing (%s); trying again in %.0fs", exc, TRANSIENT_PAUSE_S)
-                await asyncio.sleep(TRANSIENT_PAUSE_S)
-                continue
-            if version is None:
-                continue  # moved during an evaluation: re-read at once
-            if 0 <= self.until <= version and not self.due(self.until):
-                log.info("evaluated up to version %d (evaluator.until_version = %d); done", version, self.until)
-                return 0
-            # Wake on the next publish; the timeout re-checks in case a worker was still settling.
-            await self.client.xread({log_key: last_id}, block=BLOCK_MS)
+    def finished(self) -> bool:
+        return 0 <= self.until <= self.served and not self.due(self.until)
 
 
 @dataclass
@@ -290,8 +261,15 @@ class PinWatcher(Watcher):
     leaves is replaced by the next live one. Nothing is evaluated before the first publish.
     """
 
-    def __init__(self, ctx: RunContext, client: redis.asyncio.Redis, plan: EvalPlan, cache: ResultCache,
-                 metrics: MetricsWriter, session: aiohttp.ClientSession) -> None:  # fmt: skip
+    def __init__(
+        self,
+        ctx: RunContext,
+        client: redis.asyncio.Redis,
+        plan: EvalPlan,
+        cache: ResultCache,
+        metrics: MetricsWriter,
+        session: aiohttp.ClientSession,
+    ) -> None:
         super().__init__(ctx, client, plan, cache, metrics)
         self.session = session
         self.worker: EvalWorker | None = None
@@ -302,7 +280,7 @@ class PinWatcher(Watcher):
     async def read_log(self) -> None:
         """Add the `weights:log` entries published since the last read."""
         keys = self.ctx.keys
-        for entry_id, fields in await self.client.xrange(keys.weights_log, min=f"({self.log_id}"):
+        for entry_id, fields in entries(await self.client.xrange(keys.weights_log, min=f"({self.log_id}")):
             self.log_id = entry_id
             if fields["backend"] != "file":
                 raise EvaluatorError(
@@ -312,45 +290,62 @@ class PinWatcher(Watcher):
                 )
             self.published[int(fields["version"])] = fields["location"]
 
-    async def find_worker(self, timeout_s: float | None = None) -> EvalWorker:
+    async def find_worker(self, timeout_s: float = math.inf) -> EvalWorker:
         """The eval worker in use if it is still live, else the first live one, waiting for one to register (up
-        to timeout_s if given: EvaluatorError after it)."""
+        to timeout_s: EvaluatorError after it); read again on every event (a worker registered, one gone)."""
         keys = self.ctx.keys
-        started = next_log = time.monotonic()
+        events = await StreamWait(self.client, keys.events).start()
+        next_log = time.monotonic()
+        deadline = next_log + timeout_s
         while True:
             live = await live_workers(self.client, keys, keys.eval_workers)
             if self.worker is not None and self.worker.id in live:
                 return self.worker
             if self.worker is not None:
-                log.warning("eval worker %s at %s left the eval pool; waiting for a live one", self.worker.id,
-                            self.worker.url)  # fmt: skip
+                log.warning(
+                    "eval worker %s at %s left the eval pool; waiting for a live one", self.worker.id, self.worker.url
+                )
                 self.worker = None
             if live:
                 worker_id = min(live)
-                backend = Backend(self.session, live[worker_id], self.ctx.cfg.rollout.served_model_name,
-                                  self.ctx.cfg.evaluator.request_timeout_s, RetryPolicy())  # fmt: skip
+                backend = Backend(
+                    self.session,
+                    live[worker_id],
+                    self.ctx.cfg.rollout.served_model_name,
+                    self.ctx.cfg.evaluator.request_timeout_s,
+                    RetryPolicy(),
+                )
                 await backend.wait_until_served(self.ctx.cfg.evaluator.router_wait_s)
                 await backend.choose_counter()
                 self.worker = EvalWorker(worker_id, live[worker_id], backend)
-                log.info("evaluating on eval worker %s at %s%s", worker_id, self.worker.url,
-                         f" ({len(live) - 1} other eval worker(s) idle)" if len(live) > 1 else "")  # fmt: skip
+                log.info(
+                    "evaluating on eval worker %s at %s%s",
+                    worker_id,
+                    self.worker.url,
+                    f" ({len(live) - 1} other eval worker(s) idle)" if len(live) > 1 else "",
+                )
                 return self.worker
-            if timeout_s is not None and time.monotonic() - started > timeout_s:
+            if time.monotonic() > deadline:
                 raise EvaluatorError(
                     f"no live eval-pool worker in Redis hash {keys.eval_workers} after {timeout_s:.0f}s; start a "
                     "ROLE=vllm worker with rollout.pool = 'eval' (or raise evaluator.router_wait_s, or set "
                     "evaluator.pin = 'never' to evaluate through the router)"
                 )
             if time.monotonic() >= next_log:
-                log.info("waiting for a live eval-pool worker (Redis hash %s); start a ROLE=vllm worker with "
-                         "rollout.pool = 'eval'", keys.eval_workers)  # fmt: skip
+                log.info(
+                    "waiting for a live eval-pool worker (Redis hash %s); start a ROLE=vllm worker with "
+                    "rollout.pool = 'eval'",
+                    keys.eval_workers,
+                )
                 next_log = time.monotonic() + UNSETTLED_LOG_S
-            await asyncio.sleep(WAIT_POLL_S)
+            await events.wait(deadline - time.monotonic())
 
     def candidates(self) -> list[int]:
         """Published versions with benchmarks due (up to until_version), newest first."""
-        return sorted((v for v in self.published if v not in self.pruned and self.due(v)
-                       and (self.until < 0 or v <= self.until)), reverse=True)  # fmt: skip
+        return sorted(
+            (v for v in self.published if v not in self.pruned and self.due(v) and (self.until < 0 or v <= self.until)),
+            reverse=True,
+        )
 
     async def pick(self) -> int | None:
         """The newest due version whose files exist; pruned ones are skipped (logged once); None if none."""
@@ -362,15 +357,19 @@ class PinWatcher(Watcher):
                     f"the newest weight version {newest} is not at {self.published[newest]} as seen from the "
                     "evaluator; run the evaluator where rollout.weight_dir is visible, or set evaluator.pin = 'never'"
                 )
-        gone = []
+        gone: list[int] = []
         due = self.candidates()
         for version in due:
             if Path(self.published[version]).is_dir():
                 if gone:
                     self.log_pruned(gone)
                 if version != due[-1]:
-                    log.info("%d due versions not evaluated yet; evaluating the newest, %d, first (older ones "
-                             "follow while their files are kept)", len(due) - len(gone), version)  # fmt: skip
+                    log.info(
+                        "%d due versions not evaluated yet; evaluating the newest, %d, first (older ones "
+                        "follow while their files are kept)",
+                        len(due) - len(gone),
+                        version,
+                    )
                 return version
             gone.append(version)
             self.pruned.add(version)
@@ -379,9 +378,12 @@ class PinWatcher(Watcher):
         return None
 
     def log_pruned(self, versions: list[int]) -> None:
-        log.warning("weight version(s) %s were pruned (rollout.keep_versions = %d) before they were evaluated; "
-                    "skipping them (raise rollout.keep_versions to keep them)", sorted(versions),
-                    self.ctx.cfg.rollout.keep_versions)  # fmt: skip
+        log.warning(
+            "weight version(s) %s were pruned (rollout.keep_versions = %d) before they were evaluated; "
+            "skipping them (raise rollout.keep_versions to keep them)",
+            sorted(versions),
+            self.ctx.cfg.rollout.keep_versions,
+        )
 
     async def load(self, worker: EvalWorker, version: int) -> bool:
         """Load `version` into the worker unless it holds it; False if the load failed (the worker is evicted)."""
@@ -394,8 +396,14 @@ class PinWatcher(Watcher):
             took = await while_alive(self.client, keys, worker.id, update)
         except WorkerError as exc:
             why = "" if Path(location).is_dir() else f" ({location} was pruned meanwhile)"
-            await evict(self.client, keys, worker.id, f"loading weight version {version}: {exc}{why}",
-                        registry=keys.eval_workers, by="evaluator")  # fmt: skip
+            await evict(
+                self.client,
+                keys,
+                worker.id,
+                f"loading weight version {version}: {exc}{why}",
+                registry=keys.eval_workers,
+                by="evaluator",
+            )
             self.worker = None
             return False
         worker.loaded = version
@@ -415,15 +423,36 @@ class PinWatcher(Watcher):
         expect = Snapshot(str(version), (worker.id,))
         for bench in self.due(version):
             try:
-                result = await evaluate(bench, worker.backend, self.cache, self.out_dir, worker, self.options,
-                                        self.max_concurrent, self.chunk_cases, expect=expect)  # fmt: skip
+                result = await evaluate(
+                    bench,
+                    worker.backend,
+                    self.cache,
+                    self.out_dir,
+                    worker,
+                    self.options,
+                    self.max_concurrent,
+                    self.chunk_cases,
+                    expect=expect,
+                )
             except VersionMoved as exc:
                 # Only this evaluator loads weights into its worker: something else drives it (a second evaluator?).
-                log.error("%s: eval worker %s changed from version %s to %s during the evaluation, but only this "
-                          "evaluator loads it; is another evaluator using it? Discarding the chunk and reloading",
-                          bench.name, worker.id, exc.expected, exc.seen)  # fmt: skip
-                await announce(self.client, self.ctx.keys, "evaluator", "eval discarded", benchmark=bench.name,
-                               version=exc.expected, seen=exc.seen)  # fmt: skip
+                log.error(
+                    "%s: eval worker %s changed from version %s to %s during the evaluation, but only this "
+                    "evaluator loads it; is another evaluator using it? Discarding the chunk and reloading",
+                    bench.name,
+                    worker.id,
+                    exc.expected,
+                    exc.seen,
+                )
+                await announce(
+                    self.client,
+                    self.ctx.keys,
+                    "evaluator",
+                    "eval discarded",
+                    benchmark=bench.name,
+                    version=exc.expected,
+                    seen=exc.seen,
+                )
                 worker.loaded = None
                 return True
             await self.record(version, result)
@@ -433,34 +462,22 @@ class PinWatcher(Watcher):
         """until_version is published (or passed) and every due version up to it is evaluated or pruned."""
         return 0 <= self.until <= max(self.published, default=-1) and not self.candidates()
 
+    def recover(self, exc: RequestError | WorkerError) -> bool:
+        if isinstance(exc, WorkerError):
+            log.error("eval worker stopped answering (%s); looking for a live one", exc)
+            self.worker = None
+            return True
+        return super().recover(exc)
+
     async def run(self) -> int:
-        await self.load_done()
         await self.find_worker(timeout_s=self.ctx.cfg.evaluator.router_wait_s)
-        log_key = self.ctx.keys.weights_log
-        waiting_logged = False
-        while True:
-            try:
-                evaluated = await self.step()
-            except RequestError as exc:
-                if not exc.transient:
-                    raise
-                log.error("evaluation requests keep failing (%s); trying again in %.0fs", exc, TRANSIENT_PAUSE_S)
-                await asyncio.sleep(TRANSIENT_PAUSE_S)
-                continue
-            except WorkerError as exc:
-                log.error("eval worker stopped answering (%s); looking for a live one", exc)
-                self.worker = None
-                await asyncio.sleep(TRANSIENT_PAUSE_S)
-                continue
-            if self.finished():
-                log.info("evaluated up to version %d (evaluator.until_version = %d); done", self.until, self.until)
-                return 0
-            if evaluated:
-                continue
-            if not self.published and not waiting_logged:
-                log.info("pin mode evaluates published versions only; waiting for the first publish (%s)", log_key)
-                waiting_logged = True
-            await self.client.xread({log_key: self.log_id}, block=BLOCK_MS)
+        await self.read_log()
+        if not self.published:
+            log.info(
+                "pin mode evaluates published versions only; waiting for the first publish (%s)",
+                self.ctx.keys.weights_log,
+            )
+        return await super().run()
 
 
 async def main(ctx: RunContext) -> int:
@@ -480,8 +497,14 @@ async def main(ctx: RunContext) -> int:
                 try:
                     started = time.monotonic()
                     url = await wait_for_router(client, ctx.keys, cfg.router.name, ev.router_wait_s)
-                    backend = Backend(session, url, cfg.rollout.served_model_name, ev.request_timeout_s,
-                                      RetryPolicy(), cfg.router.auth_token)  # fmt: skip
+                    backend = Backend(
+                        session,
+                        url,
+                        cfg.rollout.served_model_name,
+                        ev.request_timeout_s,
+                        RetryPolicy(),
+                        cfg.router.auth_token,
+                    )
                     await backend.wait_until_served(ev.router_wait_s)
                 except (EvaluatorError, RequestError) as exc:
                     log.error("%s", exc)
@@ -489,8 +512,11 @@ async def main(ctx: RunContext) -> int:
                 left = max(0.0, ev.router_wait_s - (time.monotonic() - started))
                 mode = "verify" if ev.pin == "never" else await choose_mode(client, ctx.keys, left)
             if mode == "pin":
-                log.info("evaluating %s on an eval-pool worker pinned to each version (every %d version(s))",
-                         ", ".join(ev.benchmarks), ev.every_n_versions)  # fmt: skip
+                log.info(
+                    "evaluating %s on an eval-pool worker pinned to each version (every %d version(s))",
+                    ", ".join(ev.benchmarks),
+                    ev.every_n_versions,
+                )
                 try:
                     return await PinWatcher(ctx, client, plan, cache, metrics, session).run()
                 except EvaluatorError as exc:
@@ -498,8 +524,9 @@ async def main(ctx: RunContext) -> int:
                     return 2
             probe = FleetProbe(client, ctx.keys, session)
             await backend.choose_counter(tokenize_urls=tuple((await live_workers(client, ctx.keys)).values()))
-            log.info("evaluating %s through %s (every %d version(s))", ", ".join(ev.benchmarks), url,
-                     ev.every_n_versions)  # fmt: skip
+            log.info(
+                "evaluating %s through %s (every %d version(s))", ", ".join(ev.benchmarks), url, ev.every_n_versions
+            )
             return await VerifyWatcher(ctx, client, plan, cache, metrics, backend, probe).run()
     finally:
         cache.close()

@@ -63,13 +63,22 @@ def trainer_step(w: MetricsWriter, step: int, ts_ms: int) -> None:
     per-layer router figures trainer/pretrain.py logs."""
     reward = 0.4 + 0.3 * step / STEPS
     figures = {
-        "rl/reward_mean": reward, "rl/accuracy": reward - 0.05, "rl/groups_used": 60, "rl/dynamic_dropped_groups": 1,
-        "rl/completion_tokens_mean": 3.5, "rl/staleness_mean": (step % 3) * 0.5, "rl/staleness_max": step % 3,
-        "perf/step_s": 1.5 + 0.1 * (step % 4), "perf/samples_per_s": 300 + 5 * step, "loss/loss": 0.1 - 0.001 * step,
-        "loss/fresh_logprob_mismatch": 0.01 + 0.001 * (step % 5), "loss/behaviour_proximal_abs_logp_diff": 0.02,
-        "loss/behaviour_proximal_abs_logp_diff_max": 0.3 + 0.01 * step, "loss/behaviour_proximal_k3": 0.001,
+        "rl/reward_mean": reward,
+        "rl/accuracy": reward - 0.05,
+        "rl/groups_used": 60,
+        "rl/dynamic_dropped_groups": 1,
+        "rl/completion_tokens_mean": 3.5,
+        "rl/staleness_mean": (step % 3) * 0.5,
+        "rl/staleness_max": step % 3,
+        "perf/step_s": 1.5 + 0.1 * (step % 4),
+        "perf/samples_per_s": 300 + 5 * step,
+        "loss/loss": 0.1 - 0.001 * step,
+        "loss/fresh_logprob_mismatch": 0.01 + 0.001 * (step % 5),
+        "loss/behaviour_proximal_abs_logp_diff": 0.02,
+        "loss/behaviour_proximal_abs_logp_diff_max": 0.3 + 0.01 * step,
+        "loss/behaviour_proximal_k3": 0.001,
         "loss/behaviour_proximal_abs_logp_diff_p99": 0.12,
-    }  # fmt: skip
+    }
     for tag, value in figures.items():
         w.log(tag, step, value, ts_ms)
     for layer in LAYERS:
@@ -77,8 +86,12 @@ def trainer_step(w: MetricsWriter, step: int, ts_ms: int) -> None:
 
 
 def publish(w: MetricsWriter, version: int, ts_ms: int) -> None:
-    times = {"weights/publish_s": 0.6, "weights/max_pause_s": 0.2 + 0.01 * version, "weights/write_s": 0.3,
-             "weights/max_load_s": 0.25}  # fmt: skip
+    times = {
+        "weights/publish_s": 0.6,
+        "weights/max_pause_s": 0.2 + 0.01 * version,
+        "weights/write_s": 0.3,
+        "weights/max_load_s": 0.25,
+    }
     for tag, value in times.items():
         w.log(tag, version, value, ts_ms)
 
@@ -108,8 +121,14 @@ def write_run(root: Path, exp: str, overrides: tuple[str, ...] = (), finish: boo
             if step % 4 == 0:
                 evaluation(evaluator, step + 1, end + 2500)
         if finish:
-            counters = FlowCounters(dispatched_samples=24 * 1024, completed_samples=24 * 1024, trained_prompts=1536,
-                                    trained_samples=24 * 1024, dropped_groups=12, staleness={0: 9000, 1: 11000, 2: 4576})  # fmt: skip
+            counters = FlowCounters(
+                dispatched_samples=24 * 1024,
+                completed_samples=24 * 1024,
+                trained_prompts=1536,
+                trained_samples=24 * 1024,
+                dropped_groups=12,
+                staleness={0: 9000, 1: 11000, 2: 4576},
+            )
             trainer.log_many(STEPS, {f"flow/{k}": float(v) for k, v in vars(counters).items() if isinstance(v, int)})
             summary = {"finish_reason": "max_steps", "counters": dataclasses.asdict(counters)}
             (run_dir / "flow_summary.json").write_text(json.dumps(summary, indent=1) + "\n")
@@ -221,10 +240,16 @@ def test_workers_come_from_the_live_redis_and_a_stopped_redis_reads_not_running(
     rz = Rendezvous(run_dir / "meet", RendezvousConfig(leader_linger_s=1))
     client = rz.connect(timeout_s=10)
     keys = Keys("dash-live")
-    client.hset(keys.workers, "w-a", json.dumps({"url": "http://127.0.0.1:9001", "model": "m", "weight_version": 7,
-                                                 "started_at": 1.0}))  # fmt: skip
-    client.hset(keys.workers, "w-b", json.dumps({"url": "http://127.0.0.1:9002", "model": "m", "weight_version": 5,
-                                                 "started_at": 1.0}))  # fmt: skip
+    client.hset(
+        keys.workers,
+        "w-a",
+        json.dumps({"url": "http://127.0.0.1:9001", "model": "m", "weight_version": 7, "started_at": 1.0}),
+    )
+    client.hset(
+        keys.workers,
+        "w-b",
+        json.dumps({"url": "http://127.0.0.1:9002", "model": "m", "weight_version": 5, "started_at": 1.0}),
+    )
     client.set(keys.worker_alive("w-a"), "1", px=30_000)  # w-b's heartbeat has stopped
     client.set(keys.role_alive("trainer", "t0"), "1", px=30_000)
     client.set(keys.weights_current, 7)
@@ -271,8 +296,11 @@ def test_a_metric_written_while_the_page_is_open_appears_within_5_s(tmp_path):
     rz = Rendezvous(run_dir / "meet", RendezvousConfig(leader_linger_s=1))
     client = rz.connect(timeout_s=10)
     keys = Keys("dash-open")
-    client.hset(keys.workers, "w-a", json.dumps({"url": "http://127.0.0.1:9001", "model": "m", "weight_version": 23,
-                                                 "started_at": 1.0}))  # fmt: skip
+    client.hset(
+        keys.workers,
+        "w-a",
+        json.dumps({"url": "http://127.0.0.1:9001", "model": "m", "weight_version": 23, "started_at": 1.0}),
+    )
     client.set(keys.worker_alive("w-a"), "1", px=60_000)
     try:
         with DashServer(root) as server, chromium() as driver:
@@ -314,8 +342,12 @@ def test_axis_ticks_are_round_and_cover_the_range():
 
 
 def test_a_line_chart_has_a_vertex_per_point_and_a_legend_entry_per_series():
-    svg = line_chart([Series("a", "alpha", [(0, 1.0), (1, 2.0), (2, 1.5)]), Series("b", "beta", [(1, 0.5)])],
-                     "step", "value", "nothing")  # fmt: skip
+    svg = line_chart(
+        [Series("a", "alpha", [(0, 1.0), (1, 2.0), (2, 1.5)]), Series("b", "beta", [(1, 0.5)])],
+        "step",
+        "value",
+        "nothing",
+    )
     assert 'data-points="4"' in svg and 'data-tag="a" data-points="3"' in svg
     assert svg.count("<circle") == 4 and ">alpha</text>" in svg and ">beta</text>" in svg
     assert ">step</text>" in svg and ">value</text>" in svg

@@ -36,15 +36,16 @@ import safetensors.torch
 import torch
 from conftest import MAX_MODEL_LEN
 
-import evaluator.runner
+import evaluator.cli
 from common.cli import main as slipstream_main
 from common.config import load_config, to_toml
 from common.metrics import MetricsWriter, read_metrics
 from evaluator.backend import Backend
 from evaluator.benchmark import EvalOptions, load_benchmark
 from evaluator.cache import ResultCache
-from evaluator.runner import PIN_PAUSE_MODE, WeightInfoProbe, build_parser, eval_plan, evaluate, run_cli
-from evaluator.watcher import FleetProbe
+from evaluator.cli import build_parser, run_cli
+from evaluator.fleetview import FleetProbe
+from evaluator.runner import PIN_PAUSE_MODE, WeightInfoProbe, eval_plan, evaluate
 from rollout.tinykit import resolve_model
 from rollout.weights import WeightPublisher, apply_version, served_version, write_version
 
@@ -126,15 +127,21 @@ def cached_for(cache: Path, version: int) -> int:
 
 
 @pytest.mark.timeout(540)
-async def test_live_evaluator_records_each_version_exactly_and_resumes_from_its_cache(deepseek_run, tmp_path,
-                                                                                     monkeypatch):  # fmt: skip
+async def test_live_evaluator_records_each_version_exactly_and_resumes_from_its_cache(
+    deepseek_run, tmp_path, monkeypatch
+):
     run = deepseek_run
     run.redis.delete(run.keys.evals)
     r = run.rz.info.async_client()
     v0 = int(await r.get(run.keys.weights_current) or 0)
     eval_dir = tmp_path / "evalrun"
-    for key, value in {"run__dir": eval_dir, "evaluator__chunk_cases": 4, "evaluator__max_concurrent": 4,
-                       "evaluator__until_version": v0 + 3, "evaluator__router_wait_s": 60}.items():  # fmt: skip
+    for key, value in {
+        "run__dir": eval_dir,
+        "evaluator__chunk_cases": 4,
+        "evaluator__max_concurrent": 4,
+        "evaluator__until_version": v0 + 3,
+        "evaluator__router_wait_s": 60,
+    }.items():
         monkeypatch.setenv(f"SLIPSTREAM__{key}", str(value))
     cache = eval_dir / "evals" / "cache.jsonl"
     n_cases = len(load_benchmark("arithmetic", DATA).cases())
@@ -198,8 +205,10 @@ async def test_live_evaluator_records_each_version_exactly_and_resumes_from_its_
 def perturbed(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Other weights of the same shapes (fixed noise of half each tensor's spread): other greedy completions."""
     gen = torch.Generator().manual_seed(0)
-    return {n: t + 0.5 * t.std() * torch.randn(t.shape, generator=gen) if t.is_floating_point() and t.numel() > 1
-            else t for n, t in weights.items()}  # fmt: skip
+    return {
+        n: t + 0.5 * t.std() * torch.randn(t.shape, generator=gen) if t.is_floating_point() and t.numel() > 1 else t
+        for n, t in weights.items()
+    }
 
 
 def completions(eval_dir: Path, version: int) -> list[list[str]]:
@@ -208,8 +217,9 @@ def completions(eval_dir: Path, version: int) -> list[list[str]]:
 
 
 @pytest.mark.timeout(480)
-async def test_pinned_evaluator_records_each_version_once_while_publishes_outpace_it(deepseek_run, tmp_path,
-                                                                                     monkeypatch):  # fmt: skip
+async def test_pinned_evaluator_records_each_version_once_while_publishes_outpace_it(
+    deepseek_run, tmp_path, monkeypatch
+):
     run = deepseek_run
     run.redis.delete(run.keys.evals)
     # The eval worker joins the fixture's run (same run dir, so the same generated model).
@@ -219,22 +229,32 @@ async def test_pinned_evaluator_records_each_version_once_while_publishes_outpac
     r = run.rz.info.async_client()
     evaluator = None
     try:
-        (eval_id,) = run.wait_for("eval worker registration", lambda: run.redis.hgetall(run.keys.eval_workers),
-                                  eval_worker, 300)  # fmt: skip
+        (eval_id,) = run.wait_for(
+            "eval worker registration", lambda: run.redis.hgetall(run.keys.eval_workers), eval_worker, 300
+        )
         eval_url = json.loads(run.redis.hget(run.keys.eval_workers, eval_id))["url"]
         train = run.workers()
         assert eval_id not in train and eval_id not in {w["id"] for w in run.router_workers()}
         v0 = int(await r.get(run.keys.weights_current) or 0)
         # Older versions whose files are still on disk are due too (none evaluated yet): evaluated after ours.
-        older = sorted(int(f["version"]) for _, f in run.redis.xrange(run.keys.weights_log)
-                       if int(f["version"]) <= v0 and Path(f["location"]).is_dir())  # fmt: skip
+        older = sorted(
+            int(f["version"])
+            for _, f in run.redis.xrange(run.keys.weights_log)
+            if int(f["version"]) <= v0 and Path(f["location"]).is_dir()
+        )
         ours = [v0 + 1, v0 + 2, v0 + 3, v0 + 4]
         eval_dir = tmp_path / "evalrun"
         limit = 80
         # One request at a time: an evaluation takes several seconds, and equal weights give equal completions.
-        for key, value in {"run__dir": eval_dir, "evaluator__pin": "always", "evaluator__limit": limit,
-                           "evaluator__chunk_cases": 2, "evaluator__max_concurrent": 1,
-                           "evaluator__until_version": ours[-1], "evaluator__router_wait_s": 60}.items():  # fmt: skip
+        for key, value in {
+            "run__dir": eval_dir,
+            "evaluator__pin": "always",
+            "evaluator__limit": limit,
+            "evaluator__chunk_cases": 2,
+            "evaluator__max_concurrent": 1,
+            "evaluator__until_version": ours[-1],
+            "evaluator__router_wait_s": 60,
+        }.items():
             monkeypatch.setenv(f"SLIPSTREAM__{key}", str(value))
         cache = eval_dir / "evals" / "cache.jsonl"
         cfg = load_config(run.config)
@@ -288,8 +308,9 @@ async def test_eval_of_a_run_version_starts_a_server_loads_the_version_and_repro
     # A finished demo run: its config, its base model, two published versions (v0: the model's own weights, v1:
     # other weights of the same shapes). A short path: vLLM's IPC sockets live under it.
     run_dir = tmp_path_factory.mktemp("evrun")
-    cfg = load_config(ROOT / "configs" / "demo.toml", [f"run.dir={run_dir}", f"evaluator.data_root={DATA}",
-                                                       "evaluator.limit=40"])  # fmt: skip
+    cfg = load_config(
+        ROOT / "configs" / "demo.toml", [f"run.dir={run_dir}", f"evaluator.data_root={DATA}", "evaluator.limit=40"]
+    )
     (run_dir / "config.toml").write_text(to_toml(cfg))
     own = safetensors.torch.load_file(resolve_model(cfg, run_dir) / "model.safetensors")
     for version, weights in ((0, own), (1, perturbed(own))):
@@ -297,7 +318,7 @@ async def test_eval_of_a_run_version_starts_a_server_loads_the_version_and_repro
     plan = eval_plan(cfg.evaluator, cfg.rollout.task)
     (bench,) = plan.benchmarks
     recorded = {}
-    started_worker = evaluator.runner.started_worker
+    started_worker = evaluator.cli.started_worker
 
     @contextlib.asynccontextmanager
     async def recorded_first(session: aiohttp.ClientSession, *args):
@@ -313,11 +334,19 @@ async def test_eval_of_a_run_version_starts_a_server_loads_the_version_and_repro
             ):
                 for version in (0, 1):
                     await apply_version(session, url, version, str(run_dir / "weights" / f"v{version}"), PIN_PAUSE_MODE)
-                    recorded[version] = await evaluate(bench, backend, cache, tmp_path / "recorded",
-                                                       WeightInfoProbe(backend, url), plan.options,
-                                                       plan.max_concurrent, plan.chunk_cases)  # fmt: skip
-                    metrics.log_many(version, {f"eval/{bench.name}/{k}": v
-                                               for k, v in recorded[version].metrics.items()})  # fmt: skip
+                    recorded[version] = await evaluate(
+                        bench,
+                        backend,
+                        cache,
+                        tmp_path / "recorded",
+                        WeightInfoProbe(backend, url),
+                        plan.options,
+                        plan.max_concurrent,
+                        plan.chunk_cases,
+                    )
+                    metrics.log_many(
+                        version, {f"eval/{bench.name}/{k}": v for k, v in recorded[version].metrics.items()}
+                    )
             # --url: the server holds version 1 now, so matching version 0's row takes loading it.
             args = ["--url", url, "--run-dir", str(run_dir), "--version", "0", "--out", str(tmp_path / "url")]
             (again,) = await run_cli(build_parser().parse_args(args))
@@ -325,7 +354,7 @@ async def test_eval_of_a_run_version_starts_a_server_loads_the_version_and_repro
             assert answered(Path(again.cases_path)) == answered(Path(recorded[0].cases_path))
             yield url  # holding version 0: matching version 1's row takes loading it
 
-    monkeypatch.setattr(evaluator.runner, "started_worker", recorded_first)
+    monkeypatch.setattr(evaluator.cli, "started_worker", recorded_first)
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     started = time.monotonic()
     assert await asyncio.to_thread(slipstream_main, ["eval", "--run-dir", str(run_dir), "--version", "1"]) == 0

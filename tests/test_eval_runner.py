@@ -32,16 +32,8 @@ from common.roles import RunContext
 from evaluator.backend import Backend, RequestError
 from evaluator.benchmark import Case, EvalOptions, Sampling, load_benchmark
 from evaluator.cache import ResultCache, fingerprint
-from evaluator.runner import (
-    VersionMoved,
-    WeightInfoProbe,
-    build_parser,
-    cli_plan,
-    eval_plan,
-    evaluate,
-    run_config,
-    worker_setup,
-)
+from evaluator.cli import build_parser, cli_plan, run_config, worker_setup
+from evaluator.runner import VersionMoved, WeightInfoProbe, eval_plan, evaluate
 from evaluator.watcher import Watcher
 from rollout.tasks.arithmetic import evaluate as arith_value
 
@@ -98,8 +90,10 @@ class Fake:
             text = str(arith_value(body["prompt"].removesuffix("=")))
             choices = [{"index": i, "text": text, "finish_reason": "stop"} for i in range(body["n"])]
         else:
-            choices = [{"index": i, "message": {"role": "assistant", "content": "all lower text"},
-                        "finish_reason": "stop"} for i in range(body["n"])]  # fmt: skip
+            choices = [
+                {"index": i, "message": {"role": "assistant", "content": "all lower text"}, "finish_reason": "stop"}
+                for i in range(body["n"])
+            ]
         return web.json_response({"choices": choices, "usage": {"prompt_tokens": 5, "completion_tokens": 2}})
 
 
@@ -115,15 +109,24 @@ async def fake():
     await runner.cleanup()
 
 
-async def run_eval(fake: Fake, out: Path, name: str = "arithmetic", options=None, chunk_cases: int = 64,
-                   max_concurrent: int = 8):  # fmt: skip
+async def run_eval(
+    fake: Fake, out: Path, name: str = "arithmetic", options=None, chunk_cases: int = 64, max_concurrent: int = 8
+):
     async with aiohttp.ClientSession() as session:
         backend = Backend(session, fake.url, retry=FAST_RETRY)
         await backend.describe()
         await backend.choose_counter()
         with ResultCache(out / "cache.jsonl") as cache:
-            return await evaluate(load_benchmark(name, DATA), backend, cache, out, WeightInfoProbe(backend, fake.url),
-                                  options or EvalOptions(limit=10), max_concurrent, chunk_cases)  # fmt: skip
+            return await evaluate(
+                load_benchmark(name, DATA),
+                backend,
+                cache,
+                out,
+                WeightInfoProbe(backend, fake.url),
+                options or EvalOptions(limit=10),
+                max_concurrent,
+                chunk_cases,
+            )
 
 
 @pytest.mark.timeout(30)
@@ -189,8 +192,7 @@ async def test_transport_errors_are_retried_then_reported_as_transient():
 @pytest.mark.timeout(30)
 async def test_an_interrupted_eval_resumes_from_its_cache_without_regenerating_finished_cases(fake, tmp_path):
     fake.delay_s = 0.05
-    task = asyncio.create_task(run_eval(fake, tmp_path, options=EvalOptions(limit=20), chunk_cases=4,
-                                        max_concurrent=4))  # fmt: skip
+    task = asyncio.create_task(run_eval(fake, tmp_path, options=EvalOptions(limit=20), chunk_cases=4, max_concurrent=4))
     while len(fake.generations) < 9:  # two chunks done, the third in flight
         await asyncio.sleep(0.01)
     task.cancel()
@@ -266,8 +268,22 @@ def test_eval_with_the_demo_config_builds_the_cases_the_evaluator_role_builds(tm
 
 def test_eval_flags_win_over_the_config_and_set_applies_to_it(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
-    argv = ["--url", "http://127.0.0.1:1", "--config", str(DEMO), "--set", "evaluator.max_tokens=8", "--limit", "5",
-            "--temperature", "0.5", "--samples", "3", "--max-concurrent", "2"]  # fmt: skip
+    argv = [
+        "--url",
+        "http://127.0.0.1:1",
+        "--config",
+        str(DEMO),
+        "--set",
+        "evaluator.max_tokens=8",
+        "--limit",
+        "5",
+        "--temperature",
+        "0.5",
+        "--samples",
+        "3",
+        "--max-concurrent",
+        "2",
+    ]
     args = build_parser().parse_args(argv)
     todo = cli_plan(args, run_config(args))
     (cases,) = [todo.options.apply(b.cases()) for b in todo.benchmarks]
@@ -277,8 +293,9 @@ def test_eval_flags_win_over_the_config_and_set_applies_to_it(tmp_path, monkeypa
 
 
 @pytest.mark.timeout(60)
-async def test_eval_run_dir_evaluates_its_config_and_a_missing_config_names_the_fix(fake, tmp_path, capsys,
-                                                                                  monkeypatch):  # fmt: skip
+async def test_eval_run_dir_evaluates_its_config_and_a_missing_config_names_the_fix(
+    fake, tmp_path, capsys, monkeypatch
+):
     monkeypatch.chdir(ROOT)
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -299,8 +316,21 @@ async def test_eval_run_dir_evaluates_its_config_and_a_missing_config_names_the_
 
 @pytest.mark.timeout(60)
 async def test_slipstream_eval_command_writes_results_and_a_second_run_is_all_cached(fake, tmp_path, capsys):
-    argv = ["eval", "--url", fake.url, "--benchmark", "arithmetic", "--benchmark", "ifeval", "--limit", "3",
-            "--out", str(tmp_path), "--max-retries", "1"]  # fmt: skip
+    argv = [
+        "eval",
+        "--url",
+        fake.url,
+        "--benchmark",
+        "arithmetic",
+        "--benchmark",
+        "ifeval",
+        "--limit",
+        "3",
+        "--out",
+        str(tmp_path),
+        "--max-retries",
+        "1",
+    ]
     assert await asyncio.to_thread(slipstream_main, argv) == 0
     out = capsys.readouterr().out
     assert "arithmetic version=0 accuracy/mean=1.0000 cases=3 generated=3" in out
@@ -321,8 +351,9 @@ def demo_run_dir(path: Path, *overrides: str) -> Path:
 
 
 @pytest.mark.timeout(60)
-async def test_eval_of_a_run_dir_writes_under_it_and_prints_the_score_the_run_recorded(fake, tmp_path, capsys,
-                                                                                      monkeypatch):  # fmt: skip
+async def test_eval_of_a_run_dir_writes_under_it_and_prints_the_score_the_run_recorded(
+    fake, tmp_path, capsys, monkeypatch
+):
     monkeypatch.chdir(ROOT)
     run_dir = demo_run_dir(tmp_path / "run", "evaluator.limit=7")
     with MetricsWriter(run_dir, "demo", "evaluator") as metrics:  # what the run's evaluator recorded

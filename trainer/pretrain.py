@@ -23,6 +23,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from common.cli import add_set_argument
 from common.config import Config, DataSourceConfig, load_config
 from trainer.checkpoint import CheckpointSchedule, TrainState, load_model_weights
 from trainer.core import TrainingCore, cross_entropy_loss
@@ -242,7 +243,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--text-key", default="text")
     ap.add_argument("--eos-id", type=int, default=None)
     ap.add_argument("--run-dir", default="", help="default: run.dir, else <run.root>/<run.name>")
-    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    add_set_argument(ap)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s trainer %(message)s")
     cfg = load_config(args.config, args.overrides)

@@ -16,6 +16,7 @@ from pathlib import Path
 import redis
 
 from common.config import ConfigError, diff, from_dict
+from common.fleet import WorkerRecord
 from common.keys import Keys
 from common.metrics import read_metrics
 from common.registry import Registry, RunRecord
@@ -194,18 +195,19 @@ def read_live(exp: str, meet_dir: Path) -> LiveState:
             ttls = [client.pttl(keys.worker_alive(i)) for i in ids]
             for worker_id, ttl in zip(ids, ttls, strict=True):
                 try:
-                    record = json.loads(entries[worker_id])
-                except json.JSONDecodeError:
-                    record = {"url": f"unreadable record {entries[worker_id][:80]!r}"}
+                    record = WorkerRecord.from_json(worker_id, entries[worker_id])
+                    url, version = record.url, record.weight_version
+                except ValueError:  # no worker to common/fleet.py's readers; the page still shows what is there
+                    url, version = f"unreadable record {entries[worker_id][:80]!r}", None
                 state.workers.append(
                     {
                         "id": worker_id,
                         "pool": pool,
-                        "url": record.get("url"),
-                        "version": record.get("weight_version"),
+                        "url": url,
+                        "version": version,
                         "alive": ttl > 0,
                         "ttl_s": round(ttl / 1000, 1) if ttl > 0 else None,
-                    }  # fmt: skip
+                    }
                 )
         for key in sorted(client.scan_iter(match=keys.role_pattern("*"), count=500)):
             _, role, instance = key[len(keys.prefix) : -len(":alive")].split(":", 2)

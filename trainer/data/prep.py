@@ -32,6 +32,7 @@ from typing import IO, Any
 
 import numpy as np
 
+from common.cli import add_set_argument
 from common.config import Config, ConfigError, DataSourceConfig, load_config
 from trainer.data.shards import (
     INDEX,
@@ -373,14 +374,7 @@ def cli_main(argv: Sequence[str]) -> int:
         description="Tokenize trainer.data.sources into token shards under trainer.data.root; a re-run skips finished shards.",
     )
     ap.add_argument("config", help="TOML config with [[trainer.data.sources]] tables")
-    ap.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config value, e.g. --set trainer.data.prep_processes=4 (repeatable)",
-    )
+    add_set_argument(ap, "trainer.data.prep_processes=4")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = ap.parse_args(list(argv))
     try:
