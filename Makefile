@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup demo test test-fast
+.PHONY: setup demo lint test test-fast
 
 $(STAMP): pyproject.toml
 	command -v redis-server >/dev/null || ($(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq redis-server)
@@ -27,7 +27,13 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/slipstream launch configs/demo.toml
 
-test: $(STAMP)
+# The linter, the formatter (check only) and the type checker ([tool.mypy] in pyproject.toml names the packages).
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+test: lint
 	$(VENV)/bin/pytest -q -ra --durations=15
 
 test-fast: $(STAMP)
