@@ -34,14 +34,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-import psutil
-
 from common import log as logsetup
 from common.config import Config, RoleSpec, load_config, to_toml
 from common.console import LOGS, Console, ConsoleHandler, ProgressLine, Shown, elapsed, log_path
 from common.dash.server import DashServer
 from common.dash.sources import read_live
-from common.proc import die_with_parent
+from common.proc import die_with_parent, stop_process_trees
 from common.registry import Registry
 from common.rendezvous import Rendezvous
 from common.roles import REPORT_FILE, RUN_FILE, new_exp_id, resolve_meet_dir, resolve_run_dir
@@ -205,7 +203,7 @@ class Launcher:
         """Start one replica; call it from the main thread only (see `preexec_fn`)."""
         if rep.proc is not None and rep.proc.poll() is None:
             # A rank stopped for its group's restart that has not ended yet: it must not meet its successor.
-            _stop_group([rep.proc], self.prep.cfg.launch.stop_timeout_s)
+            stop_process_trees([rep.proc], self.prep.cfg.launch.stop_timeout_s)
         env = {**os.environ, **env_of(rep, self.prep)}
         rep.proc = subprocess.Popen(
             command_of(rep, self.prep),
@@ -335,51 +333,9 @@ class Launcher:
 
     def teardown(self) -> None:
         """SIGTERM every child's group and descendants, SIGKILL what survives the grace period."""
-        _stop_group([rep.proc for rep in self.replicas if rep.proc is not None], self.prep.cfg.launch.stop_timeout_s)
-
-
-def _stop_group(procs: Sequence[subprocess.Popen[bytes]], grace_s: float) -> None:
-    """Stop these role processes and everything they started; returns when all are gone.
-
-    Each role gets SIGTERM first, alone: it stops its own children in order (a vLLM worker stops its API
-    server, which stops its engine). After half the grace period, whatever is left of each role's process
-    group and descendants gets SIGTERM too (a role that does not forward it); after the grace period,
-    SIGKILL. Descendants are collected first: a child that set up its own session (vLLM does) is outside
-    the group and would otherwise be orphaned.
-    """
-    live = [proc for proc in procs if proc.poll() is None]
-    family: list[psutil.Process] = []
-    for proc in live:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            family += psutil.Process(proc.pid).children(recursive=True)
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(proc.pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    half = time.monotonic() + grace_s / 2
-    for proc in live:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=max(0.0, half - time.monotonic()))
-    for proc in live:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-    _, left = psutil.wait_procs(family, timeout=0)
-    for p in left:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            p.terminate()
-    for proc in live:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-    _, alive = psutil.wait_procs(left, timeout=max(0.0, deadline - time.monotonic()))
-    for proc in live:
-        if proc.poll() is None:
-            log.warning("pid %d ignored SIGTERM for %.0fs: killing", proc.pid, grace_s)
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    for p in alive:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            p.kill()
-    psutil.wait_procs(alive, timeout=5)
+        stop_process_trees(
+            [rep.proc for rep in self.replicas if rep.proc is not None], self.prep.cfg.launch.stop_timeout_s
+        )
 
 
 def launch(

@@ -2,17 +2,25 @@
 
 A role that starts a long-lived server (the rendezvous leader's redis-server, a worker's vLLM)
 asks the kernel to send that child SIGTERM when the parent dies, even by SIGKILL, so a crashed
-role never leaves a server running. `experiment_processes` finds whatever of a run is still alive
-(tests and the chaos benchmark check that nothing is).
+role never leaves a server running. `stop_process_trees` stops processes with everything they
+started, politely and then not (the launcher's teardown). `experiment_processes` finds whatever of a
+run is still alive (tests and the chaos benchmark check that nothing is).
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
+import os
 import signal
+import subprocess
+import time
+from collections.abc import Sequence
 
 import psutil
+
+log = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
 
@@ -36,3 +44,47 @@ def experiment_processes(exp: str) -> list[psutil.Process]:
             if proc.environ().get("SLIPSTREAM_EXP") == exp and proc.status() != psutil.STATUS_ZOMBIE:
                 found.append(proc)
     return found
+
+
+def stop_process_trees(procs: Sequence[subprocess.Popen[bytes]], grace_s: float) -> None:
+    """Stop these role processes and everything they started; returns when all are gone.
+
+    Each role gets SIGTERM first, alone: it stops its own children in order (a vLLM worker stops its API
+    server, which stops its engine). After half the grace period, whatever is left of each role's process
+    group and descendants gets SIGTERM too (a role that does not forward it); after the grace period,
+    SIGKILL. Descendants are collected first: a child that set up its own session (vLLM does) is outside
+    the group and would otherwise be orphaned.
+    """
+    live = [proc for proc in procs if proc.poll() is None]
+    family: list[psutil.Process] = []
+    for proc in live:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            family += psutil.Process(proc.pid).children(recursive=True)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    half = time.monotonic() + grace_s / 2
+    for proc in live:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=max(0.0, half - time.monotonic()))
+    for proc in live:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+    _, left = psutil.wait_procs(family, timeout=0)
+    for p in left:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.terminate()
+    for proc in live:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+    _, alive = psutil.wait_procs(left, timeout=max(0.0, deadline - time.monotonic()))
+    for proc in live:
+        if proc.poll() is None:
+            log.warning("pid %d ignored SIGTERM for %.0fs: killing", proc.pid, grace_s)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    for p in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    psutil.wait_procs(alive, timeout=5)
