@@ -20,7 +20,7 @@ import evaluator.fleetview
 from common.keys import Keys
 from common.roles import announce
 from evaluator.fleetview import EvaluatorError, FleetProbe, StreamWait, choose_mode, starting_workers, wait_for_router
-from evaluator.watcher import PinWatcher
+from evaluator.pinned import PinWatcher
 
 
 @pytest.mark.timeout(30)
