@@ -11,13 +11,13 @@ million short prompts) afford.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from common.jsonl import read_jsonl
+from common.saved_dataset import saved_dataset_files
 from rollout.tasks import Problem
 
 
@@ -98,21 +98,8 @@ def _read_saved_dataset(path: Path) -> Any:
     """The table of a `Dataset.save_to_disk` directory: its arrow files, in state.json's order."""
     import pyarrow as pa
 
-    if (path / "dataset_dict.json").is_file():
-        splits = sorted(p.name for p in path.iterdir() if p.is_dir())
-        raise ValueError(
-            f"{path} is a saved DatasetDict (splits {', '.join(splits)}); point the path at one split, "
-            f"e.g. {path / (splits[0] if splits else 'train')}"
-        )
-    state = path / "state.json"
-    if not state.is_file():
-        raise ValueError(
-            f"{path} is not a Dataset.save_to_disk directory (no state.json); give such a directory, "
-            "or a .jsonl/.parquet file"
-        )
-    files = [path / entry["filename"] for entry in json.loads(state.read_text())["_data_files"]]
     tables = []
-    for file in files:
+    for file in saved_dataset_files(path):
         try:
             with pa.memory_map(str(file)) as stream:
                 tables.append(pa.ipc.open_stream(stream).read_all())

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from common.config import Config, DataSourceConfig
+from common.saved_dataset import is_saved_dataset, saved_dataset_files
 from trainer.data.tokenizer import TokenizerIdentity
 
 INDEX = "index.json"
@@ -49,10 +50,8 @@ def input_files(path: str | Path) -> list[tuple[Path, str]]:
         return [(p, KINDS[p.suffix])]
     if not p.is_dir():
         raise FileNotFoundError(f"data source {str(p)!r} does not exist (paths are relative to the working directory)")
-    state = p / "state.json"
-    if state.is_file():
-        files = [p / entry["filename"] for entry in json.loads(state.read_text())["_data_files"]]
-        return [(f, "arrow") for f in files]
+    if is_saved_dataset(p):
+        return [(f, "arrow") for f in saved_dataset_files(p)]
     found = sorted(f for f in p.iterdir() if f.is_file() and f.suffix in (".jsonl", ".parquet"))
     if not found:
         raise ValueError(f"{p}: no .jsonl or .parquet files and no state.json (datasets save_to_disk) in it")
