@@ -67,13 +67,15 @@ the checkpoint) and the attempt numbers."""
 @dataclass
 class SampleRequest(Generic[P]):
     """What the genable receives: one sample of one prompt. `attempt` counts re-issues of the sample
-    (stale, failed, aborted or resumed); `version` is the weight version the generators had at dispatch."""
+    (stale, failed, aborted or resumed); `version` is the weight version the generators had at dispatch;
+    `dispatched` is when the runtime made it, right before handing it to the controller (`time.monotonic()`)."""
 
     prompt_id: int
     index: int
     prompt: P
     attempt: int
     version: int
+    dispatched: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -190,6 +192,9 @@ class FlowRuntime(Generic[P, R]):
         self._s: _LoopState[P, R] = _LoopState()
         self._jobs: queue.SimpleQueue[_Job[P, R]] = queue.SimpleQueue()
         self._last_state: FlowState | None = None
+        self.origin: float | None = None
+        """The flow's clock: `time.monotonic()` when `run()` started (None before). The report's times are
+        seconds since it, and so are the trainer's timing metrics (one origin per trainer process)."""
 
     # -- caller (trainer) thread ---------------------------------------------------------------
 
@@ -198,7 +203,7 @@ class FlowRuntime(Generic[P, R]):
         thread. Errors of the trainer callbacks propagate; errors of generation past the error budget
         (and bugs in the loop) are raised here too."""
         self.controller.wake_on_error(self._jobs)
-        t0 = time.monotonic()
+        t0 = self.origin = time.monotonic()
         steps: list[StepTiming] = []
         publishes: list[tuple[int, float, float]] = []
         self._in_loop(lambda: self._apply(self.policy.start()))
