@@ -25,9 +25,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common.config import Config, DataSourceConfig  # noqa: E402
-from rollout.tinykit import WORDS, build_tokenizer  # noqa: E402
 from trainer.data.prep import prep  # noqa: E402
 from trainer.pretrain import PretrainData, Pretrainer  # noqa: E402
+from trainer.tinykit import WORDS, build_tokenizer  # noqa: E402
 
 
 def write_corpus(path: Path, mb: float, seed: int) -> None:

@@ -30,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root
 from common.config import load_config  # noqa: E402
 from common.net import free_port  # noqa: E402
 from rollout.client import GENERATE_PATH  # noqa: E402
-from rollout.tinykit import resolve_model  # noqa: E402
 from rollout.worker import VllmProcess, vllm_command, vllm_env, wait_ready  # noqa: E402
+from trainer.tinykit import resolve_model  # noqa: E402
 
 # "<|user|>what is 12+7? solve\n<|assistant|>" in the tiny tokenizer
 PROMPT = [5, 90, 80, 91, 80, 8, 9, 17, 14, 84, 80, 97, 81, 6]

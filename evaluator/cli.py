@@ -206,8 +206,8 @@ async def started_worker(
     """A vLLM server for the run's model, started as the run's workers were (`rollout.worker.worker_vllm`) on a
     free loopback port, with its log under `out`; its URL once it has answered a completion. Stopped on exit,
     whatever happened."""
-    from rollout.tinykit import resolve_model
     from rollout.worker import wait_ready, worker_vllm
+    from trainer.tinykit import resolve_model
 
     wcfg, extra_env = worker_setup(path, overrides, cfg)
     ro = wcfg.rollout

@@ -39,11 +39,11 @@ from common.heartbeat import Heartbeat
 from common.net import advertised, bearer, free_port, url_host
 from common.proc import die_with_parent
 from common.roles import RunContext, announce
-from rollout.tinykit import TINY_MODELS, resolve_model
 from rollout.vllm_plugin import FILE_BACKEND
 from rollout.vllm_plugin.auth import KEY_ENV, MIDDLEWARE
 from rollout.vllm_plugin.watchdog import PARENT_ENV
 from rollout.weights.workers import apply_version, label_version, weight_lock
+from trainer.tinykit import TINY_MODELS, resolve_model
 
 log = logging.getLogger(__name__)
 

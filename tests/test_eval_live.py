@@ -46,8 +46,8 @@ from evaluator.cache import ResultCache
 from evaluator.cli import build_parser, run_cli
 from evaluator.fleetview import FleetProbe
 from evaluator.runner import PIN_PAUSE_MODE, WeightInfoProbe, eval_plan, evaluate
-from rollout.tinykit import resolve_model
 from rollout.weights import WeightPublisher, apply_version, served_version, write_version
+from trainer.tinykit import resolve_model
 
 pytestmark = [pytest.mark.slow]
 

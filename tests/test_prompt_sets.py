@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 WORD_PROBLEMS = ROOT / "configs" / "data" / "word_problems.jsonl"
 
 # The demo's word problems: the demo's arithmetic facts (two operands in 0..6, + or -, configs/demo.toml
-# [rollout.task]) phrased with the tiny tokenizer's words (rollout/tinykit.py WORDS), every fact in every
+# [rollout.task]) phrased with the tiny tokenizer's words (trainer/tinykit.py WORDS), every fact in every
 # phrasing of its operator.
 _PHRASINGS = {
     "+": [

@@ -11,10 +11,10 @@ import torch
 from common.config import load_config
 from rollout.client import RolloutClient, Sample
 from rollout.generator import Rollout
-from rollout.tinykit import resolve_model
 from trainer.hf import load_hf_state
 from trainer.loop import padded_batch
 from trainer.model.transformer import build_model
+from trainer.tinykit import resolve_model
 
 
 def rollout(prompt: list[int], tokens: list[int], logprobs: list[float]) -> Rollout:

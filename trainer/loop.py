@@ -55,7 +55,6 @@ from rollout.flow.strategies import policy_from_config
 from rollout.generator import Rollout, SampleGenerator
 from rollout.outcomes import ControllerClosed
 from rollout.tasks import Problem, load_task
-from rollout.tinykit import resolve_model
 from rollout.weights import (
     PartReport,
     VersionPart,
@@ -86,6 +85,7 @@ from trainer.report import build_rows, format_table, held_out_scores, save_png, 
 from trainer.rl.advantages import group_advantages, zero_variance_groups
 from trainer.rl.replay import routing_batch
 from trainer.rl.update import gap_quantile, mini_batch_rows, proximal_fn, rl_updates
+from trainer.tinykit import resolve_model
 from trainer.versions import Lineage
 
 log = logging.getLogger(__name__)

@@ -71,7 +71,7 @@ def data_tokenizer(cfg: Config, root: Path) -> Path:
     tiny-kit model's tokenizer is written once under `root`, byte-identical to the one in its checkpoints)."""
     if cfg.trainer.data.tokenizer:
         return Path(cfg.trainer.data.tokenizer)
-    from rollout.tinykit import KIT_VERSION, TINY_MODELS, build_tokenizer
+    from trainer.tinykit import KIT_VERSION, TINY_MODELS, build_tokenizer
 
     name = cfg.rollout.model
     if name not in TINY_MODELS:

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from common.config import Config, ConfigError, ModelConfig
-from rollout.tinykit import build_tokenizer, resolve_model, tiny_checkpoint, vocabulary
 from rollout.worker import vllm_command
+from trainer.tinykit import build_tokenizer, resolve_model, tiny_checkpoint, vocabulary
 
 
 def test_tokenizer_loads_offline_round_trips_and_applies_its_chat_template(tmp_path: Path):

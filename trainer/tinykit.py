@@ -1,4 +1,6 @@
-"""Tiny-model kit: a local tokenizer and tiny, seeded HF checkpoints that vLLM's CPU build serves.
+"""Tiny-model kit: a local tokenizer and tiny, seeded HF checkpoints that vLLM's CPU build serves. It lives
+with the model it exports: the serving side (rollout/worker.py, `slipstream eval`) asks the model's owner for
+a checkpoint, and nothing here reaches back into rollout/.
 
 `rollout.model = "tiny-deepseek"` or `"tiny-qwen3"` resolves here to a checkpoint directory
 (config.json, model.safetensors, tokenizer files) shaped by the config's `trainer.model`
