@@ -12,6 +12,7 @@ from rollout.flow.simulator import (
     Costs,
     GeneratorPool,
     ThroughputModel,
+    TracePoint,
     Workload,
     ascii_timeline,
     cli_main,
@@ -68,6 +69,37 @@ def test_processor_sharing_slows_every_request_by_the_concurrency():
     assert pool.generated == pytest.approx(200.0)
 
 
+def test_a_second_worker_takes_the_next_request_and_each_worker_shares_only_its_own():
+    pool = GeneratorPool(ThroughputModel(peak_tokens_per_s=200.0, half_concurrency=1.0, workers=2))
+    for p in range(3):
+        pool.add((p, 0), 100)
+    assert [pool.active[(p, 0)].worker for p in range(3)] == [0, 1, 0]  # the least loaded, the first on a tie
+    # Worker 1 alone: 200 / 2 = 100 tokens/s, done at t = 1; worker 0 shares 200 / 3 between two: t = 1.5.
+    assert pool.next_time() == pytest.approx(1.0)
+    pool.advance(1.0)
+    assert pool.pop_finished() == [((1, 0), 0)]
+    assert pool.next_time() == pytest.approx(1.5)
+    pool.advance(1.5)
+    assert sorted(pool.pop_finished()) == [((0, 0), 0), ((2, 0), 0)]
+    assert pool.generated == pytest.approx(300.0)
+
+
+def test_latency_comes_before_the_first_token_and_holds_a_place_on_the_worker():
+    pool = GeneratorPool(ThroughputModel(peak_tokens_per_s=200.0, half_concurrency=1.0, latency_s=0.5))
+    pool.add((0, 0), 100)
+    assert pool.next_time() == pytest.approx(0.5)
+    pool.advance(0.5)
+    assert pool.pop_finished() == [] and pool.generated == 0.0
+    pool.add((1, 0), 100)  # in its latency until t = 1, yet the first already shares: 200 / 3 tokens/s
+    assert pool.next_time() == pytest.approx(1.0)
+    pool.advance(1.0)
+    # The first has 100 - 33.3 tokens left, at 200 / 3 tokens/s: done at t = 2; the second then alone at 100/s.
+    assert pool.next_time() == pytest.approx(2.0)
+    pool.advance(2.0)
+    assert pool.pop_finished() == [((0, 0), 0)]
+    assert pool.next_time() == pytest.approx(2.0 + (100 - 200 / 3) / 100)
+
+
 def test_workload_lengths_are_seeded_capped_and_redrawn_per_attempt():
     w = Workload(median_tokens=1000, sigma=1.0, max_tokens=3000, seed=7)
     lengths = [w.tokens(p, s, 0) for p in range(200) for s in range(4)]
@@ -75,6 +107,9 @@ def test_workload_lengths_are_seeded_capped_and_redrawn_per_attempt():
     assert max(lengths) == 3000 and min(lengths) >= 1
     assert 700 < sorted(lengths)[len(lengths) // 2] < 1400  # the median
     assert any(w.tokens(p, 0, 1) != w.tokens(p, 0, 0) for p in range(10))
+    measured = Workload(lengths=(2, 3, 9), max_tokens=6, seed=7)
+    drawn = [measured.tokens(p, s, 0) for p in range(50) for s in range(4)]
+    assert set(drawn) == {2, 3, 6}  # drawn from the measured lengths, capped
 
 
 LONG_TAIL = Workload(num_prompts=160, median_tokens=512, sigma=1.0, prompt_tokens=128, max_tokens=8192, seed=1)
@@ -86,6 +121,23 @@ def long_tail_policy(strategy: str, **kw) -> FlowPolicy:
     base = dict(prompts_per_step=8, samples_per_prompt=4, max_concurrent=32, max_untrained_prompts=24, max_staleness=2)
     base.update(kw)
     return policy_from_config(FlowConfig(strategy=strategy, **base), num_prompts=160, max_steps=16)
+
+
+def test_a_publish_pauses_generation_for_its_last_pause_s_only():
+    def run(pause_s):
+        return simulate(long_tail_policy("fully_async"), LONG_TAIL, HW, Costs(5e-5, 1.0, 2.0, pause_s=pause_s))
+
+    r = run(0.5)
+    ends = r.trace[1:] + [TracePoint(r.makespan, 0, 0, False)]
+    paused: list[list[float]] = []
+    for p, q in zip(r.trace, ends, strict=True):
+        if p.paused and paused and paused[-1][1] == p.t:
+            paused[-1][1] = q.t  # one pause across several trace points
+        elif p.paused:
+            paused.append([p.t, q.t])
+    syncs = [t for s in r.spans if s.kind == "sync" for t in (s.end - 0.5, s.end)]
+    assert [t for window in paused for t in window] == pytest.approx(syncs)
+    assert r.makespan < run(None).makespan  # generating through most of each publish is faster
 
 
 @pytest.mark.parametrize("max_staleness", [0, 1, 2])
@@ -133,7 +185,7 @@ def test_cli_simulate_takes_the_flow_section_from_a_config_and_flags_override(tm
     assert cli_main(["--config", str(cfg), "--steps", "3", "--median-tokens", "64", "--png", str(png)]) == 0
     out = capsys.readouterr().out
     assert "strategy one_step_off: 3 steps, 12 samples" in out and "trainer   |" in out and png.exists()
-    assert cli_main(["--config", str(cfg), "--strategy", "on_policy", "--steps", "2", "--compare"]) == 0
+    assert cli_main(["--config", str(cfg), "--strategy", "on_policy", "--steps", "2", "--strategies", "all"]) == 0
     out = capsys.readouterr().out
     assert "strategy on_policy: 2 steps" in out and "vs base" in out and "fully_async" in out
 

@@ -192,7 +192,7 @@ def validate(cfg: Config) -> None:
     _validate_task_sources(t)
     f = cfg.flow
     validate_flow(f)
-    # A policy runs one_step_off at any staleness (`slipstream simulate --compare` does, next to fully_async at
+    # A policy runs one_step_off at any staleness (`slipstream simulate --strategies all` does, next to fully_async at
     # max_staleness 0), so validate_flow allows it; a config that asks for it contradicts itself.
     if f.strategy == "one_step_off":
         _require(

@@ -1,6 +1,7 @@
 """What a simulated run produced and how it is shown: the records of a run (`StepRecord`, `Span`,
-`TracePoint`, `SimResult` with its summary and utilisations), the ASCII timeline, the PNG figure and the
-table that compares strategies. The simulator (simulator.py) makes these; `slipstream simulate`
+`TracePoint`, `SampleRecord`, `SimResult` with its summary and utilisations), the ASCII timeline, the PNG
+figure and the table that compares strategies. The simulator (simulator.py) makes these, and
+sim_compare.py makes one from a real run's metrics to set beside a prediction; `slipstream simulate`
 (simulate_cli.py) and bench/flow_bench.py print them.
 """
 
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from rollout.flow.events import FlowCounters
 
@@ -45,6 +46,22 @@ class TracePoint:
 
 
 @dataclass
+class SampleRecord:
+    """One completed generation request, as a run's gen/* metrics record it: attempt `attempt` of sample
+    `index` of `prompt_id`, sent at `start` and done at `end` (seconds), `tokens` long, served by `worker`,
+    with `concurrency` requests in flight when it was sent (itself included)."""
+
+    prompt_id: int
+    index: int
+    attempt: int
+    start: float
+    end: float
+    tokens: int
+    worker: int
+    concurrency: int
+
+
+@dataclass
 class SimResult:
     """Everything a simulated run produced."""
 
@@ -60,6 +77,7 @@ class SimResult:
     generator_busy_s: float
     peak_tokens_per_s: float
     finish_reason: str
+    samples: list[SampleRecord] = field(default_factory=list)
 
     @property
     def trainer_utilisation(self) -> float:
@@ -80,6 +98,12 @@ class SimResult:
     def samples_per_s(self) -> float:
         """Trained samples per second of the run."""
         return self.counters.trained_samples / self.makespan if self.makespan else 0.0
+
+    @property
+    def staleness_mean(self) -> float:
+        """Mean staleness of the trained samples, in versions."""
+        n = sum(self.counters.staleness.values())
+        return sum(k * v for k, v in self.counters.staleness.items()) / n if n else 0.0
 
     @property
     def wasted_fraction(self) -> float:
@@ -167,20 +191,23 @@ def ascii_timeline(result: SimResult, width: int = 100) -> str:
 
 
 def save_png(results: Sequence[SimResult], path: str, title: str = "", labels: Sequence[str] | None = None) -> None:
-    """One panel per result (generator concurrency over time above, trainer activity below), plus the
-    staleness histograms; written to `path`."""
+    """One panel per result on one time axis (requests in flight above, on the right-hand scale, red while
+    generation is paused; the trainer's steps and publishes below), plus the staleness histograms; a
+    legend names every colour. Written to `path`."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
 
     n = len(results)
     names = list(labels) if labels is not None else [r.strategy for r in results]
-    fig, axes = plt.subplots(n + 1, 1, figsize=(12, 2.2 * n + 2.6), squeeze=False)
+    fig, axes = plt.subplots(n + 1, 1, figsize=(12, 2.4 * n + 3.2), squeeze=False)
     horizon = max(r.makespan for r in results)
     for ax, r, name in zip(axes[:-1, 0], results, names, strict=True):
+        cap = max(1, r.max_concurrent)
         ts = [p.t for p in r.trace] + [r.makespan]
-        conc = [p.concurrency / r.max_concurrent for p in r.trace] + [0.0]
+        conc = [p.concurrency / cap for p in r.trace] + [0.0]
         ax.fill_between(ts, [1.0 + c for c in conc], 1.0, step="post", color="tab:green", alpha=0.6, lw=0)
         for p, q in zip(r.trace, r.trace[1:] + [TracePoint(r.makespan, 0, 0, False)], strict=True):
             if p.paused:
@@ -192,27 +219,42 @@ def save_png(results: Sequence[SimResult], path: str, title: str = "", labels: S
         ax.set_xlim(0, horizon)
         ax.set_ylim(0, 2.05)
         ax.set_yticks([0.5, 1.5], ["trainer", "generator"])
+        ax.set_ylabel("activity")
+        ax.set_xlabel("time since the flow started (s)")
+        # The generator lane [1, 2.05] read as requests in flight [0, 1.05 * max_concurrent].
+        scale = ax.twinx()
+        scale.set_ylim(-cap, 1.05 * cap)
+        scale.set_yticks([0, cap // 2, cap])
+        scale.set_ylabel("requests in flight", fontsize=8)
         ax.set_title(
             f"{name}: {r.samples_per_s:.2f} samples/s, trainer {r.trainer_utilisation:.0%}, "
             f"generator {r.generator_utilisation:.0%}",
             fontsize=9,
             loc="left",
         )
-    axes[-2, 0].set_xlabel("time (s); green: requests in flight / max_concurrent; blue: train; orange: sync")
     hist_ax = axes[-1, 0]
     width = 0.8 / n
+    bar_colours = ["tab:purple", "tab:olive", "tab:cyan", "tab:brown", "tab:pink", "tab:gray"]  # none of the above
     for i, r in enumerate(results):
         total = max(1, sum(r.counters.staleness.values()))
         ks = sorted(r.counters.staleness)
         offset = (i - (n - 1) / 2) * width
-        hist_ax.bar([k + offset for k in ks], [r.counters.staleness[k] / total for k in ks], width, label=names[i])
+        shares = [r.counters.staleness[k] / total for k in ks]
+        hist_ax.bar([k + offset for k in ks], shares, width, label=names[i], color=bar_colours[i % len(bar_colours)])
     hist_ax.set_xticks(sorted({k for r in results for k in r.counters.staleness}))
     hist_ax.set_xlabel("staleness at consumption (versions)")
-    hist_ax.set_ylabel("fraction of samples")
-    hist_ax.legend(fontsize=8)
+    hist_ax.set_ylabel("fraction of trained samples")
+    hist_ax.legend(fontsize=8, title="staleness of", title_fontsize=8)
+    colours = [
+        Patch(color="tab:green", alpha=0.6, label="requests in flight (right-hand scale)"),
+        Patch(color="tab:red", alpha=0.3, label="generation paused by a publish"),
+        Patch(color="tab:blue", label="train step"),
+        Patch(color="tab:orange", label="publish (trainer's time)"),
+    ]
+    fig.legend(handles=colours, loc="lower center", ncol=4, fontsize=8, frameon=False)
     if title:
         fig.suptitle(title)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0.0, 0.04, 1.0, 1.0))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 

@@ -1,16 +1,20 @@
 """The flow-control simulator: drives the same policy objects as the runtime (rollout/flow/policy.py)
-through a discrete-event model of one generator pool and one trainer, in simulated time. Generation
-is processor sharing: every in-flight request advances at `tokens_per_s(c) / c` tokens per second when
-`c` requests are in flight (so the pool's throughput depends on concurrency), a publish pauses the pool
-for the weight-sync time (keep mode: requests resume afterwards) and bumps its version, and a train
-step occupies the trainer for `overhead + s_per_token * tokens`. Sample lengths come from a seeded
-per-(prompt, sample, attempt) lognormal distribution, so a run is reproducible and a re-generated
+through a discrete-event model of a generator pool and one trainer, in simulated time. The pool is
+`workers` identical workers, each processor sharing: every request decoding on a worker advances at
+`tokens_per_s(c) / c` tokens per second when `c` requests are on it (so throughput depends on
+concurrency); a request goes to the worker with the fewest requests (the router's least-outstanding
+choice; its group affinity is left out) and spends a fixed `latency_s` there before its first token. A
+publish occupies the trainer for the weight-sync time and pauses the pool for the last `pause_s` of it
+(keep mode: requests resume afterwards), then bumps its version; a train step occupies the trainer for
+`overhead + s_per_token * tokens`. Sample lengths come from a seeded per-(prompt, sample, attempt)
+lognormal distribution, or a measured list of lengths, so a run is reproducible and a re-generated
 sample draws a new length. Rewards are modelled only as far as dynamic sampling needs them: a seeded
 fraction `uniform_group_rate` of prompts gets the same reward on every sample (a group with no
 signal, which dynamic sampling drops and replaces), the others a spread of rewards. It reports
-makespan, utilisations, throughput, the staleness histogram, dropped samples and groups
-(`SimResult`), rendered as ASCII and as a PNG by sim_report.py; `slipstream simulate` is
-simulate_cli.py. Both are re-exported here, the simulator's one import path.
+makespan, utilisations, throughput, the staleness histogram, dropped samples and groups and every
+completed request (`SimResult`), rendered as ASCII and as a PNG by sim_report.py; `slipstream simulate`
+is simulate_cli.py (a model fitted to a real run: calibrate.py). Both are re-exported here, the
+simulator's one import path.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from dataclasses import dataclass
 from rollout.flow.events import Abort, Action, Dispatch, Finish, Publish, SampleDone, SampleKey, Train
 from rollout.flow.policy import FlowPolicy
 from rollout.flow.sim_report import (
+    SampleRecord,
     SimResult,
     Span,
     StepRecord,
@@ -45,8 +50,9 @@ class SimulationError(RuntimeError):
 
 @dataclass
 class Workload:
-    """The prompts and the lengths of their samples (seeded, lognormal with a cap like max_tokens), and
-    which prompts' groups have zero reward variance (seeded, `uniform_group_rate` of them)."""
+    """The prompts and the lengths of their samples (seeded: lognormal with a cap like max_tokens, or drawn
+    from measured `lengths`), and which prompts' groups have zero reward variance (seeded,
+    `uniform_group_rate` of them)."""
 
     num_prompts: int | None = 1280  # None: as many as the run asks for
     median_tokens: float = 1024.0
@@ -56,6 +62,7 @@ class Workload:
     max_tokens: int = 16384
     seed: int = 0
     uniform_group_rate: float = 0.0
+    lengths: tuple[int, ...] = ()  # measured completion lengths; when given, the lognormal is not used
 
     def reward(self, prompt_id: int, index: int) -> float:
         """A sample's reward: 0 on every sample of a uniform prompt (too hard or, alike for dynamic
@@ -68,40 +75,55 @@ class Workload:
     def tokens(self, prompt_id: int, index: int, attempt: int) -> int:
         """Generated tokens of one sample; `prompt_sigma` spreads the per-prompt median (hard prompts
         make every sample of their group long), `sigma` spreads the samples of one prompt."""
+        rng = random.Random(f"{self.seed}:{prompt_id}:{index}:{attempt}")
+        if self.lengths:
+            return max(1, min(self.max_tokens, rng.choice(self.lengths)))
         median = self.median_tokens
         if self.prompt_sigma > 0:
             median *= math.exp(random.Random(f"{self.seed}:prompt:{prompt_id}").gauss(0.0, self.prompt_sigma))
-        rng = random.Random(f"{self.seed}:{prompt_id}:{index}:{attempt}")
         return max(1, min(self.max_tokens, round(rng.lognormvariate(math.log(median), self.sigma))))
 
 
 @dataclass
 class ThroughputModel:
-    """Generator pool throughput as a function of concurrency: tokens_per_s(c) = peak * c / (c + half).
-    Decoding is memory-bound at low concurrency (one sequence gets peak / (1 + half) tokens/s) and
-    saturates towards `peak_tokens_per_s` as the batch grows."""
+    """Generator throughput of one worker as a function of the requests on it: tokens_per_s(c) = peak * c /
+    (c + half). Decoding is memory-bound at low concurrency (one sequence gets peak / (1 + half) tokens/s)
+    and saturates towards `peak_tokens_per_s` as the batch grows. A request first spends `latency_s` on its
+    worker (HTTP, scheduling, prefill) without decoding; the pool has `workers` such workers."""
 
     peak_tokens_per_s: float = 16000.0
     half_concurrency: float = 128.0
+    latency_s: float = 0.0
+    workers: int = 1
 
-    def tokens_per_s(self, concurrency: int) -> float:
+    def tokens_per_s(self, concurrency: float) -> float:
         return self.peak_tokens_per_s * concurrency / (concurrency + self.half_concurrency)
 
-    def per_request(self, concurrency: int) -> float:
+    def per_request(self, concurrency: float) -> float:
         return self.peak_tokens_per_s / (concurrency + self.half_concurrency)
+
+    def pool_tokens_per_s(self, concurrency: int) -> float:
+        """The pool's throughput with `concurrency` requests spread evenly over its workers."""
+        return self.workers * self.tokens_per_s(concurrency / self.workers)
 
 
 @dataclass
 class Costs:
     """Trainer costs: a step is `train_step_overhead_s + train_s_per_token * tokens` (prompt plus
-    completion tokens of its samples); a publish takes `sync_s` on the trainer and pauses the pool."""
+    completion tokens of its samples); a publish takes `sync_s` on the trainer and pauses the pool for
+    its last `pause_s` (None: all of it; loading the weights ends a publish, writing them may not pause)."""
 
     train_s_per_token: float = 5e-5
     train_step_overhead_s: float = 2.0
     sync_s: float = 5.0
+    pause_s: float | None = None
 
     def train_s(self, tokens: int) -> float:
         return self.train_step_overhead_s + self.train_s_per_token * tokens
+
+    @property
+    def publish_pause_s(self) -> float:
+        return self.sync_s if self.pause_s is None else min(self.pause_s, self.sync_s)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -109,65 +131,111 @@ class Costs:
 # ----------------------------------------------------------------------------------------------
 
 
+@dataclass
+class InFlight:
+    """A request on a worker: its length, the weight version it started on, its sequence number (which
+    tells its heap entries from those of an earlier request of the same key) and, once it decodes, the
+    worker level at which it is done."""
+
+    worker: int
+    tokens: int
+    oldest: int
+    seq: int
+    finish: float | None = None
+
+
 class GeneratorPool:
-    """The generator model: a processor-sharing pool. All in-flight requests advance equally, so a
-    request is done when the pool's cumulative per-request service `level` passes its start level plus
-    its length: completions are a heap on that finish level, O(log n) per event. Time is whatever the
-    caller passes to `advance` (simulated seconds here; scaled wall-clock seconds in a fake backend)."""
+    """The generator model: workers that each share their throughput among their requests (processor
+    sharing). All requests decoding on a worker advance equally, so one is done when the worker's
+    cumulative per-request service `levels[w]` passes its start level plus its length: completions are a
+    heap per worker on that finish level, O(log n) per event; requests still in their latency wait in a
+    heap on the time they start decoding. Time is whatever the caller passes to `advance` (simulated seconds
+    here; scaled wall-clock seconds in a fake backend)."""
 
     def __init__(self, model: ThroughputModel) -> None:
+        if model.workers < 1:
+            raise ValueError(f"the generator pool needs at least one worker, got workers = {model.workers}")
         self.model = model
         self.t = 0.0
-        self.level = 0.0
+        self.levels = [0.0] * model.workers
+        self.load = [0] * model.workers  # requests on each worker, waiting or decoding
+        self.decoding = [0] * model.workers
+        self.heaps: list[list[tuple[float, int, SampleKey]]] = [[] for _ in range(model.workers)]
+        self.waiting: list[tuple[float, int, SampleKey]] = []  # (decoding starts, seq, key)
         self.version = 0
         self.paused = False
-        self.active: dict[SampleKey, tuple[float, int, int]] = {}  # -> (finish level, oldest version, seq)
-        self.heap: list[tuple[float, int, SampleKey]] = []
+        self.active: dict[SampleKey, InFlight] = {}
         self.seq = 0
         self.generated = 0.0
         self.busy_s = 0.0
 
     def advance(self, now: float) -> None:
+        while (top := self._valid(self.waiting)) is not None and top[0] <= now:
+            heapq.heappop(self.waiting)
+            self._run(top[0])
+            self._decode(self.active[top[2]], top[2])
+        self._run(now)
+
+    def _run(self, now: float) -> None:
         dt = now - self.t
-        if dt > 0 and self.active and not self.paused:
-            c = len(self.active)
-            self.level += self.model.per_request(c) * dt
-            self.generated += self.model.tokens_per_s(c) * dt
+        if dt > 0 and not self.paused and any(self.decoding):
+            for w, n in enumerate(self.decoding):
+                if n:
+                    rate = self.model.per_request(self.load[w])
+                    self.levels[w] += rate * dt
+                    self.generated += n * rate * dt
             self.busy_s += dt
         self.t = max(self.t, now)
 
     def add(self, key: SampleKey, tokens: int) -> None:
+        worker = min(range(self.model.workers), key=self.load.__getitem__)
         self.seq += 1
-        finish = self.level + tokens
-        self.active[key] = (finish, self.version, self.seq)
-        heapq.heappush(self.heap, (finish, self.seq, key))
+        self.load[worker] += 1
+        req = self.active[key] = InFlight(worker, tokens, self.version, self.seq)
+        if self.model.latency_s > 0:
+            heapq.heappush(self.waiting, (self.t + self.model.latency_s, self.seq, key))
+        else:
+            self._decode(req, key)
+
+    def _decode(self, req: InFlight, key: SampleKey) -> None:
+        req.finish = self.levels[req.worker] + req.tokens
+        self.decoding[req.worker] += 1
+        heapq.heappush(self.heaps[req.worker], (req.finish, req.seq, key))
 
     def remove(self, key: SampleKey) -> None:
-        del self.active[key]  # its heap entry is skipped lazily
+        req = self.active.pop(key)  # its heap entries are skipped lazily
+        self.load[req.worker] -= 1
+        if req.finish is not None:
+            self.decoding[req.worker] -= 1
 
-    def _top(self) -> tuple[float, int, SampleKey] | None:
-        while self.heap:
-            finish, seq, key = self.heap[0]
-            entry = self.active.get(key)
-            if entry is not None and entry[2] == seq:
-                return self.heap[0]
-            heapq.heappop(self.heap)
+    def _valid(self, heap: list[tuple[float, int, SampleKey]]) -> tuple[float, int, SampleKey] | None:
+        while heap:
+            entry = self.active.get(heap[0][2])
+            if entry is not None and entry.seq == heap[0][1]:
+                return heap[0]
+            heapq.heappop(heap)
         return None
 
     def next_time(self) -> float:
-        top = self._top()
-        if top is None or self.paused:
-            return math.inf
-        return self.t + max(0.0, top[0] - self.level) / self.model.per_request(len(self.active))
+        top = self._valid(self.waiting)
+        t = top[0] if top is not None else math.inf
+        if self.paused:
+            return t
+        for w, heap in enumerate(self.heaps):
+            if (top := self._valid(heap)) is not None:
+                t = min(t, self.t + max(0.0, top[0] - self.levels[w]) / self.model.per_request(self.load[w]))
+        return t
 
     def pop_finished(self) -> list[tuple[SampleKey, int]]:
-        """(key, oldest version) of every request whose finish level is reached, in finish order."""
+        """(key, oldest version) of every request whose finish level is reached, in finish order per worker."""
         out = []
-        eps = 1e-9 * max(1.0, self.level)
-        while (top := self._top()) is not None and top[0] <= self.level + eps:
-            heapq.heappop(self.heap)
-            key = top[2]
-            out.append((key, self.active.pop(key)[1]))
+        for w, heap in enumerate(self.heaps):
+            eps = 1e-9 * max(1.0, self.levels[w])
+            while (top := self._valid(heap)) is not None and top[0] <= self.levels[w] + eps:
+                heapq.heappop(heap)
+                key = top[2]
+                out.append((key, self.active[key].oldest))
+                self.remove(key)
         return out
 
 
@@ -183,12 +251,13 @@ def simulate(
     pool = GeneratorPool(throughput)
     spp = policy.samples_per_prompt
     attempts: dict[SampleKey, int] = {}
-    lengths: dict[SampleKey, int] = {}
+    requests: dict[SampleKey, SampleRecord] = {}
+    samples: list[SampleRecord] = []
     steps: list[StepRecord] = []
     spans: list[Span] = []
     trace: list[TracePoint] = [TracePoint(0.0, 0, 0, False)]
     job: Train | Publish | None = None
-    job_end = math.inf
+    job_end = pause_at = math.inf
     finish: Finish | None = None
     trained_completion_tokens = 0
 
@@ -203,7 +272,7 @@ def simulate(
             trace.append(point)
 
     def apply(actions: list[Action]) -> None:
-        nonlocal job, job_end, finish, trained_completion_tokens
+        nonlocal job, job_end, pause_at, finish, trained_completion_tokens
         for a in actions:
             if isinstance(a, Dispatch):
                 if pool.paused:
@@ -212,13 +281,15 @@ def simulate(
                     key = (a.prompt_id, s)
                     n = attempts.get(key, 0)
                     attempts[key] = n + 1
-                    lengths[key] = workload.tokens(a.prompt_id, s, n)
-                    pool.add(key, lengths[key])
+                    tokens = workload.tokens(a.prompt_id, s, n)
+                    pool.add(key, tokens)
+                    worker = pool.active[key].worker
+                    requests[key] = SampleRecord(a.prompt_id, s, n, pool.t, math.nan, tokens, worker, len(pool.active))
             elif isinstance(a, Abort):
                 for key in a.keys:
                     pool.remove(key)
             elif isinstance(a, Train):
-                completion = sum(lengths[(p, s)] for p in a.prompt_ids for s in range(spp))
+                completion = sum(requests[(p, s)].tokens for p in a.prompt_ids for s in range(spp))
                 tokens = completion + workload.prompt_tokens * spp * len(a.prompt_ids)
                 trained_completion_tokens += completion
                 job, job_end = a, pool.t + costs.train_s(tokens)
@@ -226,10 +297,12 @@ def simulate(
                 spans.append(Span(pool.t, job_end, "train", a.step))
             elif isinstance(a, Publish):
                 job, job_end = a, pool.t + costs.sync_s
-                pool.paused = True
+                pause_at = job_end - costs.publish_pause_s
                 spans.append(Span(pool.t, job_end, "sync", a.version))
             elif isinstance(a, Finish):
                 finish = a
+        if pause_at <= pool.t:  # the publish reached its pause: nothing decodes until it ends
+            pool.paused, pause_at = True, math.inf
         mark()
 
     apply(policy.start())
@@ -239,13 +312,19 @@ def simulate(
         t_gen = pool.next_time()
         if t_gen == math.inf and job_end == math.inf:
             raise SimulationError(f"{policy.strategy}: nothing in flight and no trainer job at t={pool.t:.1f}s")
-        if t_gen <= job_end:
+        if t_gen <= min(pause_at, job_end):
             pool.advance(t_gen)
             for (p, s), oldest in pool.pop_finished():
+                record = requests[(p, s)]
+                record.end = pool.t
+                samples.append(record)
                 apply(policy.on_sample_done(SampleDone(p, s, oldest, pool.version, workload.reward(p, s))))
+        elif pause_at < job_end:
+            pool.advance(pause_at)
+            apply([])
         else:
             pool.advance(job_end)
-            ended, job, job_end = job, None, math.inf
+            ended, job, job_end, pause_at = job, None, math.inf, math.inf
             assert ended is not None  # job_end is finite only while a job runs
             if isinstance(ended, Train):
                 apply(policy.on_train_done(ended.step))
@@ -266,8 +345,9 @@ def simulate(
         generated_tokens=pool.generated,
         trained_completion_tokens=trained_completion_tokens,
         generator_busy_s=pool.busy_s,
-        peak_tokens_per_s=throughput.tokens_per_s(policy.max_concurrent),
+        peak_tokens_per_s=throughput.pool_tokens_per_s(policy.max_concurrent),
         finish_reason=finish.reason,
+        samples=samples,
     )
 
 
@@ -281,6 +361,8 @@ def cli_main(argv: list[str]) -> int:
 
 __all__ = [
     "Costs",
+    "InFlight",
+    "SampleRecord",
     "SimResult",
     "SimulationError",
     "Span",
