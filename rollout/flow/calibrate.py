@@ -217,10 +217,11 @@ class _Worker:
 
 
 def fit_generation(
-    samples: list[GenMeasure], pauses: Sequence[tuple[float, float]] = ()
+    samples: list[GenMeasure], pauses: Sequence[tuple[float, float]] = (), fit_from: float = -np.inf
 ) -> tuple[ThroughputModel, FitQuality]:
-    """The per-worker throughput curve and request latency that best predict each request's time, given the
-    generation pauses (start, end) of the run's publishes."""
+    """The per-worker throughput curve and request latency that best predict the time of each request sent at
+    or after `fit_from`, given the generation pauses (start, end) of the run's publishes; every request counts
+    in the workers' load."""
     done = [s for s in samples if s.generate > 0]
     if len(done) < 3:
         raise CalibrationError(f"{len(done)} generated samples with a duration; the generation fit needs at least 3")
@@ -237,11 +238,14 @@ def fit_generation(
         )
         for g in by_worker.values()
     ]
-    paused = np.concatenate([w.paused for w in workers])
+    fitted = np.concatenate([w.start >= fit_from for w in workers])
+    if fitted.sum() < 3:
+        fitted[:] = True  # too few requests after the start: fit them all
+    paused = np.concatenate([w.paused for w in workers])[fitted]
 
     def fit(latency: float, log_half: float) -> tuple[float, float, float, np.ndarray, np.ndarray]:
         xs, ys = zip(*(w.features(latency, float(np.exp(log_half))) for w in workers), strict=True)
-        x, y = np.concatenate(xs), np.concatenate(ys)
+        x, y = np.concatenate(xs)[fitted], np.concatenate(ys)[fitted]
         a, b = _line(x, y)
         return float(((y - a - b * x) ** 2).sum()), a, b, paused + a + b * x, paused + y
 
@@ -294,7 +298,11 @@ def fit_publish(publishes: list[PublishMeasure]) -> tuple[float, float, FitQuali
 def calibrate(run: RunMetrics) -> SimModel:
     """The timing model of a run, with the quality of each of its fits."""
     pauses = [(p.start + p.duration - p.pause, p.start + p.duration) for p in run.publishes if not np.isnan(p.start)]
-    throughput, gen_q = fit_generation(run.samples, pauses)
+    # Requests sent before step 0 ended are left out of the fit (not of the load): a real run's first batch waits for its workers and meets
+    # vLLM's first (slow) batches, which is not the steady state the model describes (sim_compare judges
+    # predictions after step 0 for the same reason).
+    warm = run.steps[0].start + run.steps[0].duration if run.steps and not np.isnan(run.steps[0].start) else -np.inf
+    throughput, gen_q = fit_generation(run.samples, pauses, fit_from=warm)
     overhead, per_token, train_q = fit_train(run.steps)
     sync_s, pause_s, sync_q, pause_q = fit_publish(run.publishes)
     costs = Costs(per_token, overhead, sync_s, pause_s)
