@@ -11,14 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
-import redis.asyncio
 
 from common.fleet import WorkerError, evict, live_workers, set_worker_version, while_alive
 from common.http import RetryPolicy
-from common.metrics import MetricsWriter
-from common.roles import RunContext
 from evaluator.backend import Backend, RequestError
-from evaluator.cache import ResultCache
 from evaluator.fleetview import (
     EvaluatorError,
     StreamWait,
@@ -26,10 +22,9 @@ from evaluator.fleetview import (
 )
 from evaluator.runner import (
     PIN_PAUSE_MODE,
-    EvalPlan,
     Snapshot,
 )
-from evaluator.watching import UNSETTLED_LOG_S, Watcher
+from evaluator.watching import UNSETTLED_LOG_S, Inputs, Watcher
 from rollout.weights.workers import apply_version, served_version
 
 log = logging.getLogger(__name__)
@@ -62,16 +57,8 @@ class PinWatcher(Watcher):
     leaves is replaced by the next live one. Nothing is evaluated before the first publish.
     """
 
-    def __init__(
-        self,
-        ctx: RunContext,
-        client: redis.asyncio.Redis,
-        plan: EvalPlan,
-        cache: ResultCache,
-        metrics: MetricsWriter,
-        session: aiohttp.ClientSession,
-    ) -> None:
-        super().__init__(ctx, client, plan, cache, metrics)
+    def __init__(self, inputs: Inputs, session: aiohttp.ClientSession) -> None:
+        super().__init__(inputs)
         self.session = session
         self.worker: EvalWorker | None = None
         self.published: dict[int, str] = {}  # version -> location

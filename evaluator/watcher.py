@@ -19,7 +19,6 @@ import logging
 import time
 
 import aiohttp
-import redis.asyncio
 
 from common.fleet import live_workers
 from common.http import RetryPolicy
@@ -38,10 +37,9 @@ from evaluator.fleetview import (
 )
 from evaluator.pinned import PinWatcher
 from evaluator.runner import (
-    EvalPlan,
     eval_plan,
 )
-from evaluator.watching import UNSETTLED_LOG_S, Watcher
+from evaluator.watching import UNSETTLED_LOG_S, Inputs, Watcher
 
 log = logging.getLogger(__name__)
 
@@ -60,17 +58,8 @@ class VerifyWatcher(Watcher):
     (every discard is logged): run an eval-pool worker (pin mode), or evaluate fewer cases.
     """
 
-    def __init__(
-        self,
-        ctx: RunContext,
-        client: redis.asyncio.Redis,
-        plan: EvalPlan,
-        cache: ResultCache,
-        metrics: MetricsWriter,
-        backend: Backend,
-        probe: FleetProbe,
-    ) -> None:
-        super().__init__(ctx, client, plan, cache, metrics)
+    def __init__(self, inputs: Inputs, backend: Backend, probe: FleetProbe) -> None:
+        super().__init__(inputs)
         self.backend, self.probe = backend, probe
         self.served = -1  # the version served during the last step that was not discarded
 
@@ -124,6 +113,7 @@ async def main(ctx: RunContext) -> int:
     client = ctx.async_redis()
     metrics = MetricsWriter(ctx.run_dir, ctx.exp, "evaluator", 0)
     cache = ResultCache(ctx.run_dir / "evals" / "cache.jsonl")
+    inputs = Inputs(ctx, client, plan, cache, metrics)
     try:
         # Requests to workers carry their key; the router's Backend sends the router's token instead.
         async with aiohttp.ClientSession(headers=bearer(cfg.rollout.api_key)) as session:
@@ -153,7 +143,7 @@ async def main(ctx: RunContext) -> int:
                     ev.every_n_versions,
                 )
                 try:
-                    return await PinWatcher(ctx, client, plan, cache, metrics, session).run()
+                    return await PinWatcher(inputs, session).run()
                 except EvaluatorError as exc:
                     log.error("%s", exc)
                     return 2
@@ -162,7 +152,7 @@ async def main(ctx: RunContext) -> int:
             log.info(
                 "evaluating %s through %s (every %d version(s))", ", ".join(ev.benchmarks), url, ev.every_n_versions
             )
-            return await VerifyWatcher(ctx, client, plan, cache, metrics, backend, probe).run()
+            return await VerifyWatcher(inputs, backend, probe).run()
     finally:
         cache.close()
         metrics.close()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 
 import redis.asyncio
 
@@ -39,21 +40,27 @@ TRANSIENT_PAUSE_S = 2.0
 UNSETTLED_LOG_S = 30.0
 
 
+@dataclass(frozen=True)
+class Inputs:
+    """What the role gives either mode: its context and Redis client, the evaluation plan (the same one
+    `slipstream eval --config` builds), the result cache and the metrics writer."""
+
+    ctx: RunContext
+    client: redis.asyncio.Redis
+    plan: EvalPlan
+    cache: ResultCache
+    metrics: MetricsWriter
+
+
 class Watcher:
     """What both modes share: the benchmarks, the record of what was evaluated, writing results, and the loop
     that steps (`step`: True if it did something, so step again at once) until `finished`, waiting for the
     next publish when a step found nothing to do."""
 
-    def __init__(
-        self,
-        ctx: RunContext,
-        client: redis.asyncio.Redis,
-        plan: EvalPlan,
-        cache: ResultCache,
-        metrics: MetricsWriter,
-    ) -> None:
-        self.ctx, self.client = ctx, client
-        self.benchmarks, self.cache, self.metrics = plan.benchmarks, cache, metrics
+    def __init__(self, inputs: Inputs) -> None:
+        ctx, plan = inputs.ctx, inputs.plan
+        self.ctx, self.client = ctx, inputs.client
+        self.benchmarks, self.cache, self.metrics = plan.benchmarks, inputs.cache, inputs.metrics
         ev = ctx.cfg.evaluator
         self.every_n, self.until = ev.every_n_versions, ev.until_version
         self.options, self.max_concurrent, self.chunk_cases = plan.options, plan.max_concurrent, plan.chunk_cases

@@ -34,7 +34,7 @@ from evaluator.benchmark import Case, EvalOptions, Sampling, load_benchmark
 from evaluator.cache import ResultCache, fingerprint
 from evaluator.cli import build_parser, cli_plan, run_config, worker_setup
 from evaluator.runner import VersionMoved, WeightInfoProbe, eval_plan, evaluate
-from evaluator.watching import Watcher
+from evaluator.watching import Inputs, Watcher
 from rollout.tasks.arithmetic import evaluate as arith_value
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -244,7 +244,7 @@ def test_a_cached_answer_is_never_served_for_another_prompt_under_the_same_case_
 def role_cases(cfg) -> dict[str, list[Case]]:
     """The cases the evaluator role generates for each benchmark of `cfg` (its Watcher's benchmarks and options)."""
     ctx = RunContext(cfg, "evaluator", "t", Path(cfg.run.dir), Path(cfg.run.dir), "i0", None, Keys("t"))  # type: ignore[arg-type]
-    watcher = Watcher(ctx, None, eval_plan(cfg.evaluator, cfg.rollout.task), None, None)  # type: ignore[arg-type]
+    watcher = Watcher(Inputs(ctx, None, eval_plan(cfg.evaluator, cfg.rollout.task), None, None))  # type: ignore[arg-type]
     return {b.name: watcher.options.apply(b.cases()) for b in watcher.benchmarks}
 
 

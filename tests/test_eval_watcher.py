@@ -21,6 +21,7 @@ from common.keys import Keys
 from common.roles import announce
 from evaluator.fleetview import EvaluatorError, FleetProbe, StreamWait, choose_mode, starting_workers, wait_for_router
 from evaluator.pinned import PinWatcher
+from evaluator.watching import Inputs
 
 
 @pytest.mark.timeout(30)
@@ -102,14 +103,14 @@ def pin_watcher(client, keys: Keys, tmp_path) -> PinWatcher:
     cfg = Config()
     cfg.evaluator.data_root = str(Path(__file__).resolve().parent.parent / "evaluator" / "data")
     ctx = RunContext(cfg, "evaluator", keys.exp, tmp_path, tmp_path / "meet", "i0", None, keys)  # type: ignore[arg-type]
-    return PinWatcher(
+    inputs = Inputs(
         ctx,
         client,
         eval_plan(cfg.evaluator, None),
         ResultCache(tmp_path / "cache.jsonl"),
         MetricsWriter(tmp_path, keys.exp, "evaluator", 0),
-        None,
-    )  # type: ignore[arg-type]
+    )
+    return PinWatcher(inputs, None)  # type: ignore[arg-type]
 
 
 @pytest.mark.timeout(30)
