@@ -11,6 +11,8 @@ import logging
 import redis
 import redis.asyncio
 
+from common.rendezvous import STOP_WRITE_S
+
 log = logging.getLogger(__name__)
 
 
@@ -47,8 +49,9 @@ class Heartbeat:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         if delete:
-            with contextlib.suppress(redis.ConnectionError, redis.TimeoutError):
-                await self.client.delete(self.key)
+            with contextlib.suppress(redis.ConnectionError, redis.TimeoutError, TimeoutError):
+                async with asyncio.timeout(STOP_WRITE_S):
+                    await self.client.delete(self.key)
 
     async def __aenter__(self) -> Heartbeat:
         await self.start()

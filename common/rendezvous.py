@@ -53,6 +53,9 @@ _POLL_S = 0.05
 ROLE_ALIVE_PATTERN = "ss:*:role:*:alive"
 # How long a client keeps retrying a lost connection (a restarted server is back well within it).
 REDIS_RETRY_S = 8.0
+# A stopping process's best-effort Redis writes (deregistering, its "down" event, deleting its liveness key)
+# give up after this, each: when Redis went with the launcher that ran it, a stop must not wait out the retries.
+STOP_WRITE_S = 2.0
 _BACKOFF_CAP_S = 0.5
 _RETRIES = int(REDIS_RETRY_S / _BACKOFF_CAP_S) + 5
 

@@ -9,6 +9,7 @@ SIGTERM and SIGINT cancel the role's task, so its cleanup (deregistering, stoppi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import json
 import logging
@@ -29,7 +30,7 @@ from redis.typing import EncodableT, FieldT
 from common.config import ROLES, Config
 from common.heartbeat import Heartbeat
 from common.keys import Keys
-from common.rendezvous import Rendezvous
+from common.rendezvous import STOP_WRITE_S, Rendezvous
 
 log = logging.getLogger(__name__)
 
@@ -189,7 +190,9 @@ async def lifecycle(ctx: RunContext, main: Callable[[RunContext], Awaitable[int]
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(signum)
         try:
-            await announce(client, ctx.keys, ctx.role, "down", instance=ctx.instance, code=code)
+            with contextlib.suppress(redis.ConnectionError, redis.TimeoutError, TimeoutError):
+                async with asyncio.timeout(STOP_WRITE_S):
+                    await announce(client, ctx.keys, ctx.role, "down", instance=ctx.instance, code=code)
             await beat.stop()
         finally:
             ctx.close()

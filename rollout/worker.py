@@ -38,6 +38,7 @@ from common.fleet import WorkerError, WorkerRecord, current_version, read_record
 from common.heartbeat import Heartbeat
 from common.net import advertised, bearer, free_port, url_host
 from common.proc import die_with_parent
+from common.rendezvous import STOP_WRITE_S
 from common.roles import RunContext, announce
 from rollout.vllm_plugin import FILE_BACKEND
 from rollout.vllm_plugin.auth import KEY_ENV, MIDDLEWARE
@@ -403,8 +404,10 @@ async def main(ctx: RunContext) -> int:
     finally:
         if registered:
             with contextlib.suppress(Exception):
-                await client.hdel(registry, worker_id)
-                await announce(client, ctx.keys, "vllm", "worker deregistered", worker=worker_id)
+                async with asyncio.timeout(STOP_WRITE_S):
+                    await client.hdel(registry, worker_id)
+                async with asyncio.timeout(STOP_WRITE_S):
+                    await announce(client, ctx.keys, "vllm", "worker deregistered", worker=worker_id)
         await beat.stop()
         await vllm.stop()
         await client.aclose()

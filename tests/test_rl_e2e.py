@@ -306,6 +306,20 @@ def noise_in(log: str) -> list[str]:
     return [line for line in log.splitlines() if not VLLM_LINE.search(line) and any(n in line for n in NOISE)]
 
 
+def survivors_text(left: list, log: str) -> str:
+    """Processes of a run still alive when none should be: what each is (its command line, its state, which
+    threads it has) and the last lines the run printed, so a failure says what did not stop."""
+    import psutil
+
+    lines = []
+    for p in left:
+        try:
+            lines.append(f"pid {p.pid} {p.status()} {' '.join(p.cmdline())[:300]} (threads {p.num_threads()})")
+        except psutil.Error as exc:
+            lines.append(f"pid {p.pid}: {exc}")
+    return "\n".join([*lines, "last lines of the run:", *log.splitlines()[-60:]])
+
+
 def ledger(run_dir: Path, name: str = "trained_prompts.jsonl") -> list[dict]:
     path = run_dir / name
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
@@ -356,7 +370,7 @@ def test_a_killed_trainer_resumes_exactly_and_a_relaunch_after_the_launchers_dea
         deadline = time.monotonic() + 30
         while (left := experiment_processes("rl-resume")) and time.monotonic() < deadline:
             time.sleep(0.5)
-        assert not left, [(p.pid, p.name()) for p in left]
+        assert not left, survivors_text(left, run.log())
     finally:
         run.stop()
     first_log = run.log()
