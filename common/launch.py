@@ -39,7 +39,7 @@ from common.config import Config, RoleSpec, load_config, to_toml
 from common.console import LOGS, Console, ConsoleHandler, ProgressLine, Shown, elapsed, log_path
 from common.dash.server import DashServer
 from common.dash.sources import read_live
-from common.proc import die_with_parent, stop_process_trees
+from common.proc import bind_to_cpus, die_with_parent, machine_cpus, parse_cpus, stop_process_trees
 from common.registry import Registry
 from common.rendezvous import Rendezvous
 from common.roles import REPORT_FILE, RUN_FILE, new_exp_id, resolve_meet_dir, resolve_run_dir
@@ -151,15 +151,35 @@ def command_of(rep: Replica, prep: Prepared, replica: str | None = None) -> list
 
 
 def env_of(rep: Replica, prep: Prepared) -> dict[str, str]:
-    return {
+    env = {
         "ROLE": rep.role,
         "SLIPSTREAM_EXP": prep.exp,
         "SLIPSTREAM_MEET_DIR": str(prep.meet_dir),
         "SLIPSTREAM_REPLICA": str(rep.index),
         "SLIPSTREAM_REPLICAS": str(rep.spec.replicas),
         "PYTHONUNBUFFERED": "1",
-        **rep.spec.env,
     }
+    if rep.spec.cpus:  # as many threads as CPUs; a vLLM worker's OpenMP threads on exactly those CPUs
+        cpus = parse_cpus(rep.spec.cpus, f"launch.roles.{rep.entry}.cpus")
+        env["OMP_NUM_THREADS"] = str(len(cpus))
+        if rep.role == "vllm":
+            env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cpus))
+    return env | rep.spec.env
+
+
+def cpus_of(rep: Replica) -> list[int] | None:
+    """The CPUs a replica is bound to (None: any); an error names the key when this machine lacks one."""
+    if not rep.spec.cpus:
+        return None
+    key = f"launch.roles.{rep.entry}.cpus"
+    cpus = parse_cpus(rep.spec.cpus, key)
+    allowed = machine_cpus()
+    if not set(cpus) <= allowed:
+        raise ValueError(
+            f"{key} = {rep.spec.cpus!r} names CPUs {sorted(set(cpus) - allowed)} that this machine does not give "
+            f"(it has {sorted(allowed)}); pick CPUs among those"
+        )
+    return cpus
 
 
 # What of a failed replica's log the console shows when nothing of its last life reached it.
@@ -205,6 +225,13 @@ class Launcher:
             # A rank stopped for its group's restart that has not ended yet: it must not meet its successor.
             stop_process_trees([rep.proc], self.prep.cfg.launch.stop_timeout_s)
         env = {**os.environ, **env_of(rep, self.prep)}
+        cpus = cpus_of(rep)
+
+        def before_exec() -> None:
+            die_with_parent()
+            if cpus is not None:
+                bind_to_cpus(cpus)
+
         rep.proc = subprocess.Popen(
             command_of(rep, self.prep),
             env=env,
@@ -214,7 +241,7 @@ class Launcher:
             start_new_session=True,  # own process group: a terminal's Ctrl-C reaches only the launcher
             # SIGTERM from the kernel if the launcher dies, even by SIGKILL: roles stop as on a teardown.
             # (Started from the main thread only, which lives as long as the launcher.)
-            preexec_fn=die_with_parent,
+            preexec_fn=before_exec,
         )
         # Appended: a restarted replica (or a resumed run) continues the log of the ones before it.
         logfile = self.log_of(rep).open("ab", buffering=0)
@@ -350,6 +377,11 @@ def launch(
     logsetup.setup("launch", prep.exp, prep.cfg.run.log_level, handlers=[ConsoleHandler(console), own_log])
     if not prep.cfg.launch.roles:
         raise ValueError(f"{config_path}: [launch.roles] is empty; add e.g. [launch.roles.trainer] critical = true")
+    for rep in replicas_of(prep.cfg):
+        try:
+            cpus_of(rep)
+        except ValueError as exc:
+            raise LaunchError(str(exc)) from None
     registry = Registry.for_root(prep.cfg.run.root)
     rendezvous = Rendezvous(prep.meet_dir, prep.cfg.rendezvous)
     if resume is not None:

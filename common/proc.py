@@ -4,7 +4,8 @@ A role that starts a long-lived server (the rendezvous leader's redis-server, a 
 asks the kernel to send that child SIGTERM when the parent dies, even by SIGKILL, so a crashed
 role never leaves a server running. `stop_process_trees` stops processes with everything they
 started, politely and then not (the launcher's teardown). `experiment_processes` finds whatever of a
-run is still alive (tests and the chaos benchmark check that nothing is).
+run is still alive (tests and the chaos benchmark check that nothing is). `parse_cpus` and `bind_to_cpus`
+give a launched role its own CPUs (launch.roles.<entry>.cpus).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import psutil
 
@@ -34,6 +36,37 @@ def die_with_parent() -> None:
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+
+
+def parse_cpus(text: str, key: str = "cpus") -> list[int]:
+    """CPU ids written as taskset and VLLM_CPU_OMP_THREADS_BIND write them ("1", "0,2", "4-7,12"), sorted and
+    without repeats; a ValueError names `key` when the text is not such a list."""
+    ids: set[int] = set()
+    for part in text.split(","):
+        lo, dash, hi = part.strip().partition("-")
+        try:
+            first, last = int(lo), int(hi if dash else lo)
+        except ValueError:
+            first, last = -1, -2
+        if first < 0 or last < first:
+            raise ValueError(
+                f"{key} = {text!r}: {part.strip()!r} is not a CPU id or a range of them; write e.g. 1 or 0,2-3"
+            )
+        ids.update(range(first, last + 1))
+    return sorted(ids)
+
+
+def machine_cpus() -> set[int]:
+    """The CPUs processes here may be bound to: the cgroup's (cpuset.cpus.effective) where it says, else every
+    CPU of the machine. A process's own affinity is no limit: it may bind a child to CPUs it does not use."""
+    cpuset = Path("/sys/fs/cgroup/cpuset.cpus.effective")
+    text = cpuset.read_text().strip() if cpuset.is_file() else ""
+    return set(parse_cpus(text, str(cpuset))) if text else set(range(os.cpu_count() or 1))
+
+
+def bind_to_cpus(cpus: Sequence[int]) -> None:
+    """Restrict the calling process, and what it starts later, to `cpus`."""
+    os.sched_setaffinity(0, cpus)
 
 
 def experiment_processes(exp: str) -> list[psutil.Process]:

@@ -1,6 +1,7 @@
 """Small stand-in processes for the launcher tests: each records its pid under <run_dir>/pids and then
 sleeps, exits with a code, ignores SIGTERM, leaves a grandchild in its own session, or (`once`) fails on its
-first start when it is replica FAIL_REPLICA, sleeps on the first start otherwise, and succeeds after a second."""
+first start when it is replica FAIL_REPLICA, sleeps on the first start otherwise, and succeeds after a second;
+`affinity` prints the CPUs it and a child of it may run on and its thread settings."""
 
 import os
 import signal
@@ -32,6 +33,16 @@ elif mode == "once":
     if replica == os.environ.get("FAIL_REPLICA"):
         time.sleep(0.5)
         sys.exit(3)
+elif mode == "affinity":
+    # What launch.roles.<entry>.cpus gave this process and a child it starts.
+    child = subprocess.run(
+        [sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"], capture_output=True, text=True
+    ).stdout.strip()
+    threads, bind = os.environ.get("OMP_NUM_THREADS"), os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+    print(f"cpus={sorted(os.sched_getaffinity(0))} child={child} omp={threads} bind={bind}", flush=True)
+    if "EXIT_AFTER_S" in os.environ:
+        time.sleep(float(os.environ["EXIT_AFTER_S"]))
+        sys.exit(0)
 elif mode.startswith("exit"):
     time.sleep(float(os.environ.get("EXIT_AFTER_S", "0.5")))
     sys.exit(int(mode[len("exit") :]))

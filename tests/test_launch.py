@@ -194,6 +194,46 @@ def test_verbose_prints_every_line_of_every_role_with_its_label(tmp_path):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to give two entries one each")
+def test_cpus_binds_each_replica_and_what_it_starts_and_sizes_its_threads(tmp_path):
+    first, second = sorted(os.sched_getaffinity(0))[:2]
+    cfg = make_config(
+        tmp_path,
+        role("trainerish", "affinity", critical=True, extra=f'cpus = "{first}"\nenv = {{EXIT_AFTER_S = "1"}}\n'),
+        role("gen", "affinity", extra=f'role = "vllm"\ncpus = "{second}"\n'),
+    )
+    launcher = start_launch(cfg, "lt-cpus", "--verbose")
+    out, _ = launcher.communicate(timeout=60)
+    assert launcher.returncode == 0, out
+    assert f"[trainerish/0] cpus=[{first}] child=[{first}] omp=1 bind=None" in out, out
+    # A vLLM worker's OpenMP threads are bound to its CPUs, not to vLLM's own choice.
+    assert f"[gen/0] cpus=[{second}] child=[{second}] omp=1 bind={second}" in out, out
+
+
+@pytest.mark.timeout(60)
+def test_cpus_this_machine_lacks_stop_the_launch_before_any_role_starts(tmp_path):
+    cfg = make_config(tmp_path, role("trainerish", "exit0", critical=True, extra='cpus = "0,4096"\n'))
+    launcher = start_launch(cfg, "lt-nocpus")
+    out, _ = launcher.communicate(timeout=30)
+    assert launcher.returncode != 0
+    assert "launch.roles.trainerish.cpus = '0,4096' names CPUs [4096]" in out, out
+    assert not (tmp_path / "runs" / "lt-nocpus" / "pids").exists(), "a role started"
+
+
+def test_cpus_must_be_cpu_ids_or_ranges(tmp_path):
+    from common.config import ConfigError, load_config
+    from common.proc import parse_cpus
+
+    assert parse_cpus("3,0-1, 1") == [0, 1, 3]
+    for bad in ("a", "2-1", "-1", ""):
+        with pytest.raises(ValueError, match="is not a CPU id or a range"):
+            parse_cpus(bad)
+    cfg = make_config(tmp_path, role("trainerish", "exit0", critical=True, extra='cpus = "0-x"\n'))
+    with pytest.raises(ConfigError, match=r"launch.roles.trainerish.cpus = '0-x': '0-x' is not a CPU id"):
+        load_config(cfg)
+
+
+@pytest.mark.timeout(120)
 def test_launch_dash_serves_the_run_page_while_the_run_goes_on_and_prints_its_url(tmp_path):
     cfg = make_config(tmp_path, role("trainerish", "exit0", critical=True, extra='env = {EXIT_AFTER_S = "4"}\n'))
     launcher = start_launch(cfg, "lt-dash", "--set", "launch.dash=true")

@@ -320,6 +320,13 @@ class RoleSpec:
     node_group: str = ""
     """Entries with the same node group share nodes in `slipstream scripts` output (one Slurm hetjob component
     per group, pod affinity on Kubernetes); empty means the entry is a group of its own."""
+    cpus: str = ""
+    """CPUs this entry's processes run on when `slipstream launch` starts them, written as taskset writes them
+    ("1", "0,2-3"); empty: any. Each replica and every process it starts is bound to them, OMP_NUM_THREADS
+    defaults to their number, and a vLLM worker binds its OpenMP threads to them (VLLM_CPU_OMP_THREADS_BIND).
+    Giving the trainer and the workers of one host disjoint CPUs is what separate GPUs are on a GPU host:
+    they stop competing for cores (unbound, the demo's fully-async train steps took 2.75x as long,
+    bench/RESULTS.md). `slipstream scripts` leaves binding to the scheduler."""
     gpus_per_replica: int = 0
     """GPUs one replica uses on its node: 1 for a trainer rank, rollout.tensor_parallel_size for a vLLM
     worker, 0 for a process without GPUs. `slipstream scripts` packs replicas onto nodes by this count."""

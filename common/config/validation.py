@@ -13,6 +13,7 @@ from common.config.coerce import ENV_PREFIX, ConfigError, _coerce, _hints, parse
 from common.config.schema import ROLES, Config, DataConfig
 from common.config.sections import FlowConfig, PromptSourceConfig, TaskConfig
 from common.net import is_loopback
+from common.proc import parse_cpus
 
 
 def _require(ok: bool, message: str) -> None:
@@ -271,6 +272,11 @@ def validate(cfg: Config) -> None:
         _require(spec.replicas >= 0, f"launch.roles.{name}.replicas must be >= 0")
         _require(spec.max_restarts >= 0, f"launch.roles.{name}.max_restarts must be >= 0")
         _require(spec.restart_backoff_s >= 0, f"launch.roles.{name}.restart_backoff_s must be >= 0 (seconds)")
+        if spec.cpus:
+            try:
+                parse_cpus(spec.cpus, f"launch.roles.{name}.cpus")
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
         gpus, key = spec.gpus_per_replica, f"launch.roles.{name}.gpus_per_replica"
         _require(gpus >= 0, f"{key} must be >= 0 (0 = no GPU), got {gpus}")
         _require(
