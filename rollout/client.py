@@ -17,6 +17,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -31,6 +32,9 @@ from common.net import bearer
 from common.rendezvous import text
 
 GENERATE_PATH = "/inference/v1/generate"
+# How long a router URL read from Redis is used before it is read again (a failed request drops it at once):
+# one read per request took a sixth of the rollout loop's time in a fully-async demo run.
+ROUTER_URL_TTL_S = 2.0
 
 
 class RolloutError(RuntimeError):
@@ -151,6 +155,7 @@ class RolloutClient:
             raise ValueError("RolloutClient needs a url, or redis_client and keys to find the router")
         self.model, self._url = model, url.rstrip("/") if url else None
         self.redis, self.keys, self.router_name = redis_client, keys, router_name
+        self._router: tuple[str, float] | None = None  # the router's URL as read from Redis, and when
         self.affinity_header = affinity_header
         self._session, self._own_session = session, session is None
         self.headers = bearer(token)
@@ -167,16 +172,20 @@ class RolloutClient:
             self._session = None
 
     async def base_url(self) -> str:
-        """The fixed URL, or the router's URL as currently published in Redis."""
+        """The fixed URL, or the router's URL as published in Redis: read again after ROUTER_URL_TTL_S, and
+        at once after a request to it failed (a restarted router publishes a new one)."""
         if self._url is not None:
             return self._url
+        if self._router is not None and time.monotonic() - self._router[1] < ROUTER_URL_TTL_S:
+            return self._router[0]
         assert self.redis is not None and self.keys is not None
         url = await self.redis.get(self.keys.router(self.router_name))
         if not url:
             raise NoRouterError(
                 f"no router URL at {self.keys.router(self.router_name)}; start one (ROLE=router slipstream run CFG)"
             )
-        return text(url).rstrip("/")
+        self._router = (text(url).rstrip("/"), time.monotonic())
+        return self._router[0]
 
     async def generate(
         self,
@@ -216,10 +225,14 @@ class RolloutClient:
             self._session = aiohttp.ClientSession()
         url = f"{await self.base_url()}{GENERATE_PATH}"
         timeout = aiohttp.ClientTimeout(total=timeout_s)
-        async with self._session.post(url, json=body, headers=headers, timeout=timeout) as r:
-            if r.status != 200:
-                raise RolloutError(f"POST {url} -> HTTP {r.status}: {(await r.text())[:500]}", status=r.status)
-            data = await r.json()
+        try:
+            async with self._session.post(url, json=body, headers=headers, timeout=timeout) as r:
+                if r.status != 200:
+                    raise RolloutError(f"POST {url} -> HTTP {r.status}: {(await r.text())[:500]}", status=r.status)
+                data = await r.json()
+        except (aiohttp.ClientError, RolloutError):
+            self._router = None  # the next request reads the router's URL again
+            raise
         choices = sorted(data.get("choices") or [], key=lambda c: c["index"])
         if len(choices) != n:
             raise RolloutError(f"asked for {n} samples, got {len(choices)} choices")

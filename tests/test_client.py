@@ -105,3 +105,52 @@ def test_http_errors_worth_retrying_are_transient_for_the_controller(status, tra
     from rollout.outcomes import is_transient
 
     assert is_transient(RolloutError("x", status=status)) is transient
+
+
+async def test_the_router_url_is_read_once_per_ttl_and_again_at_once_after_a_failed_request(redis_client):
+    """Two routers stand-ins (real aiohttp servers on loopback) and the experiment's real Redis: the client reads
+    the published URL once for many requests, and a request that fails on a gone router makes the next one read
+    the URL again, so a restarted router is found without waiting for the TTL."""
+    import aiohttp
+    from aiohttp import web
+
+    from common.keys import Keys
+
+    served: list[str] = []
+
+    async def start(name: str) -> tuple[web.AppRunner, str]:
+        async def generate(request: web.Request) -> web.Response:
+            served.append(name)
+            await request.read()
+            return web.json_response({"choices": [choice([5], [-0.5], [{"version": "0", "start": 0, "end": 1}])]})
+
+        app = web.Application()
+        app.router.add_post("/inference/v1/generate", generate)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        return runner, f"http://127.0.0.1:{port}"
+
+    keys = Keys("url-cache")
+    first, first_url = await start("first")
+    second, second_url = await start("second")
+    await redis_client.set(keys.router("default"), first_url)
+    client = RolloutClient("m", redis_client=redis_client, keys=keys)
+    try:
+        gets = (await redis_client.info("commandstats")).get("cmdstat_get", {}).get("calls", 0)
+        for _ in range(20):
+            await client.generate([1, 2], max_tokens=1)
+        after = (await redis_client.info("commandstats"))["cmdstat_get"]["calls"]
+        assert served == ["first"] * 20 and after - gets == 1, (served, after - gets)
+        # The router restarts elsewhere: the cached URL fails once, and the next request finds the new one.
+        await redis_client.set(keys.router("default"), second_url)
+        await first.cleanup()
+        with pytest.raises(aiohttp.ClientConnectionError):
+            await client.generate([1, 2], max_tokens=1)
+        await client.generate([1, 2], max_tokens=1)
+        assert served[-1] == "second", served
+    finally:
+        await client.close()
+        await second.cleanup()
