@@ -78,8 +78,10 @@ class ModelConfig:
 
 @dataclass
 class ExpertsConfig:
-    backend: Literal["auto", "reference", "grouped_mm"] = "auto"
-    """Expert compute: auto picks the fastest that runs here; an explicit choice that cannot run fails."""
+    backend: Literal["auto", "reference", "grouped_mm", "cutedsl"] = "auto"
+    """Expert compute: auto picks the fastest that runs here; an explicit choice that cannot run fails.
+    cutedsl: our CuTeDSL grouped GEMM (Hopper, bf16, the `gpu` extra); auto does not pick it (parity with
+    grouped_mm on the H200, not faster)."""
 
 
 @dataclass

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from common.config import ModelConfig
-from trainer.experts import BACKENDS, grouped_mm_experts
+from trainer.experts import BACKENDS
 from trainer.model.permute import combine, permute, select_permute
 
 
@@ -205,11 +205,11 @@ class Experts(nn.Module):
         dev = x_sorted.device.type
         if torch.is_autocast_enabled(dev):
             x_sorted = x_sorted.to(torch.get_autocast_dtype(dev))
-        if self.backend == "grouped_mm" and self.gate_up_proj.dtype != x_sorted.dtype:
+        if self.backend in ("grouped_mm", "cutedsl") and self.gate_up_proj.dtype != x_sorted.dtype:
             cast = self._cast
             if cast is None or cast[0].dtype != x_sorted.dtype:
-                self._copy_dtype, cast = x_sorted.dtype, None  # grouped_mm_experts casts per call
-            return grouped_mm_experts(x_sorted, offsets, self.gate_up_proj, self.down_proj, cast)
+                self._copy_dtype, cast = x_sorted.dtype, None  # the backend casts per call
+            return BACKENDS[self.backend](x_sorted, offsets, self.gate_up_proj, self.down_proj, cast)
         return BACKENDS[self.backend](x_sorted, offsets, self.gate_up_proj, self.down_proj)
 
 

@@ -1,0 +1,98 @@
+"""The CuTeDSL expert backend: the SwiGLU experts on our own Hopper grouped GEMM (kernel.py, written with
+nvidia-cutlass-dsl, the `gpu` extra), bf16 operands and fp32 accumulation. Forward: gate|up = x @ W1[e]^T and
+y = act @ W2[e]^T over tokens sorted by expert (rows grouped); backward: the dgrad GEMMs (rows grouped, the
+weights read transposed) and the wgrad GEMMs (the reduction grouped over each expert's rows, written in
+the masters' dtype straight from the fp32 accumulators). The SwiGLU elementwise part is the same torch code
+as the grouped_mm backend, so the two differ only in the GEMMs.
+
+The GEMMs are torch custom ops (grouped.py), so torch.compile keeps them opaque. `cutlass` is imported on
+first use, so this module imports on any machine; `cutedsl_unavailable` says why the backend cannot run
+(not a Hopper GPU, not bf16, no DSL installed). Left out for now: FP8 block scales, the permutation gather
+fused into the A load, a Blackwell (sm100, tcgen05) kernel."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from trainer.experts.cutedsl import grouped
+
+
+class _CuteSwiGLU(torch.autograd.Function):
+    """y = grouped(silu(gate) * up) with gate|up = grouped(x, gate_up); weights as (masters, compute copies)."""
+
+    @staticmethod
+    def forward(ctx, x, offsets, gate_up, down, gate_up_c, down_c):
+        items = grouped.work_items(offsets, x.shape[0], grouped.M_CONFIG.tile_mn[0])
+        h = grouped.m_grouped_op(x, gate_up_c, offsets, *items, False)  # [N, 2I]
+        gate, up = h.chunk(2, dim=-1)
+        y = grouped.m_grouped_op(F.silu(gate) * up, down_c, offsets, *items, False)  # [N, H]
+        ctx.save_for_backward(x, offsets, h, gate_up_c, down_c, *items)
+        ctx.master_dtypes = (gate_up.dtype, down.dtype)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, offsets, h, gate_up_c, down_c, *items = ctx.saved_tensors
+        gate_up_dtype, down_dtype = ctx.master_dtypes
+        need_x, _, need_gate_up, need_down = ctx.needs_input_grad[:4]
+        grad_y = grad_y.contiguous()
+        gate, up = h.chunk(2, dim=-1)
+        silu_gate = F.silu(gate)
+        grad_act = grouped.m_grouped_op(grad_y, down_c, offsets, *items, True)  # [N, I]: down read transposed
+        grad_down = grouped.k_grouped_op(grad_y, silu_gate * up, offsets, down_dtype) if need_down else None
+        grad_h = torch.cat([torch.ops.aten.silu_backward(grad_act * up, gate), grad_act * silu_gate], dim=-1)
+        grad_gate_up = grouped.k_grouped_op(grad_h, x, offsets, gate_up_dtype) if need_gate_up else None  # [E, 2I, H]
+        grad_x = grouped.m_grouped_op(grad_h, gate_up_c, offsets, *items, True) if need_x else None
+        return grad_x, None, grad_gate_up, grad_down, None, None
+
+
+def cutedsl_experts(
+    x: torch.Tensor,
+    offsets: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    cast_weights: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """Same contract as `grouped_mm_experts`: x [N, H] bf16 sorted by expert, offsets [E] int32 running ends,
+    gate_up [E, 2I, H], down [E, H, I]; `cast_weights` an up-to-date bf16 copy of (gate_up, down). H and I
+    must be multiples of 8 (16-byte rows for TMA)."""
+    if x.dtype != torch.bfloat16:
+        raise TypeError(f"the cutedsl expert backend runs bf16 tokens, got {x.dtype}")
+    H, inter = down.shape[1], down.shape[2]
+    if H % 8 or inter % 8:
+        raise ValueError(f"the cutedsl expert backend needs H and I divisible by 8, got H={H} I={inter}")
+    if cast_weights is None:
+        cast_weights = (gate_up.to(x.dtype), down.to(x.dtype))
+    gate_up_c, down_c = (w.detach().contiguous() for w in cast_weights)
+    if gate_up_c.dtype != x.dtype or down_c.dtype != x.dtype:
+        raise TypeError(f"cast_weights are {gate_up_c.dtype}/{down_c.dtype} but the tokens are {x.dtype}")
+    return _CuteSwiGLU.apply(x.contiguous(), offsets.int(), gate_up, down, gate_up_c, down_c)
+
+
+@functools.cache
+def _import_error() -> str | None:
+    try:
+        import cutlass  # noqa: F401
+        import cutlass.cute  # noqa: F401
+    except ImportError as exc:
+        return (
+            f"nvidia-cutlass-dsl is not importable ({exc}); install the `gpu` extra (pip install -e '.[gpu]') or, "
+            "on a machine without an index, unpack the bundle of ../shared/tools/cutedsl-bundle onto PYTHONPATH"
+        )
+    return None
+
+
+def cutedsl_unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
+    """None if the CuTeDSL grouped GEMM can run here, else the reason it cannot."""
+    if device.type != "cuda":
+        return f"it runs on NVIDIA Hopper GPUs (sm90a), not on {device.type}"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major != 9:
+        # sm100 (tcgen05) is named in issue 16 but has no kernel yet: the wgmma kernel is sm90a only.
+        return f"the kernel is built for Hopper (sm90a); this GPU is sm{major}{minor}"
+    if dtype != torch.bfloat16:
+        return f"it computes in bf16 only, not {dtype}"
+    return _import_error()

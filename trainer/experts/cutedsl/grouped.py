@@ -1,0 +1,199 @@
+"""Torch-facing launchers of the CuTeDSL grouped GEMM (kernel.py): views of torch tensors as the kernel's
+(M, K, L) operands, the work-item table of the `m` grouping (built on the device, no host sync), and a cache
+of compiled variants (one JIT compile per grouping, operand majorness, dtypes and tile config; shapes are
+dynamic, so one compile serves every size)."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """CTA tile (BM, BN), shared-memory stages, consumer warpgroups, epilogue store width and schedule (one CTA
+    per work item, or persistent and warp-specialized) of one compiled variant."""
+
+    tile_mn: tuple[int, int] = (128, 128)
+    stages: int = 4
+    warpgroups: int = 1
+    pair_stores: bool = False
+    persistent: bool = False
+    smem_epilogue: bool = False
+
+
+# The fastest that passed the numerics in bench/cutedsl_check.py on the H200 (2026-12-04): persistent and
+# warp-specialized, 128x256 tiles, 4 stages, the 16-byte shared-memory epilogue (4-byte pairs for fp32
+# wgrads). The one-CTA-per-tile 128x128 kernel with 2-byte stores ran at 0.6-0.7x of these.
+M_CONFIG = TileConfig((128, 256), 4, 2, pair_stores=True, persistent=True, smem_epilogue=True)
+K_CONFIG = TileConfig((128, 256), 4, 2, pair_stores=True, persistent=True, smem_epilogue=True)
+
+POISON_OUTPUTS = False
+"""Checks set this: outputs start as NaN instead of uninitialized memory, so an element the kernel fails to
+write shows up in the error instead of hiding behind stale data."""
+
+
+def _as_cute(t: torch.Tensor, compact: bool = False):
+    """A cute tensor over t's memory with dynamic shape and strides (the stride-1 mode stays static). `compact`
+    (an output we allocated): also tell the compiler that the contiguous mode has a multiple of 8 elements,
+    so that every row starts 16-byte aligned."""
+    from cutlass.cute.runtime import from_dlpack
+
+    if t.data_ptr() % 16:
+        raise ValueError(f"tensor of shape {tuple(t.shape)} is not 16-byte aligned; pass a fresh (.clone()) tensor")
+    unit = [i for i, s in enumerate(t.stride()) if s == 1 and t.shape[i] > 1] or [t.stride().index(1)]
+    ct = from_dlpack(t.detach(), assumed_align=16)  # autograd's inputs still require grad; DLPack refuses those
+    if not compact:
+        return ct.mark_layout_dynamic(leading_dim=unit[0])
+    for mode in range(t.dim()):
+        ct = ct.mark_compact_shape_dynamic(mode, divisibility=8 if mode == unit[0] else 1)
+    return ct
+
+
+def _with_batch(t: torch.Tensor) -> torch.Tensor:
+    """[R, C] -> [R, C, 1] with a batch stride of R*C, so that no two modes claim stride 1."""
+    return t.as_strided((*t.shape, 1), (*t.stride(), t.numel()))
+
+
+def _output(*shape: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    if POISON_OUTPUTS:
+        return torch.full(shape, float("nan"), device=device, dtype=dtype)
+    return torch.empty(shape, device=device, dtype=dtype)
+
+
+def _stream():
+    import cuda.bindings.driver as cuda_driver
+
+    return cuda_driver.CUstream(torch.cuda.current_stream().cuda_stream)
+
+
+@functools.cache
+def _kernel(grouping: str, config: TileConfig, sm_count: int):
+    from trainer.experts.cutedsl.kernel import GroupedGemm
+
+    return GroupedGemm(
+        grouping,
+        config.tile_mn,
+        config.stages,
+        config.warpgroups,
+        config.pair_stores,
+        config.persistent,
+        sm_count,
+        config.smem_epilogue,
+    )
+
+
+_COMPILED: dict[tuple, object] = {}
+
+
+def _launch(grouping: str, config: TileConfig, a, b, c, offsets, item_expert, item_row) -> None:
+    import cutlass.cute as cute
+
+    args = [_as_cute(a), _as_cute(b), _as_cute(c, compact=True)] + [
+        _as_cute(t) for t in (offsets, item_expert, item_row)
+    ]
+    key = (grouping, config, *((t.dtype, t.stride().index(1) if 1 in t.stride() else -1) for t in (a, b, c)))
+    fn = _COMPILED.get(key)
+    if fn is None:
+        sm_count = torch.cuda.get_device_properties(a.device).multi_processor_count
+        fn = _COMPILED[key] = cute.compile(_kernel(grouping, config, sm_count), *args, _stream())
+    fn(*args, _stream())
+
+
+def work_items(offsets: torch.Tensor, rows: int, bm: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `m` grouping's work items: item t covers rows [item_row[t], +bm) of expert item_expert[t] (cut at
+    the expert's end), -1 for items past the last tile. Built with device ops from the offsets (no sync);
+    the table has room for the worst case, ceil(rows / bm) + E items."""
+    E = offsets.numel()
+    ends = offsets.long()
+    counts = torch.diff(ends, prepend=ends.new_zeros(1))
+    tiles = (counts + bm - 1) // bm
+    cum = tiles.cumsum(0)
+    t = torch.arange((rows + bm - 1) // bm + E, device=offsets.device)
+    e = torch.searchsorted(cum, t, right=True)
+    live = e < E
+    e = e.clamp(max=E - 1)
+    row = ends[e] - counts[e] + (t - (cum[e] - tiles[e])) * bm
+    return torch.where(live, e, -1).int(), torch.where(live, row, 0).int()
+
+
+def m_grouped(
+    a: torch.Tensor,
+    b_nke: torch.Tensor,
+    offsets: torch.Tensor,
+    items: tuple[torch.Tensor, torch.Tensor],
+    config: TileConfig | None = None,
+) -> torch.Tensor:
+    """c[rows of expert e] = a[rows of e] @ b_nke[:, :, e]^T.  a [M, K] (K contiguous), b_nke (N, K, E) with K
+    or N contiguous, offsets [E] int32 running ends, items from `work_items(offsets, M, BM)`. Returns [M, N]
+    in a's dtype. `config` defaults to M_CONFIG as it is at the call."""
+    config = config or M_CONFIG
+    M, K = a.shape
+    N = b_nke.shape[0]
+    c = _output(M, N, device=a.device, dtype=a.dtype)
+    if M:
+        _launch("m", config, _with_batch(a), b_nke, _with_batch(c), offsets, *items)
+    return c
+
+
+def k_grouped(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    offsets: torch.Tensor,
+    out_dtype: torch.dtype,
+    config: TileConfig | None = None,
+) -> torch.Tensor:
+    """c[e] = a[rows of e]^T @ b[rows of e] for every expert e.  a [R, M], b [R, N] token-major (contiguous),
+    offsets [E] int32 running ends of the rows. Returns [E, M, N] in out_dtype (zeros for an empty expert).
+    `config` defaults to K_CONFIG as it is at the call."""
+    config = config or K_CONFIG
+    R, M = a.shape
+    N = b.shape[1]
+    E = offsets.numel()
+    c = _output(E, M, N, device=a.device, dtype=out_dtype)
+    dummy = offsets[:1]
+    _launch("k", config, _with_batch(a.t()), _with_batch(b.t()), c.permute(1, 2, 0), offsets, dummy, dummy)
+    return c
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """t contiguous and 16-byte aligned (TMA and the DLPack export ask for it); a copy only if it is not."""
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+# The two GEMMs as torch custom ops, so that torch.compile (compile_blocks) keeps them as opaque calls instead
+# of tracing into the DSL's host code. The weights go in whole ([E, N, K] as stored, contiguous) with the
+# view taken inside, so that no compiler pass has to preserve a permuted stride order.
+@torch.library.custom_op("slipstream::cutedsl_m_grouped", mutates_args=())
+def m_grouped_op(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    offsets: torch.Tensor,
+    item_expert: torch.Tensor,
+    item_row: torch.Tensor,
+    transpose_w: bool,
+) -> torch.Tensor:
+    """m_grouped over w [E, N, K] (or, with transpose_w, w [E, K, N] read transposed) with the module config."""
+    w = _aligned(w)
+    return m_grouped(
+        _aligned(a), w.permute(2, 1, 0) if transpose_w else w.permute(1, 2, 0), offsets, (item_expert, item_row)
+    )
+
+
+@m_grouped_op.register_fake
+def _(a, w, offsets, item_expert, item_row, transpose_w):
+    return a.new_empty(a.shape[0], w.shape[2] if transpose_w else w.shape[1])
+
+
+@torch.library.custom_op("slipstream::cutedsl_k_grouped", mutates_args=())
+def k_grouped_op(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """k_grouped with the module config."""
+    return k_grouped(_aligned(a), _aligned(b), offsets, out_dtype)
+
+
+@k_grouped_op.register_fake
+def _(a, b, offsets, out_dtype):
+    return a.new_empty(offsets.shape[0], a.shape[1], b.shape[1], dtype=out_dtype)

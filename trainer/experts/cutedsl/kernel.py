@@ -1,0 +1,418 @@
+"""The CuTeDSL kernel: a Hopper (sm_90a) grouped GEMM, C[g] = A[g] @ B[g]^T for every expert g, in bf16 with
+fp32 accumulation. TMA brings A and B tiles into a ring of shared-memory stages (one mbarrier pair per stage),
+warpgroup MMAs (wgmma) consume them, and the epilogue writes the accumulators to global memory with a
+row/column guard, so that a tile never writes rows that belong to the next expert: from registers (2-byte
+elements, or 4/8-byte pairs of adjacent columns), or for 16-bit outputs staged through shared memory as
+16-byte row segments. No TMA store: it cannot stop at an expert's last row.
+
+Two groupings cover the expert forward and backward:
+
+- `m`: the rows of A and C are grouped (tokens sorted by expert; forward GEMMs and dgrad). A is [M, K] with
+  K contiguous, B is one [N, K] matrix per expert (K- or N-contiguous: the forward uses the weights as
+  stored, the dgrad their transpose), C is [M, N]. Work item (n-tile, t): table entry t is (expert, first
+  row), built on the device by the host wrapper (no host sync); an entry past the last real tile is idle.
+- `k`: the reduction runs over an expert's rows (wgrad). A is [M, K] and B is [N, K], both M/N-contiguous
+  (token-major activations read transposed), C is one [M, N] matrix per expert. Work item (n-tile, m-tile,
+  expert); the last k-tile of an expert is cut at its end by zeroing, in shared memory, the rows of the
+  next expert that TMA brought in.
+
+Two schedules: `persistent=False` launches one CTA per work item and every warp computes (warp 0 also
+issues the TMA loads); `persistent=True` launches one CTA per SM that walks the work items, with a producer
+warpgroup (TMA, few registers) and consumer warpgroups (wgmma; two of 64 rows each in the configs we run),
+so that the loads of the next tile run under the epilogue of this one.
+
+Imported only on first use (grouped.py), so that the package imports where `cutlass` is missing."""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda_driver
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils as utils
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+WARPGROUP = 128
+PRODUCER_REGS = 40
+CONSUMER_REGS = 232
+
+
+class GroupedGemm:
+    """One compiled variant: grouping (`m` or `k`), CTA tile (BM, BN), pipeline stages, consumer warpgroups,
+    epilogue store width and schedule. With one consumer warpgroup a 128-row tile is two 64-row wgmma
+    passes; with two, each owns 64 rows. BK is 64 (one 128-byte swizzle atom of bf16)."""
+
+    def __init__(
+        self,
+        grouping: str,
+        tile_mn: tuple[int, int],
+        stages: int,
+        warpgroups: int,
+        pair_stores: bool = False,
+        persistent: bool = False,
+        sm_count: int = 132,
+        smem_epilogue: bool = False,
+    ) -> None:
+        if grouping not in ("m", "k"):
+            raise ValueError(f"grouping must be 'm' or 'k', got {grouping!r}")
+        if tile_mn[0] != 64 * warpgroups and not (tile_mn[0] == 128 and warpgroups == 1):
+            raise ValueError(
+                f"tile {tile_mn} with {warpgroups} warpgroups: BM must be 64 per warpgroup (or 128 on one)"
+            )
+        if tile_mn[1] not in (64, 128, 256):
+            raise ValueError(f"tile {tile_mn}: BN must be 64/128/256")
+        self.grouping = grouping
+        self.tile = (tile_mn[0], tile_mn[1], 64)
+        self.stages = stages
+        self.warpgroups = warpgroups
+        self.persistent = persistent
+        self.sm_count = sm_count
+        self.mma_threads = WARPGROUP * warpgroups
+        self.threads = self.mma_threads + (WARPGROUP if persistent else 0)
+        self.acc_dtype = cutlass.Float32
+        # Store the two adjacent columns each thread holds as one 4- (bf16) or 8-byte (fp32) word.
+        self.pair_stores = pair_stores
+        # 16-bit outputs: stage each warpgroup's 64 rows in shared memory, 128 columns at a time, and write
+        # them back as 16-byte row segments (coalesced) instead of the 4-byte pairs of the MMA layout.
+        self.smem_epilogue = smem_epilogue
+        if smem_epilogue and not (persistent and tile_mn[0] == 64 * warpgroups and tile_mn[1] % 128 == 0):
+            raise ValueError(
+                "the shared-memory epilogue needs the persistent schedule, 64 rows per warpgroup, BN % 128 == 0"
+            )
+
+    @cute.jit
+    def __call__(
+        self,
+        a: cute.Tensor,
+        b: cute.Tensor,
+        c: cute.Tensor,
+        offsets: cute.Tensor,
+        item_expert: cute.Tensor,
+        item_row: cute.Tensor,
+        stream: cuda_driver.CUstream,
+    ):
+        """a (M, K, 1), b (N, K, E or 1), c (M, N, 1 or E); offsets [E] int32 running ends of the groups;
+        item_expert / item_row [T] the work items of the `m` grouping (ignored by `k`)."""
+        BM, BN, BK = self.tile
+        self.epi_words = self.warpgroups * 64 * 68 if self.smem_epilogue else 4
+        a_layout = utils.LayoutEnum.from_tensor(a)
+        b_layout = utils.LayoutEnum.from_tensor(b)
+        tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            a.element_type,
+            b.element_type,
+            a_layout.sm90_mma_major_mode(),
+            b_layout.sm90_mma_major_mode(),
+            self.acc_dtype,
+            (self.warpgroups, 1, 1),
+            tiler_mn=(64, BN),
+        )
+        a_smem = sm90_utils.make_smem_layout_a(a_layout, self.tile, a.element_type, self.stages)
+        b_smem = sm90_utils.make_smem_layout_b(b_layout, self.tile, b.element_type, self.stages)
+        tma_a, tma_tensor_a = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), a, cute.slice_(a_smem, (None, None, 0)), (BM, BK)
+        )
+        tma_b, tma_tensor_b = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), b, cute.slice_(b_smem, (None, None, 0)), (BN, BK)
+        )
+
+        @cute.struct
+        class Storage:
+            barriers: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
+            sA: cute.struct.Align[cute.struct.MemRange[a.element_type, cute.cosize(a_smem)], 1024]
+            sB: cute.struct.Align[cute.struct.MemRange[b.element_type, cute.cosize(b_smem)], 1024]
+            # Per consumer warpgroup 64 rows x (64 + 4) 32-bit words: 128 bf16 columns, rows padded by 16 bytes
+            # so that the 4-byte pair stores of 8 rows fall in different banks.
+            sC: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, self.epi_words], 128]
+
+        self.storage = Storage
+        self.a_dtype, self.b_dtype = a.element_type, b.element_type
+        n_tiles = (c.shape[1] + BN - 1) // BN
+        if cutlass.const_expr(self.grouping == "m"):
+            slots = item_expert.shape[0]
+        else:
+            slots = ((c.shape[0] + BM - 1) // BM) * c.shape[2]
+        if cutlass.const_expr(self.persistent):
+            grid = (cutlass.min(n_tiles * slots, self.sm_count), 1, 1)
+        else:
+            grid = (n_tiles, slots, 1)
+        self.kernel(
+            tiled_mma, tma_a, tma_tensor_a, tma_b, tma_tensor_b, c, offsets, item_expert, item_row, a_smem, b_smem
+        ).launch(grid=grid, block=[self.threads, 1, 1], stream=stream)
+
+    @cute.jit
+    def work_item(self, mA, mB, mC, offsets, item_expert, item_row, n_tile, slot):
+        """The tiles of work item (n_tile, slot): TMA coordinate tensors gA (BM, BK, restK), gB (BN, BK, restK),
+        the output tile gC (BM, BN), the k-tiles to run, the valid k of the last one, the valid rows and
+        columns of gC. An idle item has no k-tiles and no valid rows."""
+        BM, BN, BK = self.tile
+        zero = cutlass.Int32(0)
+        k_tiles = zero
+        k_rem = cutlass.Int32(BK)
+        rows = zero
+        cols = cutlass.min(mC.shape[1] - n_tile * BN, BN)
+        expert = zero
+        row0 = zero  # first row of A/C (`m`) or first k (`k`)
+        m_tile = zero
+        if cutlass.const_expr(self.grouping == "m"):
+            e = item_expert[slot]
+            if e >= 0:
+                expert = e
+                row0 = item_row[slot]
+                rows = cutlass.min(offsets[e] - row0, BM)
+                k_tiles = (mA.shape[1] + BK - 1) // BK
+        else:
+            m_tiles = (mC.shape[0] + BM - 1) // BM
+            m_tile = slot % m_tiles
+            expert = slot // m_tiles
+            if expert > 0:
+                row0 = offsets[expert - 1]
+            k_len = offsets[expert] - row0
+            k_tiles = (k_len + BK - 1) // BK
+            k_rem = k_len - (k_tiles - 1) * BK
+            rows = cutlass.min(mC.shape[0] - m_tile * BM, BM)
+        if cutlass.const_expr(self.grouping == "m"):
+            gA = cute.local_tile(
+                cute.domain_offset((row0, 0, 0), mA), self.tile, (0, n_tile, None, 0), proj=(1, None, 1)
+            )
+            gB = cute.local_tile(mB, self.tile, (0, n_tile, None, expert), proj=(None, 1, 1))
+            gC = cute.local_tile(
+                cute.domain_offset((row0, 0, 0), mC), self.tile, (0, n_tile, None, 0), proj=(1, 1, None)
+            )
+        else:
+            gA = cute.local_tile(
+                cute.domain_offset((0, row0, 0), mA), self.tile, (m_tile, n_tile, None, 0), proj=(1, None, 1)
+            )
+            gB = cute.local_tile(
+                cute.domain_offset((0, row0, 0), mB), self.tile, (m_tile, n_tile, None, 0), proj=(None, 1, 1)
+            )
+            gC = cute.local_tile(mC, self.tile, (m_tile, n_tile, None, expert), proj=(1, 1, None))
+        return gA, gB, gC, k_tiles, k_rem, rows, cols
+
+    @cute.jit
+    def load_tile(self, ring, load, tma_a, tma_b, sA, sB, gA, gB, k_tiles, first_kt):
+        """Issue the TMA loads of k-tiles [first_kt, k_tiles) of one work item (the calling warp)."""
+        tAsA, tAgA = cpasync.tma_partition(
+            tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2)
+        )
+        tBsB, tBgB = cpasync.tma_partition(
+            tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2)
+        )
+        for kt in cutlass.range(first_kt, k_tiles, 1, unroll=1):
+            ring.producer_acquire(load)
+            bar = ring.producer_get_barrier(load)
+            cute.copy(tma_a, tAgA[(None, kt)], tAsA[(None, load.index)], tma_bar_ptr=bar)
+            cute.copy(tma_b, tBgB[(None, kt)], tBsB[(None, load.index)], tma_bar_ptr=bar)
+            ring.producer_commit(load)
+            load.advance()
+        return load
+
+    @cute.jit
+    def zero_k_tail(self, sA, sB, stage, k_rem, mma_tidx):
+        """Zero k in [k_rem, BK) of one stage of A and B (the consumer threads together), then make the
+        writes visible to the tensor cores."""
+        BM, BN, BK = self.tile
+        dead = BK - k_rem
+        for i in cutlass.range(mma_tidx, dead * BM, self.mma_threads, unroll=1):
+            sA[i % BM, k_rem + i // BM, stage] = sA.element_type(0)
+        for i in cutlass.range(mma_tidx, dead * BN, self.mma_threads, unroll=1):
+            sB[i % BN, k_rem + i // BN, stage] = sB.element_type(0)
+        cute.arch.fence_proxy("async.shared", space="cta")
+
+    @cute.jit
+    def store_tile(self, acc, tiled_mma, gC, rows, cols, mma_tidx, sC):
+        """Registers -> global memory: only this item's rows and C's columns."""
+        BM, BN, BK = self.tile
+        thr_mma = tiled_mma.get_slice(mma_tidx)
+        tCgC = thr_mma.partition_C(gC)
+        tCcC = thr_mma.partition_C(cute.make_identity_tensor((BM, BN)))
+        out = cute.make_rmem_tensor(acc.shape, gC.element_type)
+        out.store(acc.load().to(gC.element_type))
+        if cutlass.const_expr(self.smem_epilogue and gC.element_type.width == 16):
+            wg = mma_tidx // WARPGROUP
+            lane = mma_tidx % WARPGROUP
+            out_w = cute.recast_tensor(out, cutlass.Int32)
+            gW = cute.recast_tensor(gC, cutlass.Int32)  # (BM, BN / 2) words, rows 16-byte aligned
+            gV = cute.zipped_divide(gW, (1, 4))  # ((1, 4), (BM, BN / 8)): 16-byte segments
+            sW = cute.make_tensor(sC.iterator + wg * (64 * 68), cute.make_layout((64, 68), stride=(68, 1)))
+            sV = cute.zipped_divide(sW, (1, 4))  # ((1, 4), (64, 17))
+            bar = pipeline.NamedBarrier(barrier_id=2 + wg, num_threads=WARPGROUP)
+            for h in cutlass.range_constexpr(BN // 128):
+                for j in cutlass.range_constexpr(cute.size(out_w)):
+                    r, col = tCcC[2 * j]
+                    if col // 128 == h:
+                        sW[r - wg * 64, (col % 128) // 2] = out_w[j]
+                bar.arrive_and_wait()
+                for it in cutlass.range_constexpr(64 * 16 // WARPGROUP):
+                    v = lane + it * WARPGROUP
+                    lr = v // 16
+                    seg = v % 16
+                    grow = wg * 64 + lr
+                    if grow < rows and h * 128 + seg * 8 < cols:
+                        # Both ends are 16-byte aligned (rows of C hold a multiple of 8 elements, padded shared
+                        # rows 272 bytes); say so, since the compiler loses it through the dynamic offsets.
+                        src = sV[(0, None), (lr, seg)]
+                        dst = gV[(0, None), (grow, h * 16 + seg)]
+                        cute.autovec_copy(
+                            cute.make_tensor(src.iterator.align(16), src.layout),
+                            cute.make_tensor(dst.iterator.align(16), dst.layout),
+                        )
+                bar.arrive_and_wait()
+        elif cutlass.const_expr(self.pair_stores):
+            word = cutlass.Int32 if cutlass.const_expr(gC.element_type.width == 16) else cutlass.Int64
+            out_w = cute.recast_tensor(out, word)
+            gC_w = cute.recast_tensor(tCgC, word)
+            for j in cutlass.range_constexpr(cute.size(out_w)):
+                r, col = tCcC[2 * j]
+                if r < rows and col < cols:  # N is a multiple of 8, so col + 1 < cols too
+                    gC_w[j] = out_w[j]
+        else:
+            for i in cutlass.range_constexpr(cute.size(out)):
+                r, col = tCcC[i]
+                if r < rows and col < cols:
+                    tCgC[i] = out[i]
+
+    @cute.kernel
+    def kernel(
+        self,
+        tiled_mma: cute.TiledMma,
+        tma_a: cute.CopyAtom,
+        mA: cute.Tensor,
+        tma_b: cute.CopyAtom,
+        mB: cute.Tensor,
+        mC: cute.Tensor,
+        offsets: cute.Tensor,
+        item_expert: cute.Tensor,
+        item_row: cute.Tensor,
+        a_smem: cute.ComposedLayout,
+        b_smem: cute.ComposedLayout,
+    ):
+        BM, BN, BK = self.tile
+        tidx, _, _ = cute.arch.thread_idx()
+        bx, by, _ = cute.arch.block_idx()
+        gdx, _, _ = cute.arch.grid_dim()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp == 0:
+            cpasync.prefetch_descriptor(tma_a)
+            cpasync.prefetch_descriptor(tma_b)
+
+        smem = utils.SmemAllocator()
+        storage = smem.allocate(self.storage)
+        sA = storage.sA.get_tensor(a_smem.outer, swizzle=a_smem.inner)
+        sB = storage.sB.get_tensor(b_smem.outer, swizzle=b_smem.inner)
+        sC = storage.sC.get_tensor(cute.make_layout(self.epi_words))
+        stage_bytes = cute.size_in_bytes(self.a_dtype, cute.slice_(a_smem, (None, None, 0))) + cute.size_in_bytes(
+            self.b_dtype, cute.slice_(b_smem, (None, None, 0))
+        )
+        # Full barriers: the TMA-issuing warp arrives with the byte count; empty: one arrive per consumer warp.
+        ring = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.barriers.data_ptr(),
+            num_stages=self.stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.mma_threads // 32),
+            tx_count=stage_bytes,
+            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+        )
+        load = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        n_tiles = (mC.shape[1] + BN - 1) // BN
+        # Consumer thread index (0 .. mma_threads): the producer warpgroup, if any, comes first.
+        mma_tidx = cutlass.max(tidx - (self.threads - self.mma_threads), 0)
+        wg = cute.arch.make_warp_uniform(mma_tidx // WARPGROUP)
+        wg_mma = tiled_mma.get_slice(wg * WARPGROUP)
+        tCrA = tiled_mma.make_fragment_A(wg_mma.partition_A(sA))
+        tCrB = tiled_mma.make_fragment_B(wg_mma.partition_B(sB))
+        k_blocks = cute.size(tCrA, mode=[2])
+        tail_barrier = pipeline.NamedBarrier(barrier_id=1, num_threads=self.mma_threads)
+        acc = cute.make_rmem_tensor(
+            tiled_mma.get_slice(mma_tidx).partition_C(cute.make_identity_tensor((BM, BN))).shape, self.acc_dtype
+        )
+        tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+
+        if cutlass.const_expr(not self.persistent):
+            gA, gB, gC, k_tiles, k_rem, rows, cols = self.work_item(mA, mB, mC, offsets, item_expert, item_row, bx, by)
+            acc.fill(0.0)
+            if warp == 0:
+                load = self.load_tile(
+                    ring, load, tma_a, tma_b, sA, sB, gA, gB, cutlass.min(k_tiles, self.stages), cutlass.Int32(0)
+                )
+            tAsA, tAgA = cpasync.tma_partition(
+                tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2)
+            )
+            tBsB, tBgB = cpasync.tma_partition(
+                tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2)
+            )
+            for kt in cutlass.range(k_tiles, unroll=1):
+                ring.consumer_wait(read)
+                if cutlass.const_expr(self.grouping == "k"):
+                    if kt == k_tiles - 1 and k_rem < BK:
+                        self.zero_k_tail(sA, sB, read.index, k_rem, mma_tidx)
+                        tail_barrier.arrive_and_wait()
+                warpgroup.fence()
+                for kb in cutlass.range_constexpr(k_blocks):
+                    cute.gemm(
+                        tiled_mma, acc, tCrA[(None, None, kb, read.index)], tCrB[(None, None, kb, read.index)], acc
+                    )
+                warpgroup.commit_group()
+                # One k-tile of MMAs stays in flight; the one before it is done, so its stage can be refilled.
+                warpgroup.wait_group(1)
+                if kt > 0:
+                    ring.consumer_release(release)
+                    release.advance()
+                    if warp == 0 and load.count < k_tiles:
+                        ring.producer_acquire(load)
+                        bar = ring.producer_get_barrier(load)
+                        cute.copy(tma_a, tAgA[(None, load.count)], tAsA[(None, load.index)], tma_bar_ptr=bar)
+                        cute.copy(tma_b, tBgB[(None, load.count)], tBsB[(None, load.index)], tma_bar_ptr=bar)
+                        ring.producer_commit(load)
+                        load.advance()
+                read.advance()
+            warpgroup.wait_group(0)
+            self.store_tile(acc, tiled_mma, gC, rows, cols, mma_tidx, sC)
+        else:
+            items = n_tiles * item_expert.shape[0]
+            if cutlass.const_expr(self.grouping == "k"):
+                items = n_tiles * ((mC.shape[0] + BM - 1) // BM) * mC.shape[2]
+            if warp < 4:
+                cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+                if warp == 0:
+                    for w in cutlass.range(bx, items, gdx, unroll=1):
+                        gA, gB, gC, k_tiles, k_rem, rows, cols = self.work_item(
+                            mA, mB, mC, offsets, item_expert, item_row, w % n_tiles, w // n_tiles
+                        )
+                        load = self.load_tile(ring, load, tma_a, tma_b, sA, sB, gA, gB, k_tiles, cutlass.Int32(0))
+                    ring.producer_tail(load)
+            else:
+                cute.arch.setmaxregister_increase(CONSUMER_REGS)
+                for w in cutlass.range(bx, items, gdx, unroll=1):
+                    gA, gB, gC, k_tiles, k_rem, rows, cols = self.work_item(
+                        mA, mB, mC, offsets, item_expert, item_row, w % n_tiles, w // n_tiles
+                    )
+                    acc.fill(0.0)
+                    for kt in cutlass.range(k_tiles, unroll=1):
+                        ring.consumer_wait(read)
+                        if cutlass.const_expr(self.grouping == "k"):
+                            if kt == k_tiles - 1 and k_rem < BK:
+                                self.zero_k_tail(sA, sB, read.index, k_rem, mma_tidx)
+                                tail_barrier.arrive_and_wait()
+                        warpgroup.fence()
+                        for kb in cutlass.range_constexpr(k_blocks):
+                            cute.gemm(
+                                tiled_mma,
+                                acc,
+                                tCrA[(None, None, kb, read.index)],
+                                tCrB[(None, None, kb, read.index)],
+                                acc,
+                            )
+                        warpgroup.commit_group()
+                        warpgroup.wait_group(1)
+                        if kt > 0:
+                            ring.consumer_release(release)
+                            release.advance()
+                        read.advance()
+                    warpgroup.wait_group(0)
+                    if k_tiles > 0:  # the last stage of this item
+                        ring.consumer_release(release)
+                        release.advance()
+                    self.store_tile(acc, tiled_mma, gC, rows, cols, mma_tidx, sC)
