@@ -3,36 +3,54 @@ strategy: on-policy (the calibration run), then fully-async and one-step-off. Th
 is fitted on the on-policy run (`slipstream simulate --calibrate`) and each other run is replayed with it
 (`slipstream simulate --compare`), which prints predicted against measured and draws both timelines.
 
-    python bench/sim_validate.py [--steps 20] [--keep]
+    python bench/sim_validate.py [--steps 20] [--keep] [--set KEY=VALUE ...] [--fixture DIR]
+
+`--fixture DIR` also writes what tests/test_sim_real.py checks the simulator against: the calibration
+(DIR/sim_model.json, as --calibrate wrote it) and each run's measured figures and completion lengths
+(DIR/runs.json, with this command).
+
+`--set` goes to all three launches, after the CPU binding below (so it can change it).
 
 The evaluator and its eval-pool worker are left out of all three runs (their load on this 2-core machine is
-not part of the flow the simulator models). Run it on an otherwise idle machine: the figures are timings.
+not part of the flow the simulator models), and the trainer gets CPU 0 while the vLLM worker and the router
+share CPU 1 (launch.roles.<entry>.cpus): the simulator models a trainer and workers that do not slow each
+other down, as on a GPU host where each has its own devices. On shared cores an overlapped train step took
+1.7-2.2x its on-policy time (bench/RESULTS.md, 2026-12-03), which no on-policy run can show. Run it on an
+otherwise idle machine: the figures are timings.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 STRATEGIES = ("on_policy", "fully_async", "one_step_off")
+PINNED = ("launch.roles.trainer.cpus=0", "launch.roles.vllm.cpus=1", "launch.roles.router.cpus=1")
 
 
-def launch(root: Path, strategy: str, steps: int) -> Path:
-    """One real demo run of `strategy`; its run dir."""
-    exp = f"sv-{strategy.replace('_', '-')}"
-    sets = [
-        f"run.root={root / 'runs'}",
+def overrides(steps: int, extra: list[str]) -> list[str]:
+    """The config changes every run shares (the strategy and the run root aside)."""
+    return [
         f"trainer.steps={steps}",
-        f"flow.strategy={strategy}",
         "launch.roles.evaluator.replicas=0",
         "launch.roles.vllm_eval.replicas=0",
+        *PINNED,
+        *extra,
     ]
+
+
+def launch(root: Path, strategy: str, steps: int, extra: list[str]) -> Path:
+    """One real demo run of `strategy`; its run dir."""
+    exp = f"sv-{strategy.replace('_', '-')}"
+    sets = [f"run.root={root / 'runs'}", f"flow.strategy={strategy}", *overrides(steps, extra)]
     cmd = [sys.executable, "-m", "common.cli", "launch", "configs/demo.toml"]
     for s in sets:
         cmd += ["--set", s]
@@ -53,20 +71,50 @@ def simulate(*args: str) -> str:
     return done.stdout
 
 
+def write_fixture(out: Path, runs: dict[str, Path], shared: list[str], command: str) -> None:
+    """The calibration and each run's measured figures and completion lengths, for tests/test_sim_real.py."""
+    from collections import Counter
+
+    from common.config import load_config
+    from rollout.flow.calibrate import MODEL_FILE, load_model, read_run
+    from rollout.flow.sim_compare import judged, measured_result
+    from rollout.flow.simulate_cli import run_workload
+
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.copy(runs["on_policy"] / MODEL_FILE, out / MODEL_FILE)
+    model = load_model(out / MODEL_FILE)
+    data: dict = {"made_by": command, "config": "configs/demo.toml", "overrides": shared, "runs": {}}
+    for strategy, run_dir in runs.items():
+        run, cfg = read_run(run_dir), load_config(run_dir / "config.toml")
+        workload = run_workload(run, cfg)
+        data["runs"][strategy] = {
+            "prompt_tokens": workload["prompt_tokens"],
+            "lengths": {str(n): k for n, k in sorted(Counter(workload["lengths"]).items())},
+            "measured": judged(measured_result(run, cfg.flow, model.throughput)),
+        }
+    (out / "runs.json").write_text(json.dumps(data, indent=1) + "\n")
+    print(f"fixture written to {out}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--keep", action="store_true", help="keep the run dirs (printed)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config override of every run")
+    ap.add_argument("--fixture", type=Path, help="write the calibration and measured figures here (tests/fixtures/…)")
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="ss-sv-"))
     try:
-        runs = {s: launch(root, s, args.steps) for s in STRATEGIES}
+        runs = {s: launch(root, s, args.steps, args.set) for s in STRATEGIES}
         model = runs["on_policy"] / "sim_model.json"
         print(f"## calibration on the on-policy run ({args.steps} steps)\n")
         print(simulate("--calibrate", str(runs["on_policy"])))
         for strategy in STRATEGIES:
             print(f"## {strategy}: predicted from the on-policy model against measured\n")
             print(simulate("--compare", str(runs[strategy]), "--model", str(model)))
+        if args.fixture:
+            command = f"python bench/sim_validate.py {' '.join(sys.argv[1:])} ({time.strftime('%Y-%m-%d')})"
+            write_fixture(args.fixture, runs, overrides(args.steps, args.set), command)
     finally:
         if args.keep:
             print(f"run dirs under {root}")

@@ -1,7 +1,9 @@
 """FlowRuntime against fake backends. The timing test runs the simulator's own generator model
 (GeneratorPool) in scaled wall-clock time as the fake vLLM, with train steps and publishes that take
 the simulator's costs, and checks that the runtime reproduces the simulator's schedule: the same
-batches and per-step times within 10%. Fault tests have timeout guards."""
+batches and per-step times within 10%. That checks the runtime and the simulator against each other (the
+same policy driven by threads and an event loop, or by simulated events), not either against reality:
+tests/test_sim_real.py holds the simulator to real runs. Fault tests have timeout guards."""
 
 from __future__ import annotations
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 from common.config import FlowConfig
 from rollout.flow.calibrate import CalibrationError, RunMetrics
@@ -108,7 +109,7 @@ def _step_s(r: SimResult) -> float:
     return r.makespan / max(1, len(r.steps))
 
 
-def _steady_step_s(r: SimResult) -> float:
+def steady_step_s(r: SimResult) -> float:
     """Time per step from the end of step 0 to the end of the last: a real run's start (waiting for its first
     worker, vLLM's first batches) is not the flow the simulator models, so predictions are judged on this."""
     if len(r.steps) < 2:
@@ -116,9 +117,20 @@ def _steady_step_s(r: SimResult) -> float:
     return (r.steps[-1].end - r.steps[0].end) / (len(r.steps) - 1)
 
 
-def _steady_samples_s(r: SimResult) -> float:
+def steady_samples_s(r: SimResult) -> float:
     """Trained samples per second after step 0 (every step trains the same number of samples)."""
-    return r.counters.trained_samples / max(1, len(r.steps)) / _steady_step_s(r)
+    return r.counters.trained_samples / max(1, len(r.steps)) / steady_step_s(r)
+
+
+def judged(r: SimResult) -> dict[str, Any]:
+    """What a prediction is judged on, as JSON values: time per step and samples/s after step 0, and the
+    staleness histogram (bench/sim_validate.py records a real run's; tests/test_sim_real.py checks against them)."""
+    return {
+        "steps": len(r.steps),
+        "step_s": steady_step_s(r),
+        "samples_per_s": steady_samples_s(r),
+        "staleness": {str(k): n for k, n in sorted(r.counters.staleness.items())},
+    }
 
 
 Row = tuple[str, Callable[[SimResult], float], bool]  # (name, figure, a fraction: compared in points)
@@ -126,11 +138,11 @@ Row = tuple[str, Callable[[SimResult], float], bool]  # (name, figure, a fractio
 ROWS: list[Row] = [
     ("makespan (s)", lambda r: r.makespan, False),
     ("time per step (s)", _step_s, False),
-    ("time per step after step 0 (s)", _steady_step_s, False),
+    ("time per step after step 0 (s)", steady_step_s, False),
     ("train step (s, mean)", _train_s, False),
     ("request, sent to done (s, mean)", _request_s, False),
     ("samples/s", lambda r: r.samples_per_s, False),
-    ("samples/s after step 0", _steady_samples_s, False),
+    ("samples/s after step 0", steady_samples_s, False),
     ("staleness (mean)", lambda r: r.staleness_mean, False),
     ("trainer utilisation", lambda r: r.trainer_utilisation, True),
     ("generator utilisation", lambda r: r.generator_utilisation, True),
