@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import socket
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -31,6 +32,8 @@ log = logging.getLogger(__name__)
 
 # How long a rank waits for rank 0's store address and for the whole group to form.
 BOOTSTRAP_TIMEOUT_S = 120.0
+# How long a finished rank waits for its process group to be destroyed (Ranks.close).
+CLOSE_TIMEOUT_S = 10.0
 _POLL_S = 0.2
 
 
@@ -120,9 +123,19 @@ class Ranks:
         if self.control is not None:
             dist.barrier(group=self.control)
 
-    def close(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
+        """Destroy the process group, waiting at most `timeout_s`: a gloo group whose peer has already exited
+        was seen to block its teardown until a signal came (a finished 2-rank run held rank 0 for minutes),
+        and a role that is done must not hang on it. Past the wait the role goes on to exit without it."""
+        if not dist.is_initialized():
+            return
+        closing = threading.Thread(target=dist.destroy_process_group, name="destroy-process-group", daemon=True)
+        closing.start()
+        closing.join(timeout_s)
+        if closing.is_alive():
+            log.warning(
+                "the process group did not close within %.0fs (a peer left first); exiting without it", timeout_s
+            )
 
 
 def _backend(device: torch.device) -> str:
