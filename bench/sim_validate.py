@@ -12,10 +12,10 @@ is fitted on the on-policy run (`slipstream simulate --calibrate`) and each othe
 `--set` goes to all three launches, after the CPU binding below (so it can change it).
 
 The evaluator and its eval-pool worker are left out of all three runs (their load on this 2-core machine is
-not part of the flow the simulator models), and the trainer gets CPU 0 while the vLLM worker and the router
-share CPU 1 (launch.roles.<entry>.cpus): the simulator models a trainer and workers that do not slow each
-other down, as on a GPU host where each has its own devices. On shared cores an overlapped train step took
-1.7-2.2x its on-policy time (bench/RESULTS.md, 2026-12-03), which no on-policy run can show. Run it on an
+not part of the flow the simulator models). The trainer, the launcher and its Redis get CPU 0, the vLLM worker
+and the router CPU 1 (launch.roles.<entry>.cpus): the simulator models a trainer and workers that do not slow
+each other down, as on a GPU host where each has its own devices. On shared cores an overlapped train step
+took 1.7-2.2x its on-policy time (bench/RESULTS.md, 2026-12-03), which no on-policy run can show. Run it on an
 otherwise idle machine: the figures are timings.
 """
 
@@ -34,6 +34,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 STRATEGIES = ("on_policy", "fully_async", "one_step_off")
 PINNED = ("launch.roles.trainer.cpus=0", "launch.roles.vllm.cpus=1", "launch.roles.router.cpus=1")
+# The launcher and the Redis it starts run beside the trainer. On CPU 1 they slowed generation (one-step-off
+# 2.03-2.19 s per step against 1.66-1.71 s on CPU 0); unbound they landed on either side from run to run,
+# and identical runs spread over 1.48-1.99 s (bench/RESULTS.md, 2026-12-04).
+LAUNCHER_CPUS = {0}
 
 
 def overrides(steps: int, extra: list[str]) -> list[str]:
@@ -56,7 +60,15 @@ def launch(root: Path, strategy: str, steps: int, extra: list[str]) -> Path:
         cmd += ["--set", s]
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLIPSTREAM")} | {"SLIPSTREAM_EXP": exp}
     with (root / f"{exp}.log").open("wb") as out:
-        code = subprocess.run(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=1800).returncode
+        code = subprocess.run(
+            cmd,
+            cwd=REPO,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            timeout=1800,
+            preexec_fn=lambda: os.sched_setaffinity(0, LAUNCHER_CPUS),
+        ).returncode
     if code != 0:
         raise SystemExit(f"{exp}: launch exited {code}; its console is {root / f'{exp}.log'}")
     return root / "runs" / exp

@@ -6,8 +6,8 @@ and measured figures after step 0. Each run is predicted from the on-policy cali
 `slipstream simulate --compare` does, and must stay within 10% of its measured time per step and samples/s,
 with a staleness histogram within total variation distance 0.15 (issue 18's bounds): a change to the
 policies, the simulator or the calibration that moves predictions away from what these runs did fails here.
-The runs themselves spread on this machine: identical one-step-off runs measured 1.48 to 1.99 s per step on
-the same day, so a fresh run can land outside 10% of a good prediction (bench/RESULTS.md, 2026-12-04). Remake
+The launcher and its Redis are bound beside the trainer too: left to land on either CPU, identical
+one-step-off runs spread over 1.48-1.99 s per step (bench/RESULTS.md, 2026-12-04). Remake
 the fixture (on an idle machine) when the runtime's real speed changes."""
 
 from __future__ import annotations
