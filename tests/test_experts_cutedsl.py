@@ -1,7 +1,8 @@
 """The CuTeDSL expert backend: where it cannot run, an explicit choice fails with the reason (real checks on
 this machine, no mocks); the package imports without the DSL; the work-item table of the row-grouped GEMM
 covers every row once; and on an H200 with the DSL, forward and gradients match a float64 reference as
-closely as torch._grouped_mm does (skipped elsewhere, with the reason)."""
+closely as torch._grouped_mm does, and the FP8 backend within the bound its format allows
+(trainer/experts/fp8.py; skipped elsewhere, with the reason). The FP8 quantizers run on the CPU for real."""
 
 import importlib.util
 import subprocess
@@ -11,9 +12,17 @@ import pytest
 import torch
 
 import trainer.experts as experts
+from common.config import ModelConfig
 from trainer.experts import BackendUnavailable, grouped_mm_experts, select_backend
-from trainer.experts.cutedsl import cutedsl_experts, cutedsl_unavailable, grouped
+from trainer.experts.cutedsl import cutedsl_experts, cutedsl_fp8_experts, cutedsl_unavailable, grouped
+from trainer.experts.fp8 import (
+    dequantize_blocks,
+    dequantize_rows,
+    quantize_blocks,
+    quantize_rows,
+)
 from trainer.experts.numerics import relative_errors
+from trainer.model.moe import Experts
 
 DSL_INSTALLED = importlib.util.find_spec("cutlass") is not None
 GPU_REASON = cutedsl_unavailable(torch.device("cuda"), torch.bfloat16) if torch.cuda.is_available() else "no CUDA GPU"
@@ -65,18 +74,23 @@ def test_work_items_cover_every_row_once_within_its_expert(counts):
     assert not live[live.long().sum() :].any(), "idle items come after the live ones"
 
 
-def _kernel_contract(grouping, config, a, b, c, offsets, item_expert, item_row):
+def _kernel_contract(grouping, config, a, b, c, offsets, item_expert, item_row, sfa=None, sfb=None):
     """What the kernel must do with the operands grouped.py hands it, in plain torch: `m` writes
-    c[rows of e] = a[rows of e] @ b[:, :, e]^T item by item, `k` writes c[:, :, e] = a[:, rows of e] @ b[:, rows of e]^T."""
+    c[rows of e] = a[rows of e] @ b[:, :, e]^T item by item, `k` writes c[:, :, e] = a[:, rows of e] @ b[:, rows of e]^T;
+    with scales (FP8), a and b stand for their e4m3 values times sfa (K/128, M) and sfb (N/128, K/128, E)."""
     ends = offsets.tolist()
+    a, b = a.float(), b.float()
+    if sfa is not None:
+        a = dequantize_rows(a[:, :, 0], sfa).unsqueeze(-1)
+        b = dequantize_blocks(b.permute(2, 0, 1), sfb.permute(2, 0, 1)).permute(1, 2, 0)
     if grouping == "m":
         for e, r0 in zip(item_expert.tolist(), item_row.tolist(), strict=True):
             if e >= 0:
                 r1 = min(r0 + config.tile_mn[0], ends[e])
-                c[r0:r1, :, 0] = (a[r0:r1, :, 0].float() @ b[:, :, e].float().t()).to(c.dtype)
+                c[r0:r1, :, 0] = (a[r0:r1, :, 0] @ b[:, :, e].t()).to(c.dtype)
     else:
         for e, (start, end) in enumerate(zip([0, *ends[:-1]], ends, strict=True)):
-            c[:, :, e] = (a[:, start:end, 0].float() @ b[:, start:end, 0].float().t()).to(c.dtype)
+            c[:, :, e] = (a[:, start:end, 0] @ b[:, start:end, 0].t()).to(c.dtype)
 
 
 @pytest.mark.parametrize("compiled", [False, True])
@@ -88,6 +102,122 @@ def test_host_side_matches_float64_when_the_kernel_keeps_its_contract(monkeypatc
     fn = torch.compile(cutedsl_experts, backend="aot_eager") if compiled else cutedsl_experts
     errs = relative_errors(fn, [300, 0, 129, 64, 1, 511], 64, 32, seed=3, device=torch.device("cpu"))
     assert all(err < 5e-3 for err in errs.values()), errs
+
+
+# The bound of trainer/experts/fp8.py: at most sqrt(6) x 3.6% from the six FP8 roundings on the deepest path.
+FP8_BOUND = 0.10
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_fp8_host_side_matches_float64_within_the_format_bound(monkeypatch, compiled):
+    """The FP8 backend's host side on the CPU (quantizers, weight pack, autograd, custom ops, torch.compile), the
+    kernel replaced by its contract on the dequantized operands; and it is measurably not the bf16 path."""
+    monkeypatch.setattr(grouped, "_launch", _kernel_contract)
+    monkeypatch.setattr(grouped, "POISON_OUTPUTS", True)
+    fn = torch.compile(cutedsl_fp8_experts, backend="aot_eager") if compiled else cutedsl_fp8_experts
+    errs = relative_errors(fn, [300, 0, 129, 64, 1, 511], 256, 128, seed=3, device=torch.device("cpu"))
+    assert all(err < FP8_BOUND for err in errs.values()), errs
+    assert errs["out"] > 5e-3, f"FP8 output as close as bf16 ({errs['out']:.1e}): the operands were not quantized"
+
+
+def test_quantizers_round_trip_within_half_an_e4m3_step_and_keep_partial_blocks():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(37, 300, generator=g) * torch.logspace(-3, 3, 300)  # columns of very different sizes
+    q, s = quantize_rows(x)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == (37, 300) and s.shape == (3, 37)
+    back = dequantize_rows(q, s)
+    # Each element within half a unit in the last place (2^-4 relative), or, below e4m3's normal range
+    # (2^-6 of the block maximum 448 * s), within half its subnormal step (2^-10 * s).
+    step = torch.maximum(x.abs() * 2**-4, s.t().repeat_interleave(128, 1)[:, :300] * 2**-10)
+    assert ((back - x).abs() <= step * 1.0001).all()
+    assert (q.float().abs().amax(dim=1) == 448).all(), "each row's largest element lands on 448"
+    w = torch.randn(3, 200, 130, generator=g)
+    wq, ws = quantize_blocks(w, experts_per_chunk=2)
+    assert ws.shape == (3, 2, 2)
+    assert torch.allclose(ws[1, 1, 0], w[1, 128:, :128].abs().amax() / 448)
+    assert ((dequantize_blocks(wq, ws) - w).abs() <= torch.maximum(w.abs() * 2**-4, ws.amax() * 2**-10)).all()
+    zeros_q, zeros_s = quantize_rows(torch.zeros(2, 128))
+    assert zeros_q.float().eq(0).all() and zeros_s.isfinite().all()
+
+
+def test_the_experts_module_keeps_one_fp8_pack_per_step_and_the_transposes_agree(monkeypatch):
+    """Experts with the cutedsl_fp8 backend on the CPU (kernel replaced by its contract): the pack appears after
+    a forward asks for it, is rewritten in place by a refresh, and its transposed copies hold the same blocks."""
+    monkeypatch.setattr(grouped, "_launch", _kernel_contract)
+    cfg = ModelConfig(hidden_size=256, moe_intermediate_size=128, n_routed_experts=4)
+    experts = Experts(cfg, "cutedsl_fp8")
+    torch.nn.init.normal_(experts.gate_up_proj, std=0.05)
+    torch.nn.init.normal_(experts.down_proj, std=0.05)
+    x = torch.randn(40, 256).bfloat16()
+    offsets = torch.tensor([10, 10, 30, 40], dtype=torch.int32)
+    y0 = experts(x, offsets)
+    assert experts._cast is None and experts._copy_dtype == torch.bfloat16  # quantized per call, copy asked for
+    experts.refresh_weight_copy()
+    pack = experts._cast
+    assert len(pack) == 8 and pack[0].dtype == torch.float8_e4m3fn
+    assert torch.equal(pack[2].float(), pack[0].transpose(1, 2).float()) and torch.equal(pack[3], pack[1].mT)
+    assert torch.equal(experts(x, offsets), y0)
+    with torch.no_grad():
+        experts.down_proj.mul_(2)
+    experts.refresh_weight_copy()
+    assert experts._cast[4] is pack[4] and torch.allclose(experts(x, offsets).float(), 2 * y0.float(), rtol=0.02)
+
+
+def test_fp8_precision_runs_on_cutedsl_only_and_says_why_not_here():
+    with pytest.raises(BackendUnavailable, match="fp8' runs on the cutedsl backend only"):
+        select_backend("grouped_mm", "cpu", torch.bfloat16, precision="fp8")
+    if GPU_REASON is not None:
+        experts._why_not.cache_clear()
+        with pytest.raises(BackendUnavailable, match="precision = 'fp8' cannot run here"):
+            select_backend("auto", "cpu", torch.bfloat16, precision="fp8")
+    with pytest.raises(ValueError, match="precision = 'fp16'"):
+        select_backend("auto", "cpu", precision="fp16")
+
+
+@needs_gpu
+@pytest.mark.parametrize(
+    "counts,H,inter",
+    [
+        ([300, 0, 129, 64, 1, 511], 256, 128),  # partial tiles, an empty expert, a one-row expert
+        ([1024] * 8, 512, 384),  # full tiles only; N not a multiple of 256
+        ([0, 2000, 0], 128, 64),  # one expert takes all; K shorter than one scale block
+        ([700, 333], 2048, 768),  # the bench's H and I: 16 and 6 k-tiles
+    ],
+)
+def test_cutedsl_fp8_matches_float64_within_the_format_bound(counts, H, inter):
+    grouped.POISON_OUTPUTS = True
+    try:
+        errs = relative_errors(cutedsl_fp8_experts, counts, H, inter, seed=len(counts), device=torch.device("cuda"))
+    finally:
+        grouped.POISON_OUTPUTS = False
+    assert all(err < FP8_BOUND for err in errs.values()), errs
+
+
+@needs_gpu
+def test_cutedsl_fp8_gemm_equals_its_dequantized_contract():
+    """One FP8 GEMM against the same product of the dequantized operands in fp32: only accumulation order and
+    the bf16 output rounding may differ (the scales must land on the right rows, columns and k-blocks)."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+    counts = [200, 0, 77, 300]
+    offsets = torch.tensor(counts, device="cuda").cumsum(0).int()
+    x = torch.randn(sum(counts), 384, device="cuda", generator=g) * torch.logspace(-2, 2, 384, device="cuda")
+    w = torch.randn(4, 320, 384, device="cuda", generator=g) * torch.logspace(2, -2, 320, device="cuda")[:, None]
+    (xq, xs), (wq, ws) = quantize_rows(x), quantize_blocks(w)
+    items = grouped.work_items(offsets, x.shape[0], grouped.FP8_CONFIG.tile_mn[0])
+    got = grouped.m_grouped_scaled(xq, xs, wq, ws, offsets, items).float()
+    want = torch.empty_like(got)
+    _kernel_contract(
+        "m",
+        grouped.FP8_CONFIG,
+        xq.unsqueeze(-1),
+        wq.permute(1, 2, 0),
+        want.unsqueeze(-1),
+        offsets,
+        *items,
+        xs,
+        ws.permute(1, 2, 0),
+    )
+    assert ((got - want).norm() / want.norm()) < 5e-3
 
 
 @needs_gpu

@@ -134,7 +134,7 @@ def initial_model(cfg: Config, device: torch.device, default_init: Path | None =
     (an HF directory: the RL trainer passes the checkpoint its workers serve), else fresh from run.seed."""
     tc = cfg.trainer
     dtype = torch.bfloat16 if tc.dtype == "bfloat16" else torch.float32
-    backend = select_backend(tc.experts.backend, device, dtype)
+    backend = select_backend(tc.experts.backend, device, dtype, tc.experts.precision)
     init = Path(tc.init) if tc.init else default_init
     model = build_model(tc.model, backend, seed=cfg.run.seed if init is None else None)
     if init is not None:

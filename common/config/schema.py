@@ -82,6 +82,9 @@ class ExpertsConfig:
     """Expert compute: auto picks the fastest that runs here; an explicit choice that cannot run fails.
     cutedsl: our CuTeDSL grouped GEMM (Hopper, bf16, the `gpu` extra); auto does not pick it (parity with
     grouped_mm on the H200, not faster)."""
+    precision: Literal["bf16", "fp8"] = "bf16"
+    """fp8: the forward and dgrad expert GEMMs in FP8 e4m3 with DeepSeek-V3 block scales (1x128 tokens, 128x128
+    weights), wgrad in bf16; runs on the cutedsl backend only (auto picks it), needs trainer.dtype = bfloat16."""
 
 
 @dataclass

@@ -1,10 +1,13 @@
 """Expert compute backends: functions that run the SwiGLU of every routed expert over tokens already
 sorted by expert. `reference` is pure PyTorch (the ground truth); `grouped_mm` is torch._grouped_mm;
-`cutedsl` is our own Hopper grouped GEMM (trainer/experts/cutedsl, nvidia-cutlass-dsl from the `gpu` extra).
-`select_backend` turns the config's choice into a function: `auto` takes the fastest that runs on the
-device and dtype, an explicit choice that cannot run raises with the reason (no silent downshift). `auto`
-does not pick `cutedsl`: on the H200 it measured 0.99x of torch._grouped_mm (expert SwiGLU forward +
-backward at the 128-expert shape, bench/cutedsl_check.py, bench/RESULTS.md), i.e. not faster."""
+`cutedsl` is our own Hopper grouped GEMM (trainer/experts/cutedsl, nvidia-cutlass-dsl from the `gpu` extra);
+`cutedsl_fp8` the same with FP8 block-scaled forward and dgrad GEMMs (`trainer.experts.precision = "fp8"`).
+`select_backend` turns the config's (backend, precision) into a backend name: `auto` takes the fastest that
+runs on the device and dtype, an explicit choice that cannot run raises with the reason (no silent
+downshift). In bf16 `auto` does not pick `cutedsl`: on the H200 it measured 0.99x of torch._grouped_mm
+(expert SwiGLU forward + backward at the 128-expert shape, bench/cutedsl_check.py, bench/RESULTS.md), i.e.
+not faster. FP8 runs on `cutedsl` only (torch._scaled_grouped_mm measured slower than bf16 grouped_mm at MoE
+shapes, shared/notes/h200.md), so `auto` with fp8 picks it or fails with the reason."""
 
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from trainer.experts.cutedsl import cutedsl_experts, cutedsl_unavailable
+from trainer.experts.cutedsl import cutedsl_experts, cutedsl_fp8_experts, cutedsl_unavailable
 from trainer.experts.grouped_mm import grouped_mm_experts, grouped_mm_unavailable
 from trainer.experts.reference import reference_experts
 
@@ -24,7 +27,9 @@ BACKENDS: dict[str, ExpertsFn] = {
     "reference": reference_experts,
     "grouped_mm": grouped_mm_experts,
     "cutedsl": cutedsl_experts,
+    "cutedsl_fp8": cutedsl_fp8_experts,
 }
+PRECISIONS = ("bf16", "fp8")
 
 
 class BackendUnavailable(RuntimeError):
@@ -37,16 +42,34 @@ def _why_not(name: str, device: torch.device, dtype: torch.dtype) -> str | None:
         return None
     if name == "grouped_mm":
         return grouped_mm_unavailable(device, dtype)
-    if name == "cutedsl":
+    if name in ("cutedsl", "cutedsl_fp8"):
         return cutedsl_unavailable(device, dtype)
     raise ValueError(f"unknown expert backend {name!r}; use one of auto, {', '.join(BACKENDS)}")
 
 
-def select_backend(name: str, device: torch.device | str, dtype: torch.dtype = torch.float32) -> str:
-    """Resolve `auto | reference | grouped_mm | cutedsl` to a backend name that runs on (device, dtype)."""
+def select_backend(
+    name: str, device: torch.device | str, dtype: torch.dtype = torch.float32, precision: str = "bf16"
+) -> str:
+    """Resolve `trainer.experts.backend` (`auto | reference | grouped_mm | cutedsl`) and
+    `trainer.experts.precision` (`bf16 | fp8`) to a backend name that runs on (device, dtype)."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
+    if precision not in PRECISIONS:
+        raise ValueError(f"trainer.experts.precision = {precision!r}; use one of {', '.join(PRECISIONS)}")
+    if precision == "fp8":
+        if name not in ("auto", "cutedsl"):
+            raise BackendUnavailable(
+                f"trainer.experts.precision = 'fp8' runs on the cutedsl backend only, not {name!r}; set "
+                "trainer.experts.backend = 'cutedsl' (or 'auto'), or precision = 'bf16'"
+            )
+        reason = _why_not("cutedsl_fp8", device, dtype)
+        if reason is not None:
+            raise BackendUnavailable(
+                f"trainer.experts.precision = 'fp8' cannot run here: the cutedsl backend {reason}; set "
+                "trainer.experts.precision = 'bf16'"
+            )
+        return "cutedsl_fp8"
     if name == "auto":
         return "grouped_mm" if _why_not("grouped_mm", device, dtype) is None else "reference"
     reason = _why_not(name, device, dtype)

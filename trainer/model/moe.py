@@ -20,6 +20,7 @@ from torch import nn
 
 from common.config import ModelConfig
 from trainer.experts import BACKENDS
+from trainer.experts.fp8 import quantize_expert_weights
 from trainer.model.permute import combine, permute, select_permute
 
 
@@ -155,7 +156,8 @@ class Experts(nn.Module):
     """Routed experts, stacked: gate_up_proj [E, 2I, H] (gate rows then up rows), down_proj [E, H, I].
 
     Under bf16 autocast over fp32 masters the grouped GEMMs run on a bf16 copy of the weights instead of
-    casting 600M fp32 weights per call (about a third of the expert GEMMs of a 16k-token batch). A forward
+    casting 600M fp32 weights per call (about a third of the expert GEMMs of a 16k-token batch); the FP8
+    backend (`cutedsl_fp8`) on their FP8 block-quantized pack instead (trainer/experts/fp8.py). A forward
     that finds no copy casts per call and asks for one; the copy is then made, and after that rewritten in
     place, by every step of the training core's optimizer (trainer.optim.Optimizer), by `load_state_dict` and by
     `weight_copy` / `refresh_weight_copy`; `.to()` drops it. Other in-place writes to the masters must call
@@ -169,8 +171,8 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * inter, H))
         self.down_proj = nn.Parameter(torch.empty(E, H, inter))
         self.backend = backend
-        self._cast: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._copy_dtype: torch.dtype | None = None  # asked for by a forward; made at the next refresh
+        self._cast: tuple[torch.Tensor, ...] | None = None
+        self._copy_dtype: torch.dtype | None = None  # the token dtype a forward asked a copy for
         self.register_load_state_dict_post_hook(_refresh_after_load)
 
     @torch.no_grad()
@@ -178,16 +180,26 @@ class Experts(nn.Module):
         """Make the copy a forward asked for, or rewrite the existing one from the masters in place (so that
         a backward still holding the old copy fails autograd's version check)."""
         params = (self.gate_up_proj, self.down_proj)
-        if self._cast is not None:
+        if self.backend == "cutedsl_fp8":
+            if self._copy_dtype is None:
+                return
+            pack = quantize_expert_weights(*params)  # from the masters: one rounding, not two
+            if self._cast is None:
+                self._cast = pack
+            else:
+                for c, new in zip(self._cast, pack, strict=True):
+                    c.copy_(new)
+        elif self._cast is not None:
             for c, p in zip(self._cast, params, strict=True):
                 c.copy_(p)
         elif self._copy_dtype is not None:
             self._cast = tuple(p.detach().to(self._copy_dtype, copy=True) for p in params)
 
-    def weight_copy(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """(gate_up_proj, down_proj) in `dtype` without autograd history, made now if missing (eager callers:
-        tests, benches that take no optimizer step)."""
-        if self._cast is None or self._cast[0].dtype != dtype:
+    def weight_copy(self, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """The copy the GEMMs read for tokens in `dtype`, without autograd history, made now if missing (eager
+        callers: tests, benches that take no optimizer step): (gate_up_proj, down_proj) in `dtype`, or for
+        `cutedsl_fp8` the 8 tensors of `quantize_expert_weights`."""
+        if self._cast is None or self._copy_dtype != dtype:
             self._cast, self._copy_dtype = None, dtype
             self.refresh_weight_copy()
         return self._cast
@@ -205,10 +217,12 @@ class Experts(nn.Module):
         dev = x_sorted.device.type
         if torch.is_autocast_enabled(dev):
             x_sorted = x_sorted.to(torch.get_autocast_dtype(dev))
-        if self.backend in ("grouped_mm", "cutedsl") and self.gate_up_proj.dtype != x_sorted.dtype:
+        if self.backend in ("grouped_mm", "cutedsl", "cutedsl_fp8") and (
+            self.gate_up_proj.dtype != x_sorted.dtype or self.backend == "cutedsl_fp8"
+        ):
             cast = self._cast
-            if cast is None or cast[0].dtype != x_sorted.dtype:
-                self._copy_dtype, cast = x_sorted.dtype, None  # the backend casts per call
+            if cast is None or self._copy_dtype != x_sorted.dtype:
+                self._copy_dtype, cast = x_sorted.dtype, None  # the backend casts (or quantizes) per call
             return BACKENDS[self.backend](x_sorted, offsets, self.gate_up_proj, self.down_proj, cast)
         return BACKENDS[self.backend](x_sorted, offsets, self.gate_up_proj, self.down_proj)
 

@@ -53,7 +53,7 @@ class Transformer(nn.Module):
 
     def __init__(self, cfg: ModelConfig, experts_backend: str = "reference") -> None:
         super().__init__()
-        if experts_backend not in ("reference", "grouped_mm", "cutedsl"):
+        if experts_backend not in ("reference", "grouped_mm", "cutedsl", "cutedsl_fp8"):
             raise ValueError(
                 f"experts_backend {experts_backend!r} is not a resolved backend; pass the result of "
                 "trainer.experts.select_backend(...)"

@@ -7,8 +7,13 @@ as the grouped_mm backend, so the two differ only in the GEMMs.
 
 The GEMMs are torch custom ops (grouped.py), so torch.compile keeps them opaque. `cutlass` is imported on
 first use, so this module imports on any machine; `cutedsl_unavailable` says why the backend cannot run
-(not a Hopper GPU, not bf16, no DSL installed). Left out for now: FP8 block scales, the permutation gather
-fused into the A load, a Blackwell (sm100, tcgen05) kernel."""
+(not a Hopper GPU, not bf16, no DSL installed).
+
+`cutedsl_fp8_experts` runs the forward and dgrad GEMMs in FP8 e4m3 with DeepSeek-V3's block scales (the
+tokens quantized 1x128 on the way in, trainer/experts/fp8.py; the weights 128x128, once per optimizer step by
+the caller), and the wgrad GEMMs in bf16 from the bf16 activations the forward keeps: FP8 weight gradients
+would need the tokens quantized in 128-row blocks along each expert's rows, cut at every expert's end. Left
+out for now: that FP8 wgrad, the permutation gather fused into the A load, a Blackwell (sm100) kernel."""
 
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from trainer.experts.cutedsl import grouped
+from trainer.experts.fp8 import quantize_expert_weights, quantize_rows
 
 
 class _CuteSwiGLU(torch.autograd.Function):
@@ -72,6 +78,60 @@ def cutedsl_experts(
     return _CuteSwiGLU.apply(x.contiguous(), offsets.int(), gate_up, down, gate_up_c, down_c)
 
 
+class _CuteFP8SwiGLU(torch.autograd.Function):
+    """_CuteSwiGLU with the forward and dgrad GEMMs in FP8: weights as (masters, their FP8 pack)."""
+
+    @staticmethod
+    def forward(ctx, x, offsets, gate_up, down, *pack):
+        gu_q, gu_s, gu_t_q, gu_t_s, dn_q, dn_s, dn_t_q, dn_t_s = pack
+        items = grouped.work_items(offsets, x.shape[0], grouped.FP8_CONFIG.tile_mn[0])
+        h = grouped.m_grouped_scaled_op(*quantize_rows(x), gu_q, gu_s, offsets, *items)  # [N, 2I] bf16
+        gate, up = h.chunk(2, dim=-1)
+        y = grouped.m_grouped_scaled_op(*quantize_rows(F.silu(gate) * up), dn_q, dn_s, offsets, *items)
+        ctx.save_for_backward(x, offsets, h, gu_t_q, gu_t_s, dn_t_q, dn_t_s, *items)
+        ctx.master_dtypes = (gate_up.dtype, down.dtype)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, offsets, h, gu_t_q, gu_t_s, dn_t_q, dn_t_s, *items = ctx.saved_tensors
+        gate_up_dtype, down_dtype = ctx.master_dtypes
+        need_x, _, need_gate_up, need_down = ctx.needs_input_grad[:4]
+        grad_y = grad_y.contiguous()
+        gate, up = h.chunk(2, dim=-1)
+        silu_gate = F.silu(gate)
+        grad_act = grouped.m_grouped_scaled_op(*quantize_rows(grad_y), dn_t_q, dn_t_s, offsets, *items)  # [N, I]
+        grad_down = grouped.k_grouped_op(grad_y, silu_gate * up, offsets, down_dtype) if need_down else None
+        grad_h = torch.cat([torch.ops.aten.silu_backward(grad_act * up, gate), grad_act * silu_gate], dim=-1)
+        grad_gate_up = grouped.k_grouped_op(grad_h, x, offsets, gate_up_dtype) if need_gate_up else None
+        grad_x = None
+        if need_x:
+            grad_x = grouped.m_grouped_scaled_op(*quantize_rows(grad_h), gu_t_q, gu_t_s, offsets, *items)  # [N, H]
+        return (grad_x, None, grad_gate_up, grad_down) + (None,) * 8
+
+
+def cutedsl_fp8_experts(
+    x: torch.Tensor,
+    offsets: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    cast_weights: tuple[torch.Tensor, ...] | None = None,
+) -> torch.Tensor:
+    """cutedsl_experts with FP8 forward and dgrad GEMMs: x [N, H] bf16 sorted by expert, offsets [E] int32
+    running ends, gate_up [E, 2I, H], down [E, H, I]; `cast_weights` an up-to-date FP8 pack of the weights
+    (`trainer.experts.fp8.quantize_expert_weights`), else they are quantized here, on every call. H and I must
+    be multiples of 16 (16-byte e4m3 rows for TMA); y comes back in bf16."""
+    if x.dtype != torch.bfloat16:
+        raise TypeError(f"the cutedsl FP8 expert backend takes bf16 tokens, got {x.dtype}")
+    H, inter = down.shape[1], down.shape[2]
+    if H % 16 or inter % 16:
+        raise ValueError(f"the cutedsl FP8 expert backend needs H and I divisible by 16, got H={H} I={inter}")
+    pack = cast_weights if cast_weights is not None else quantize_expert_weights(gate_up, down)
+    if len(pack) != 8 or pack[0].dtype != torch.float8_e4m3fn:
+        raise TypeError("cast_weights of the FP8 backend must be the 8 tensors of quantize_expert_weights")
+    return _CuteFP8SwiGLU.apply(x.contiguous(), offsets.int(), gate_up, down, *(t.detach() for t in pack))
+
+
 @functools.cache
 def _import_error() -> str | None:
     try:
@@ -86,7 +146,7 @@ def _import_error() -> str | None:
 
 
 def cutedsl_unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
-    """None if the CuTeDSL grouped GEMM can run here, else the reason it cannot."""
+    """None if the CuTeDSL grouped GEMMs (bf16, and FP8 from bf16 tokens) can run here, else the reason."""
     if device.type != "cuda":
         return f"it runs on NVIDIA Hopper GPUs (sm90a), not on {device.type}"
     major, minor = torch.cuda.get_device_capability(device)

@@ -13,22 +13,23 @@ import torch
 
 @dataclass(frozen=True)
 class TileConfig:
-    """CTA tile (BM, BN), shared-memory stages, consumer warpgroups, epilogue store width and schedule (one CTA
-    per work item, or persistent and warp-specialized) of one compiled variant."""
+    """CTA tile (BM, BN), shared-memory stages, consumer warpgroups (64 rows each) and epilogue store width of
+    one compiled variant (all persistent and warp-specialized: kernel.py)."""
 
-    tile_mn: tuple[int, int] = (128, 128)
+    tile_mn: tuple[int, int] = (128, 256)
     stages: int = 4
-    warpgroups: int = 1
-    pair_stores: bool = False
-    persistent: bool = False
-    smem_epilogue: bool = False
+    warpgroups: int = 2
+    pair_stores: bool = True
+    smem_epilogue: bool = True
 
 
-# The fastest that passed the numerics in bench/cutedsl_check.py on the H200 (2026-12-04): persistent and
-# warp-specialized, 128x256 tiles, 4 stages, the 16-byte shared-memory epilogue (4-byte pairs for fp32
-# wgrads). The one-CTA-per-tile 128x128 kernel with 2-byte stores ran at 0.6-0.7x of these.
-M_CONFIG = TileConfig((128, 256), 4, 2, pair_stores=True, persistent=True, smem_epilogue=True)
-K_CONFIG = TileConfig((128, 256), 4, 2, pair_stores=True, persistent=True, smem_epilogue=True)
+# The fastest that passed the numerics in bench/cutedsl_check.py on the H200 (2026-12-04): 128x256 tiles, 4
+# stages, the 16-byte shared-memory epilogue (4-byte pairs for fp32 wgrads). A one-CTA-per-tile schedule ran
+# at 0.6-0.7x of it and is gone. FP8: BN = 128 (one weight scale block per tile; the fp32 accumulator and its
+# per-k-tile partial would not fit in registers at 256), 128-deep k-tiles of 32 KB, so 5 stages.
+M_CONFIG = TileConfig()
+K_CONFIG = TileConfig()
+FP8_CONFIG = TileConfig((128, 128), 5)
 
 POISON_OUTPUTS = False
 """Checks set this: outputs start as NaN instead of uninitialized memory, so an element the kernel fails to
@@ -70,7 +71,7 @@ def _stream():
 
 
 @functools.cache
-def _kernel(grouping: str, config: TileConfig, sm_count: int):
+def _kernel(grouping: str, config: TileConfig, sm_count: int, scaled: bool):
     from trainer.experts.cutedsl.kernel import GroupedGemm
 
     return GroupedGemm(
@@ -79,26 +80,29 @@ def _kernel(grouping: str, config: TileConfig, sm_count: int):
         config.stages,
         config.warpgroups,
         config.pair_stores,
-        config.persistent,
         sm_count,
         config.smem_epilogue,
+        scaled,
     )
 
 
 _COMPILED: dict[tuple, object] = {}
 
 
-def _launch(grouping: str, config: TileConfig, a, b, c, offsets, item_expert, item_row) -> None:
+def _launch(grouping: str, config: TileConfig, a, b, c, offsets, item_expert, item_row, sfa=None, sfb=None) -> None:
+    """One kernel launch (compiled on first use per variant). sfa/sfb given: the FP8 block-scaled kernel."""
     import cutlass.cute as cute
 
-    args = [_as_cute(a), _as_cute(b), _as_cute(c, compact=True)] + [
-        _as_cute(t) for t in (offsets, item_expert, item_row)
-    ]
-    key = (grouping, config, *((t.dtype, t.stride().index(1) if 1 in t.stride() else -1) for t in (a, b, c)))
+    scaled = sfa is not None
+    if not scaled:  # the kernel ignores them; any tensors of a fixed type keep one compile per variant
+        sfa, sfb = offsets, offsets
+    tensors = (a, b, c, offsets, item_expert, item_row, sfa, sfb)
+    args = [_as_cute(t, compact=i == 2) for i, t in enumerate(tensors)]
+    key = (grouping, config, scaled, *((t.dtype, t.stride().index(1) if 1 in t.stride() else -1) for t in tensors))
     fn = _COMPILED.get(key)
     if fn is None:
         sm_count = torch.cuda.get_device_properties(a.device).multi_processor_count
-        fn = _COMPILED[key] = cute.compile(_kernel(grouping, config, sm_count), *args, _stream())
+        fn = _COMPILED[key] = cute.compile(_kernel(grouping, config, sm_count, scaled), *args, _stream())
     fn(*args, _stream())
 
 
@@ -135,6 +139,37 @@ def m_grouped(
     c = _output(M, N, device=a.device, dtype=a.dtype)
     if M:
         _launch("m", config, _with_batch(a), b_nke, _with_batch(c), offsets, *items)
+    return c
+
+
+def m_grouped_scaled(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    offsets: torch.Tensor,
+    items: tuple[torch.Tensor, torch.Tensor],
+    config: TileConfig | None = None,
+) -> torch.Tensor:
+    """The FP8 m_grouped: c[rows of e] = (a * a_scale)[rows of e] @ (b[e] * b_scale[e])^T in bf16.  a [M, K]
+    e4m3, a_scale [ceil(K/128), M] fp32 (one per row and 128 columns), b [E, N, K] e4m3 (K contiguous),
+    b_scale [E, ceil(N/128), ceil(K/128)] fp32 (one per 128x128 block); items from `work_items(offsets, M, 128)`.
+    `config` defaults to FP8_CONFIG as it is at the call."""
+    config = config or FP8_CONFIG
+    M = a.shape[0]
+    c = _output(M, b.shape[1], device=a.device, dtype=torch.bfloat16)
+    if M:
+        _launch(
+            "m",
+            config,
+            _with_batch(a),
+            b.permute(1, 2, 0),
+            _with_batch(c),
+            offsets,
+            *items,
+            a_scale,
+            b_scale.permute(1, 2, 0),
+        )
     return c
 
 
@@ -197,3 +232,24 @@ def k_grouped_op(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, out_dt
 @k_grouped_op.register_fake
 def _(a, b, offsets, out_dtype):
     return a.new_empty(offsets.shape[0], a.shape[1], b.shape[1], dtype=out_dtype)
+
+
+@torch.library.custom_op("slipstream::cutedsl_m_grouped_scaled", mutates_args=())
+def m_grouped_scaled_op(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    offsets: torch.Tensor,
+    item_expert: torch.Tensor,
+    item_row: torch.Tensor,
+) -> torch.Tensor:
+    """m_grouped_scaled over w [E, N, K] e4m3 with its block scales, with the module config."""
+    return m_grouped_scaled(
+        _aligned(a), a_scale.contiguous(), _aligned(w), w_scale.contiguous(), offsets, (item_expert, item_row)
+    )
+
+
+@m_grouped_scaled_op.register_fake
+def _(a, a_scale, w, w_scale, offsets, item_expert, item_row):
+    return a.new_empty(a.shape[0], w.shape[1], dtype=torch.bfloat16)

@@ -1,9 +1,9 @@
-"""The CuTeDSL kernel: a Hopper (sm_90a) grouped GEMM, C[g] = A[g] @ B[g]^T for every expert g, in bf16 with
-fp32 accumulation. TMA brings A and B tiles into a ring of shared-memory stages (one mbarrier pair per stage),
-warpgroup MMAs (wgmma) consume them, and the epilogue writes the accumulators to global memory with a
-row/column guard, so that a tile never writes rows that belong to the next expert: from registers (2-byte
-elements, or 4/8-byte pairs of adjacent columns), or for 16-bit outputs staged through shared memory as
-16-byte row segments. No TMA store: it cannot stop at an expert's last row.
+"""The CuTeDSL kernel: a Hopper (sm_90a) grouped GEMM, C[g] = A[g] @ B[g]^T for every expert g, with fp32
+accumulation, in bf16 or in FP8 e4m3 with block scales. TMA brings A and B tiles into a ring of shared-memory
+stages (one mbarrier pair per stage), warpgroup MMAs (wgmma) consume them, and the epilogue writes the
+accumulators to global memory with a row/column guard, so that a tile never writes rows that belong to the
+next expert: from registers (2-byte elements, or 4/8-byte pairs of adjacent columns), or for 16-bit outputs
+staged through shared memory as 16-byte row segments. No TMA store: it cannot stop at an expert's last row.
 
 Two groupings cover the expert forward and backward:
 
@@ -16,10 +16,16 @@ Two groupings cover the expert forward and backward:
   expert); the last k-tile of an expert is cut at its end by zeroing, in shared memory, the rows of the
   next expert that TMA brought in.
 
-Two schedules: `persistent=False` launches one CTA per work item and every warp computes (warp 0 also
-issues the TMA loads); `persistent=True` launches one CTA per SM that walks the work items, with a producer
-warpgroup (TMA, few registers) and consumer warpgroups (wgmma; two of 64 rows each in the configs we run),
-so that the loads of the next tile run under the epilogue of this one.
+FP8 (`scaled`, `m` grouping only): A and B are e4m3, both K-contiguous (the only FP8 wgmma layout), with
+DeepSeek-V3's scales: one fp32 per row of A and 128 columns of K (`sfa`, (K/128, M)), one per 128x128 block of
+B (`sfb`, (N/128, K/128, E)). A k-tile is 128 deep, one scale block: its wgmmas accumulate into a temporary
+that is then added, times the row's A scale and the tile's B scale, to the fp32 accumulator (the promotion of
+DeepSeek-V3 sec. 3.3.2, which also keeps the sum out of the tensor cores' limited-precision accumulation).
+
+One schedule: one CTA per SM walks the work items, with a producer warpgroup (TMA, few registers) and two
+consumer warpgroups of 64 rows each (wgmma), so that the loads of the next tile run under the epilogue of this
+one. A Blackwell variant (tcgen05, tensor memory, MXFP8 scales) would be another kernel class with the same
+work items, operand views and epilogue guard; none is written (it cannot run here).
 
 Imported only on first use (grouped.py), so that the package imports where `cutlass` is missing."""
 
@@ -39,9 +45,9 @@ CONSUMER_REGS = 232
 
 
 class GroupedGemm:
-    """One compiled variant: grouping (`m` or `k`), CTA tile (BM, BN), pipeline stages, consumer warpgroups,
-    epilogue store width and schedule. With one consumer warpgroup a 128-row tile is two 64-row wgmma
-    passes; with two, each owns 64 rows. BK is 64 (one 128-byte swizzle atom of bf16)."""
+    """One compiled variant: grouping (`m` or `k`), CTA tile (BM, BN) of 64 rows per consumer warpgroup,
+    pipeline stages, epilogue store width, and bf16 or block-scaled FP8 (`scaled`). BK is one 128-byte swizzle
+    atom: 64 bf16 or 128 e4m3 elements (an FP8 k-tile is exactly one scale block)."""
 
     def __init__(
         self,
@@ -50,36 +56,36 @@ class GroupedGemm:
         stages: int,
         warpgroups: int,
         pair_stores: bool = False,
-        persistent: bool = False,
         sm_count: int = 132,
         smem_epilogue: bool = False,
+        scaled: bool = False,
     ) -> None:
         if grouping not in ("m", "k"):
             raise ValueError(f"grouping must be 'm' or 'k', got {grouping!r}")
-        if tile_mn[0] != 64 * warpgroups and not (tile_mn[0] == 128 and warpgroups == 1):
-            raise ValueError(
-                f"tile {tile_mn} with {warpgroups} warpgroups: BM must be 64 per warpgroup (or 128 on one)"
-            )
+        if tile_mn[0] != 64 * warpgroups:
+            raise ValueError(f"tile {tile_mn} with {warpgroups} warpgroups: BM must be 64 per warpgroup")
         if tile_mn[1] not in (64, 128, 256):
             raise ValueError(f"tile {tile_mn}: BN must be 64/128/256")
+        if smem_epilogue and tile_mn[1] % 128:
+            raise ValueError("the shared-memory epilogue needs BN % 128 == 0")
+        if scaled and (grouping != "m" or tile_mn[1] != 128):
+            # One B scale per k-tile needs BN = the 128-row weight block; the k grouping would need scale
+            # blocks along the tokens, cut at every expert's end.
+            raise ValueError(f"FP8 block scales run the m grouping with BN = 128, not {grouping} {tile_mn}")
         self.grouping = grouping
-        self.tile = (tile_mn[0], tile_mn[1], 64)
+        self.scaled = scaled
+        self.tile = (tile_mn[0], tile_mn[1], 128 if scaled else 64)
         self.stages = stages
         self.warpgroups = warpgroups
-        self.persistent = persistent
         self.sm_count = sm_count
         self.mma_threads = WARPGROUP * warpgroups
-        self.threads = self.mma_threads + (WARPGROUP if persistent else 0)
+        self.threads = self.mma_threads + WARPGROUP
         self.acc_dtype = cutlass.Float32
         # Store the two adjacent columns each thread holds as one 4- (bf16) or 8-byte (fp32) word.
         self.pair_stores = pair_stores
         # 16-bit outputs: stage each warpgroup's 64 rows in shared memory, 128 columns at a time, and write
         # them back as 16-byte row segments (coalesced) instead of the 4-byte pairs of the MMA layout.
         self.smem_epilogue = smem_epilogue
-        if smem_epilogue and not (persistent and tile_mn[0] == 64 * warpgroups and tile_mn[1] % 128 == 0):
-            raise ValueError(
-                "the shared-memory epilogue needs the persistent schedule, 64 rows per warpgroup, BN % 128 == 0"
-            )
 
     @cute.jit
     def __call__(
@@ -90,10 +96,13 @@ class GroupedGemm:
         offsets: cute.Tensor,
         item_expert: cute.Tensor,
         item_row: cute.Tensor,
+        sfa: cute.Tensor,
+        sfb: cute.Tensor,
         stream: cuda_driver.CUstream,
     ):
         """a (M, K, 1), b (N, K, E or 1), c (M, N, 1 or E); offsets [E] int32 running ends of the groups;
-        item_expert / item_row [T] the work items of the `m` grouping (ignored by `k`)."""
+        item_expert / item_row [T] the work items of the `m` grouping (ignored by `k`); sfa (K/128, M) and
+        sfb (N/128, K/128, E) fp32 scales when `scaled` (ignored otherwise)."""
         BM, BN, BK = self.tile
         self.epi_words = self.warpgroups * 64 * 68 if self.smem_epilogue else 4
         a_layout = utils.LayoutEnum.from_tensor(a)
@@ -132,19 +141,29 @@ class GroupedGemm:
             slots = item_expert.shape[0]
         else:
             slots = ((c.shape[0] + BM - 1) // BM) * c.shape[2]
-        if cutlass.const_expr(self.persistent):
-            grid = (cutlass.min(n_tiles * slots, self.sm_count), 1, 1)
-        else:
-            grid = (n_tiles, slots, 1)
+        grid = (cutlass.min(n_tiles * slots, self.sm_count), 1, 1)
         self.kernel(
-            tiled_mma, tma_a, tma_tensor_a, tma_b, tma_tensor_b, c, offsets, item_expert, item_row, a_smem, b_smem
+            tiled_mma,
+            tma_a,
+            tma_tensor_a,
+            tma_b,
+            tma_tensor_b,
+            c,
+            offsets,
+            item_expert,
+            item_row,
+            sfa,
+            sfb,
+            a_smem,
+            b_smem,
         ).launch(grid=grid, block=[self.threads, 1, 1], stream=stream)
 
     @cute.jit
     def work_item(self, mA, mB, mC, offsets, item_expert, item_row, n_tile, slot):
         """The tiles of work item (n_tile, slot): TMA coordinate tensors gA (BM, BK, restK), gB (BN, BK, restK),
         the output tile gC (BM, BN), the k-tiles to run, the valid k of the last one, the valid rows and
-        columns of gC. An idle item has no k-tiles and no valid rows."""
+        columns of gC, the expert and the item's first row of A (`m`). An idle item has no k-tiles and no
+        valid rows."""
         BM, BN, BK = self.tile
         zero = cutlass.Int32(0)
         k_tiles = zero
@@ -187,7 +206,7 @@ class GroupedGemm:
                 cute.domain_offset((0, row0, 0), mB), self.tile, (m_tile, n_tile, None, 0), proj=(None, 1, 1)
             )
             gC = cute.local_tile(mC, self.tile, (m_tile, n_tile, None, expert), proj=(1, 1, None))
-        return gA, gB, gC, k_tiles, k_rem, rows, cols
+        return gA, gB, gC, k_tiles, k_rem, rows, cols, expert, row0
 
     @cute.jit
     def load_tile(self, ring, load, tma_a, tma_b, sA, sB, gA, gB, k_tiles, first_kt):
@@ -272,6 +291,68 @@ class GroupedGemm:
                 if r < rows and col < cols:
                     tCgC[i] = out[i]
 
+    @cute.jit
+    def mma_item(self, ring, read, release, tiled_mma, tCrA, tCrB, acc, k_tiles, k_rem, sA, sB, mma_tidx, tail):
+        """The bf16 main loop of one work item: acc = sum over its k-tiles, one k-tile of wgmmas kept in flight
+        so that the stage before it can be released; the `k` grouping zeroes the tail of its last k-tile."""
+        BM, BN, BK = self.tile
+        k_blocks = cute.size(tCrA, mode=[2])
+        acc.fill(0.0)
+        for kt in cutlass.range(k_tiles, unroll=1):
+            ring.consumer_wait(read)
+            if cutlass.const_expr(self.grouping == "k"):
+                if kt == k_tiles - 1 and k_rem < BK:
+                    self.zero_k_tail(sA, sB, read.index, k_rem, mma_tidx)
+                    tail.arrive_and_wait()
+            warpgroup.fence()
+            for kb in cutlass.range_constexpr(k_blocks):
+                cute.gemm(tiled_mma, acc, tCrA[(None, None, kb, read.index)], tCrB[(None, None, kb, read.index)], acc)
+            warpgroup.commit_group()
+            warpgroup.wait_group(1)
+            if kt > 0:
+                ring.consumer_release(release)
+                release.advance()
+            read.advance()
+        warpgroup.wait_group(0)
+        if k_tiles > 0:  # the last stage of this item
+            ring.consumer_release(release)
+            release.advance()
+        return read, release
+
+    @cute.jit
+    def mma_item_scaled(
+        self, ring, read, release, tiled_mma, tCrA, tCrB, acc, part, k_tiles, sfa, sfb, n_tile, expert, rows_ab
+    ):
+        """The FP8 main loop of one work item: per k-tile (one scale block) the wgmmas write `part`, which is
+        then added to acc times sfa[k-tile, row] * sfb[n-tile, k-tile, expert]. rows_ab: the two rows of A this
+        thread's accumulators hold (the wgmma C fragment: element i is row rows_ab[(i // 2) % 2])."""
+        k_blocks = cute.size(tCrA, mode=[2])
+        acc.fill(0.0)
+        for kt in cutlass.range(k_tiles, unroll=1):
+            ring.consumer_wait(read)
+            # Loaded before the wgmmas, used after them: the MMAs hide the loads' latency.
+            sb = sfb[n_tile, kt, expert]
+            sa_lo = sfa[kt, rows_ab[0]]
+            sa_hi = sfa[kt, rows_ab[1]]
+            warpgroup.fence()
+            tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
+            for kb in cutlass.range_constexpr(k_blocks):
+                cute.gemm(tiled_mma, part, tCrA[(None, None, kb, read.index)], tCrB[(None, None, kb, read.index)], part)
+                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+            ring.consumer_release(release)
+            release.advance()
+            lo = sa_lo * sb
+            hi = sa_hi * sb
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                if cutlass.const_expr((i // 2) % 2 == 0):
+                    acc[i] = acc[i] + part[i] * lo
+                else:
+                    acc[i] = acc[i] + part[i] * hi
+            read.advance()
+        return read, release
+
     @cute.kernel
     def kernel(
         self,
@@ -284,12 +365,14 @@ class GroupedGemm:
         offsets: cute.Tensor,
         item_expert: cute.Tensor,
         item_row: cute.Tensor,
+        sfa: cute.Tensor,
+        sfb: cute.Tensor,
         a_smem: cute.ComposedLayout,
         b_smem: cute.ComposedLayout,
     ):
         BM, BN, BK = self.tile
         tidx, _, _ = cute.arch.thread_idx()
-        bx, by, _ = cute.arch.block_idx()
+        bx, _, _ = cute.arch.block_idx()
         gdx, _, _ = cute.arch.grid_dim()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp == 0:
@@ -317,102 +400,62 @@ class GroupedGemm:
         read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         n_tiles = (mC.shape[1] + BN - 1) // BN
-        # Consumer thread index (0 .. mma_threads): the producer warpgroup, if any, comes first.
-        mma_tidx = cutlass.max(tidx - (self.threads - self.mma_threads), 0)
-        wg = cute.arch.make_warp_uniform(mma_tidx // WARPGROUP)
-        wg_mma = tiled_mma.get_slice(wg * WARPGROUP)
-        tCrA = tiled_mma.make_fragment_A(wg_mma.partition_A(sA))
-        tCrB = tiled_mma.make_fragment_B(wg_mma.partition_B(sB))
-        k_blocks = cute.size(tCrA, mode=[2])
-        tail_barrier = pipeline.NamedBarrier(barrier_id=1, num_threads=self.mma_threads)
-        acc = cute.make_rmem_tensor(
-            tiled_mma.get_slice(mma_tidx).partition_C(cute.make_identity_tensor((BM, BN))).shape, self.acc_dtype
-        )
-        tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
-
-        if cutlass.const_expr(not self.persistent):
-            gA, gB, gC, k_tiles, k_rem, rows, cols = self.work_item(mA, mB, mC, offsets, item_expert, item_row, bx, by)
-            acc.fill(0.0)
+        items = n_tiles * item_expert.shape[0]
+        if cutlass.const_expr(self.grouping == "k"):
+            items = n_tiles * ((mC.shape[0] + BM - 1) // BM) * mC.shape[2]
+        # Consumer thread index (0 .. mma_threads): the producer warpgroup comes first.
+        mma_tidx = cutlass.max(tidx - WARPGROUP, 0)
+        if warp < 4:
+            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             if warp == 0:
-                load = self.load_tile(
-                    ring, load, tma_a, tma_b, sA, sB, gA, gB, cutlass.min(k_tiles, self.stages), cutlass.Int32(0)
-                )
-            tAsA, tAgA = cpasync.tma_partition(
-                tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2)
-            )
-            tBsB, tBgB = cpasync.tma_partition(
-                tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2)
-            )
-            for kt in cutlass.range(k_tiles, unroll=1):
-                ring.consumer_wait(read)
-                if cutlass.const_expr(self.grouping == "k"):
-                    if kt == k_tiles - 1 and k_rem < BK:
-                        self.zero_k_tail(sA, sB, read.index, k_rem, mma_tidx)
-                        tail_barrier.arrive_and_wait()
-                warpgroup.fence()
-                for kb in cutlass.range_constexpr(k_blocks):
-                    cute.gemm(
-                        tiled_mma, acc, tCrA[(None, None, kb, read.index)], tCrB[(None, None, kb, read.index)], acc
-                    )
-                warpgroup.commit_group()
-                # One k-tile of MMAs stays in flight; the one before it is done, so its stage can be refilled.
-                warpgroup.wait_group(1)
-                if kt > 0:
-                    ring.consumer_release(release)
-                    release.advance()
-                    if warp == 0 and load.count < k_tiles:
-                        ring.producer_acquire(load)
-                        bar = ring.producer_get_barrier(load)
-                        cute.copy(tma_a, tAgA[(None, load.count)], tAsA[(None, load.index)], tma_bar_ptr=bar)
-                        cute.copy(tma_b, tBgB[(None, load.count)], tBsB[(None, load.index)], tma_bar_ptr=bar)
-                        ring.producer_commit(load)
-                        load.advance()
-                read.advance()
-            warpgroup.wait_group(0)
-            self.store_tile(acc, tiled_mma, gC, rows, cols, mma_tidx, sC)
-        else:
-            items = n_tiles * item_expert.shape[0]
-            if cutlass.const_expr(self.grouping == "k"):
-                items = n_tiles * ((mC.shape[0] + BM - 1) // BM) * mC.shape[2]
-            if warp < 4:
-                cute.arch.setmaxregister_decrease(PRODUCER_REGS)
-                if warp == 0:
-                    for w in cutlass.range(bx, items, gdx, unroll=1):
-                        gA, gB, gC, k_tiles, k_rem, rows, cols = self.work_item(
-                            mA, mB, mC, offsets, item_expert, item_row, w % n_tiles, w // n_tiles
-                        )
-                        load = self.load_tile(ring, load, tma_a, tma_b, sA, sB, gA, gB, k_tiles, cutlass.Int32(0))
-                    ring.producer_tail(load)
-            else:
-                cute.arch.setmaxregister_increase(CONSUMER_REGS)
                 for w in cutlass.range(bx, items, gdx, unroll=1):
-                    gA, gB, gC, k_tiles, k_rem, rows, cols = self.work_item(
+                    gA, gB, gC, k_tiles, k_rem, rows, cols, expert, row0 = self.work_item(
                         mA, mB, mC, offsets, item_expert, item_row, w % n_tiles, w // n_tiles
                     )
-                    acc.fill(0.0)
-                    for kt in cutlass.range(k_tiles, unroll=1):
-                        ring.consumer_wait(read)
-                        if cutlass.const_expr(self.grouping == "k"):
-                            if kt == k_tiles - 1 and k_rem < BK:
-                                self.zero_k_tail(sA, sB, read.index, k_rem, mma_tidx)
-                                tail_barrier.arrive_and_wait()
-                        warpgroup.fence()
-                        for kb in cutlass.range_constexpr(k_blocks):
-                            cute.gemm(
-                                tiled_mma,
-                                acc,
-                                tCrA[(None, None, kb, read.index)],
-                                tCrB[(None, None, kb, read.index)],
-                                acc,
-                            )
-                        warpgroup.commit_group()
-                        warpgroup.wait_group(1)
-                        if kt > 0:
-                            ring.consumer_release(release)
-                            release.advance()
-                        read.advance()
-                    warpgroup.wait_group(0)
-                    if k_tiles > 0:  # the last stage of this item
-                        ring.consumer_release(release)
-                        release.advance()
-                    self.store_tile(acc, tiled_mma, gC, rows, cols, mma_tidx, sC)
+                    load = self.load_tile(ring, load, tma_a, tma_b, sA, sB, gA, gB, k_tiles, cutlass.Int32(0))
+                ring.producer_tail(load)
+        else:
+            cute.arch.setmaxregister_increase(CONSUMER_REGS)
+            wg = cute.arch.make_warp_uniform(mma_tidx // WARPGROUP)
+            wg_mma = tiled_mma.get_slice(wg * WARPGROUP)
+            tCrA = tiled_mma.make_fragment_A(wg_mma.partition_A(sA))
+            tCrB = tiled_mma.make_fragment_B(wg_mma.partition_B(sB))
+            tail = pipeline.NamedBarrier(barrier_id=1, num_threads=self.mma_threads)
+            tCcC = tiled_mma.get_slice(mma_tidx).partition_C(cute.make_identity_tensor((BM, BN)))
+            acc = cute.make_rmem_tensor(tCcC.shape, self.acc_dtype)
+            part = acc
+            if cutlass.const_expr(self.scaled):
+                part = cute.make_rmem_tensor(tCcC.shape, self.acc_dtype)
+            else:
+                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+            for w in cutlass.range(bx, items, gdx, unroll=1):
+                gA, gB, gC, k_tiles, k_rem, rows, cols, expert, row0 = self.work_item(
+                    mA, mB, mC, offsets, item_expert, item_row, w % n_tiles, w // n_tiles
+                )
+                if cutlass.const_expr(self.scaled):
+                    # Rows past A's end (an item's last tile) read row M - 1's scale; they are never stored.
+                    last = mA.shape[0] - 1
+                    r_lo, _ = tCcC[0]
+                    r_hi, _ = tCcC[2]
+                    rows_ab = (cutlass.min(row0 + r_lo, last), cutlass.min(row0 + r_hi, last))
+                    read, release = self.mma_item_scaled(
+                        ring,
+                        read,
+                        release,
+                        tiled_mma,
+                        tCrA,
+                        tCrB,
+                        acc,
+                        part,
+                        k_tiles,
+                        sfa,
+                        sfb,
+                        w % n_tiles,
+                        expert,
+                        rows_ab,
+                    )
+                else:
+                    read, release = self.mma_item(
+                        ring, read, release, tiled_mma, tCrA, tCrB, acc, k_tiles, k_rem, sA, sB, mma_tidx, tail
+                    )
+                self.store_tile(acc, tiled_mma, gC, rows, cols, mma_tidx, sC)
