@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from trainer.experts import cutedsl_experts, cutedsl_fp8_experts, grouped_mm_experts  # noqa: E402
 from trainer.experts.cutedsl import cutedsl_unavailable, grouped  # noqa: E402
 from trainer.experts.cutedsl.grouped import TileConfig  # noqa: E402
+from trainer.experts.cutedsl.quant import quantize_rows_kernel  # noqa: E402
 from trainer.experts.fp8 import quantize_blocks, quantize_expert_weights, quantize_rows  # noqa: E402
 from trainer.experts.numerics import relative_errors  # noqa: E402
 
@@ -129,8 +130,29 @@ def gemm_rows(H: int, inter: int, E: int, rows: int, log: list[str], fp8: bool) 
     x, act, grad_y, grad_h = rnd(rows, H), rnd(rows, inter), rnd(rows, H), rnd(rows, 2 * inter)
     w1, w2 = rnd(E, 2 * inter, H, scale=0.02), rnd(E, H, inter, scale=0.02)
     items = grouped.work_items(offs, rows, 128)
-    quantize = torch.compile(quantize_rows)  # as in a compiled block: one fused kernel
+    quantize = quantize_rows_kernel
     q = {name: quantize(t) for name, t in (("x", x), ("act", act), ("grad_y", grad_y), ("grad_h", grad_h))}
+    compiled_quantize = torch.compile(quantize_rows, dynamic=False)
+    for name, t in (("x", x), ("act", act), ("grad_h", grad_h)):
+        eager = quantize_rows(t)
+        same = torch.equal(q[name][0].view(torch.uint8), eager[0].view(torch.uint8)) and torch.equal(
+            q[name][1], eager[1]
+        )
+        gbytes = (t.numel() * (t.element_size() + 1) + eager[1].numel() * 4) / 1e9
+        for impl, fn in (
+            ("torch eager", lambda t=t: quantize_rows(t)),
+            ("torch.compile", lambda t=t: compiled_quantize(t)),
+            ("cutedsl", lambda t=t: quantize_rows_kernel(t)),
+        ):
+            guard()
+            try:
+                ms = bench_ms(fn)
+                line = f"quantize {name} {tuple(t.shape)}: {impl} {ms:.4f} ms, {gbytes / ms * 1e3:.0f} GB/s"
+            except Exception as exc:
+                line = f"quantize {name} {tuple(t.shape)}: {impl} error {str(exc)[:200]}"
+            line += f" (cutedsl bits == torch eager: {same})"
+            print(line, flush=True)
+            log.append(line)
     w = {
         "w1": quantize_blocks(w1),
         "w2": quantize_blocks(w2),

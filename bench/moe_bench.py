@@ -1,14 +1,19 @@
-"""MoE training speed on one GPU: the raw rates (dense bf16 matmul, torch._grouped_mm SwiGLU experts)
-next to our MoE layer (router, sort-based permutation, grouped GEMMs, combine; forward + backward)
-for the four expert shapes of shared/notes/h200.md, and moonlet end to end (tokens/s and MFU).
+"""MoE training speed on one GPU: the raw rates (dense bf16 matmul; the SwiGLU experts alone through
+torch._grouped_mm, our CuTeDSL bf16 and FP8 backends, and torch._scaled_grouped_mm's FP8 forward) next to
+our MoE layer (router, sort-based permutation, grouped GEMMs, combine; forward + backward, with bf16 and
+with FP8 experts) for the four expert shapes of shared/notes/h200.md, and moonlet end to end (tokens/s and
+MFU, bf16 or FP8 experts).
 
-    python bench/moe_bench.py [--out results.json]      # on the GPU
+    python bench/moe_bench.py [--out results.json] [--moonlet-precision both]   # on the GPU
     python bench/moe_bench.py --smoke                   # tiny shapes on the CPU, to debug the script
 
 MoE-layer TFLOP/s count expert FLOPs only (3 GEMMs of 2*H*I per routed token-expert pair, x3 for
 forward + backward) while the time includes routing and permutation. Model FLOPs of moonlet are
 6 x active parameters x tokens plus causal attention (scores and values), over 989 TFLOP/s (H200
-dense bf16 datasheet) and over the dense rate measured in the same run.
+dense bf16 datasheet) and over the dense rate measured in the same run; with FP8 experts the FLOPs are
+counted the same way (bf16-equivalent), so the MFU of the two precisions compares their times. A row that
+names another (`vs`) gets its time ratio in the table: the FP8 compiled layer's target is <= 0.70x of the
+bf16 one (issue 16). A backend that cannot run here gives a row "unavailable: <reason>", not a failed run.
 """
 
 from __future__ import annotations
@@ -32,7 +37,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import trainer.model.moe as moe_module  # noqa: E402
 from common.config import ModelConfig, OptimConfig, load_config  # noqa: E402
-from trainer.experts import grouped_mm_experts, reference_experts, select_backend  # noqa: E402
+from trainer.experts import (  # noqa: E402
+    BACKENDS,
+    BackendUnavailable,
+    grouped_mm_experts,
+    reference_experts,
+    select_backend,
+)
+from trainer.experts.fp8 import quantize_expert_weights  # noqa: E402
 from trainer.model import attention_flops_per_token, build_model, compile_blocks, count_params  # noqa: E402
 from trainer.model.moe import MoE  # noqa: E402
 from trainer.model.permute import combine, permute, select_permute  # noqa: E402
@@ -48,13 +60,18 @@ SHAPES = [  # (hidden, expert intermediate, experts, top-k): shared/notes/h200.m
 SMOKE_SHAPES = [(64, 32, 8, 2), (32, 16, 4, 1)]
 VARIANTS = [
     "raw",
+    "raw-cutedsl",
+    "raw-scaled",
     "eager",
     "compiled",
+    "compiled-fp8",
     "compiled-bf16w",
     "compiled-percall",
     "compiled-fp32router",
     "compiled-torchperm",
 ]
+FP8_LAYER_TARGET = 0.70  # FP8 compiled layer fwd+bwd time over the bf16 one (issue 16)
+FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
 EXTRA = {
     "compiled-percall": "per-call cast",
     "compiled-fp32router": "fp32 router GEMM",
@@ -68,6 +85,8 @@ class Row:
     tflops: float
     ms: float
     note: str = ""
+    vs: str = ""
+    """The `what` of the row (same shape) this one's time is compared to in the table; "" for none."""
 
 
 def bench_ms(fn: Callable[[], object], device: torch.device, reps: int) -> float:
@@ -95,23 +114,82 @@ def expert_flops(tokens: int, H: int, inter: int, k: int) -> float:
     return 3 * (2 * tokens * k * 3 * H * inter)  # forward + backward
 
 
-def raw_grouped(device, dtype, H, inter, E, k, tokens, reps) -> Row:
-    """torch._grouped_mm SwiGLU over pre-sorted, perfectly balanced rows: the ceiling of the MoE layer."""
+def balanced_offsets(device: torch.device, rows: int, E: int) -> torch.Tensor:
+    """Running ends [E] int32 of `rows` pre-sorted rows spread as evenly as possible over E experts."""
+    counts = torch.full((E,), rows // E, device=device)
+    counts[: rows % E] += 1
+    return torch.cumsum(counts, 0).to(torch.int32)
+
+
+def raw_grouped(device, dtype, H, inter, E, k, tokens, reps, backend="grouped_mm", precision="bf16") -> Row:
+    """An expert backend's SwiGLU (forward + backward) over pre-sorted, perfectly balanced rows: the ceiling
+    of the MoE layer. `backend` and `precision` go through select_backend (BackendUnavailable: the reason).
+    The weights are bf16; FP8 experts get their FP8 pack made beforehand, as `Experts` makes it once per
+    optimizer step, so that no row times a weight cast or quantization."""
+    name = select_backend(backend, device, dtype, precision=precision)
+    experts = BACKENDS[name]
     N = tokens * k
     x = torch.randn(N, H, device=device, dtype=dtype, requires_grad=True)
     w1 = (torch.randn(E, 2 * inter, H, device=device, dtype=dtype) * 0.02).requires_grad_()
     w2 = (torch.randn(E, H, inter, device=device, dtype=dtype) * 0.02).requires_grad_()
-    counts = torch.full((E,), N // E, device=device)
-    counts[: N % E] += 1
-    offs = torch.cumsum(counts, 0).to(torch.int32)
+    offs = balanced_offsets(device, N, E)
     grad = torch.randn(N, H, device=device, dtype=dtype)
+    cast = quantize_expert_weights(w1, w2) if name == "cutedsl_fp8" else None
 
     def step():
         x.grad = w1.grad = w2.grad = None
-        grouped_mm_experts(x, offs, w1, w2).backward(grad)
+        experts(x, offs, w1, w2, cast).backward(grad)
 
     ms = bench_ms(step, device, reps)
-    return Row("raw grouped_mm", expert_flops(tokens, H, inter, k) / ms / 1e9, ms)
+    vs = "" if name == "grouped_mm" else "raw grouped_mm"
+    return Row(f"raw {name}", expert_flops(tokens, H, inter, k) / ms / 1e9, ms, vs=vs)
+
+
+def quantize_rowwise(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rowwise e4m3: t [..., R, C] -> (e4m3 [..., R, C], fp32 scales [..., R]) with t ~= q * scale[..., None]."""
+    amax = t.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12)
+    scale = amax / FP8_MAX
+    return (t.float() / scale).to(torch.float8_e4m3fn), scale.squeeze(-1)
+
+
+def raw_scaled_forward(device, H, inter, E, k, tokens, reps) -> Row:
+    """torch._scaled_grouped_mm SwiGLU experts, FORWARD ONLY, over the rows of `raw_grouped`: rowwise e4m3
+    quantization of x (one fp32 scale per row; amax, scale, cast: one compiled kernel on GPUs), the gate_up
+    GEMM (bf16 out), SwiGLU, rowwise quantization of the activation, the down GEMM (bf16 out), default (slow,
+    promoted) accumulation. The weights are quantized per output row beforehand, as a per-optimizer-step copy
+    would be, and not timed. The note holds torch._grouped_mm's bf16 forward of the same rows (time, ratio)
+    and the FP8 output's relative error against it. FLOPs: the forward's 3 GEMMs of 2*H*I per row."""
+    if not hasattr(torch, "_scaled_grouped_mm"):
+        raise BackendUnavailable(f"torch {torch.__version__} has no torch._scaled_grouped_mm (absent)")
+    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
+        raise BackendUnavailable(f"torch._scaled_grouped_mm runs on sm90+ GPUs only, not on {device.type}")
+    N = tokens * k
+    x = torch.randn(N, H, device=device, dtype=torch.bfloat16)
+    w1 = torch.randn(E, 2 * inter, H, device=device, dtype=torch.bfloat16) * 0.02
+    w2 = torch.randn(E, H, inter, device=device, dtype=torch.bfloat16) * 0.02
+    offs = balanced_offsets(device, N, E)
+    torch._dynamo.reset()  # fresh compilations (x, activation) instead of piling onto the recompile limit
+    quantize = torch.compile(quantize_rowwise)
+    (w1q, w1s), (w2q, w2s) = quantize_rowwise(w1), quantize_rowwise(w2)  # [E, 2I, H], [E, 2I]; [E, H, I], [E, H]
+
+    def fp8_forward() -> torch.Tensor:
+        xq, xs = quantize(x)
+        h = torch._scaled_grouped_mm(xq, w1q.transpose(-2, -1), xs, w1s, offs=offs, out_dtype=torch.bfloat16)
+        gate, up = h.chunk(2, dim=-1)
+        aq, as_ = quantize(F.silu(gate) * up)
+        return torch._scaled_grouped_mm(aq, w2q.transpose(-2, -1), as_, w2s, offs=offs, out_dtype=torch.bfloat16)
+
+    def bf16_forward() -> torch.Tensor:
+        gate, up = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
+        return torch._grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offs=offs)
+
+    ref = bf16_forward().float()
+    err = float((fp8_forward().float() - ref).norm() / ref.norm())
+    ms = bench_ms(fp8_forward, device, reps)
+    ms_bf16 = bench_ms(bf16_forward, device, reps)
+    flops = 2 * N * 3 * H * inter
+    note = f"bf16 torch._grouped_mm forward {ms_bf16:.3f} ms ({ms / ms_bf16:.2f}x), rel err vs it {err:.1e}"
+    return Row("raw torch._scaled_grouped_mm fp8 rowwise, forward only", flops / ms / 1e9, ms, note)
 
 
 def moe_layer(device, H, inter, E, k, tokens, backend, compiled, bf16_weights, reps, variant="", profile=None) -> Row:
@@ -160,6 +238,16 @@ def moe_layer(device, H, inter, E, k, tokens, backend, compiled, bf16_weights, r
         moe_module.router_logits = restore
     name = f"MoE layer {backend}{' compiled' if compiled else ''}{', bf16 weights' if bf16_weights else ''}"
     return Row(name + (f", {variant}" if variant else ""), expert_flops(tokens, H, inter, k) / ms / 1e9, ms)
+
+
+def fp8_layer(device, H, inter, E, k, tokens, reps) -> Row:
+    """The compiled MoE layer (fp32 masters, their FP8 pack made beforehand as an optimizer step makes it) with
+    the FP8 experts select_backend gives, compared to the compiled grouped_mm layer of the same shape (issue
+    16's target: <= 0.70x its time)."""
+    backend = select_backend("cutedsl", device, torch.bfloat16, precision="fp8")
+    row = moe_layer(device, H, inter, E, k, tokens, backend, True, False, reps)
+    row.vs = "MoE layer grouped_mm compiled"
+    return row
 
 
 def profile_step(step: Callable[[], object], device: torch.device, path: str) -> None:
@@ -275,11 +363,22 @@ def check_permute(device: torch.device) -> str:
     )
 
 
-def moonlet(device, cfg_path, batch, seq, steps, compiled, dense_tflops) -> dict:
+def model_flops_per_token(mc: ModelConfig, seq: int) -> float:
+    """Training FLOPs per token: 6 x active parameters plus causal attention (scores and values), the same
+    bf16-equivalent count whatever precision the expert GEMMs run in."""
+    return 6 * count_params(mc)[1] + attention_flops_per_token(mc, seq)
+
+
+def moonlet(device, cfg_path, batch, seq, steps, compiled, dense_tflops, precision="bf16") -> dict:
+    """Training steps of the config's model on random tokens: time per step, tokens/s, MFU. `precision` "fp8"
+    takes the FP8 experts select_backend gives (the FLOPs stay counted as bf16-equivalent)."""
     cfg = load_config(cfg_path)
     mc = cfg.trainer.model
     dtype_name = cfg.trainer.dtype if device.type == "cuda" else "bfloat16"
-    backend = select_backend(cfg.trainer.experts.backend if device.type == "cuda" else "auto", device, torch.bfloat16)
+    choice = cfg.trainer.experts.backend if device.type == "cuda" else "auto"
+    if precision == "fp8":
+        choice = "cutedsl"  # the FP8 experts are CuTeDSL's, whatever the config's bf16 backend is
+    backend = select_backend(choice, device, torch.bfloat16, precision=precision)
     model = build_model(mc, backend, seed=None, device=device)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -313,9 +412,10 @@ def moonlet(device, cfg_path, batch, seq, steps, compiled, dense_tflops) -> dict
     dt = (time.perf_counter() - t0) / steps
     total, active = count_params(mc)
     tok_s = batch * seq / dt
-    flops_per_token = 6 * active + attention_flops_per_token(mc, seq)
-    achieved = flops_per_token * tok_s
+    achieved = model_flops_per_token(mc, seq) * tok_s
     return {
+        "precision": precision,
+        "experts_backend": backend,
         "params_total": total,
         "params_active": active,
         "batch": batch,
@@ -348,6 +448,12 @@ def main() -> None:
     )
     ap.add_argument("--first-shape-variants", default="", help="extra variants measured for the first shape only")
     ap.add_argument("--moonlet-eager", action="store_true", help="also time moonlet without torch.compile")
+    ap.add_argument(
+        "--moonlet-precision",
+        choices=["bf16", "fp8", "both"],
+        default="bf16",
+        help="moonlet's expert GEMMs: bf16 (the config's backend), fp8 (CuTeDSL FP8), or both, one row each",
+    )
     ap.add_argument("--profile", action="store_true", help="kernel table of the compiled layer (first shape)")
     args = ap.parse_args()
     variants = args.variants.split(",")
@@ -383,6 +489,8 @@ def main() -> None:
             return
         try:
             row = fn(*fn_args)
+        except BackendUnavailable as exc:  # expected off Hopper or without the DSL: the reason, no traceback
+            row = Row(label, math.nan, math.nan, f"unavailable: {exc}")
         except Exception as exc:  # report and keep measuring the other variants
             row = Row(label, math.nan, math.nan, repr(exc)[:200])
             traceback.print_exc()
@@ -397,6 +505,9 @@ def main() -> None:
         save()
 
     def layer(sh, v):
+        if v == "compiled-fp8":
+            measure(sh, "MoE layer cutedsl_fp8 compiled", fp8_layer, device, *sh, tokens, reps)
+            return
         compiled, bf16_w, extra = v.startswith("compiled"), v.endswith("bf16w"), EXTRA.get(v, "")
         prof = (
             os.path.join(os.path.dirname(args.out) or ".", "profile.txt")
@@ -409,6 +520,12 @@ def main() -> None:
     for sh in shapes:
         if "raw" in variants or (sh == shapes[0] and "raw" in first_only):
             measure(sh, "raw grouped_mm", raw_grouped, device, dtype, *sh, tokens, reps)
+        if "raw-cutedsl" in variants or (sh == shapes[0] and "raw-cutedsl" in first_only):
+            for precision, label in (("bf16", "raw cutedsl"), ("fp8", "raw cutedsl_fp8")):
+                measure(sh, label, raw_grouped, device, dtype, *sh, tokens, reps, "cutedsl", precision)
+        if "raw-scaled" in variants or (sh == shapes[0] and "raw-scaled" in first_only):
+            label = "raw torch._scaled_grouped_mm fp8 rowwise, forward only"
+            measure(sh, label, raw_scaled_forward, device, *sh, tokens, reps)
         measure(sh, "weight refresh", weight_refresh, device, *sh[:3], reps)
         for v in (v for v in variants + (first_only if sh == shapes[0] else []) if v.startswith("eager")):
             layer(sh, v)
@@ -417,15 +534,19 @@ def main() -> None:
     moonlet_runs = (
         [] if args.layer_only else [False] if args.no_compile else [True, False] if args.moonlet_eager else [True]
     )
-    for compiled in moonlet_runs:
+    precisions = ["bf16", "fp8"] if args.moonlet_precision == "both" else [args.moonlet_precision]
+    for compiled, precision in [(c, p) for p in precisions for c in moonlet_runs]:
         if time.perf_counter() - t_start > args.budget_s:
-            print(f"skipped moonlet compiled={compiled}: time budget spent", flush=True)
+            print(f"skipped moonlet compiled={compiled} {precision}: time budget spent", flush=True)
             continue
         try:
             b, s = (2, 32) if smoke else (args.moonlet_batch, args.moonlet_seq)
-            m = moonlet(device, cfg_path, b, s, 2 if smoke else args.moonlet_steps, compiled, dense.tflops)
+            steps = 2 if smoke else args.moonlet_steps
+            m = moonlet(device, cfg_path, b, s, steps, compiled, dense.tflops, precision)
+        except BackendUnavailable as exc:
+            m = {"compiled": compiled, "precision": precision, "error": f"unavailable: {exc}"}
         except Exception as exc:
-            m = {"compiled": compiled, "error": repr(exc)[:300]}
+            m = {"compiled": compiled, "precision": precision, "error": repr(exc)[:300]}
             traceback.print_exc()
         results["moonlet"].append(m)
         print("moonlet", json.dumps(m), flush=True)
@@ -446,21 +567,31 @@ def markdown(results: dict) -> str:
     lines = [
         f"{results['dense']['what']} (bf16): {dense:.0f} TFLOP/s",
         "",
-        "| shape | what | TFLOP/s | ms | % of dense |",
-        "| --- | --- | --- | --- | --- |",
+        "| shape | what | TFLOP/s | ms | % of dense | time vs | note |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for s in results["shapes"]:
-        for r in (asdict(r) if isinstance(r, Row) else r for r in s["rows"]):
+        rows = [asdict(r) if isinstance(r, Row) else r for r in s["rows"]]
+        ms_of = {r["what"]: r["ms"] for r in rows}
+        for r in rows:
+            ratio = ""
+            if r.get("vs") and r["vs"] in ms_of:
+                x = r["ms"] / ms_of[r["vs"]]
+                ratio = f"{x:.2f}x {r['vs']}"
+                if r["what"].startswith("MoE layer cutedsl_fp8"):
+                    ratio += f" ({'meets' if x <= FP8_LAYER_TARGET else 'misses'} <= {FP8_LAYER_TARGET}x)"
             lines.append(
-                f"| {s['shape']} | {r['what']} | {r['tflops']:.0f} | {r['ms']:.2f} | {r['tflops'] / dense:.0%} |"
+                f"| {s['shape']} | {r['what']} | {r['tflops']:.0f} | {r['ms']:.2f} | {r['tflops'] / dense:.0%} | "
+                f"{ratio} | {r['note'].replace('|', '/')} |"
             )
     for m in results.get("moonlet", []):
         if "error" in m:
-            lines.append(f"\nmoonlet (compiled={m['compiled']}): error {m['error']}")
+            lines.append(f"\nmoonlet (compiled={m['compiled']}, {m.get('precision', 'bf16')}): error {m['error']}")
         else:
             lines.append(
                 f"\nmoonlet ({m['params_total'] / 1e9:.2f}B total, {m['params_active'] / 1e9:.3f}B active), batch "
-                f"{m['batch']}x{m['seq']}, compiled={m['compiled']}: {m['tokens_per_s']:.0f} tokens/s, step "
+                f"{m['batch']}x{m['seq']}, compiled={m['compiled']}, {m['precision']} experts "
+                f"({m['experts_backend']}): {m['tokens_per_s']:.0f} tokens/s, step "
                 f"{m['step_ms']:.0f} ms, {m['model_tflops']:.0f} TFLOP/s, MFU {m['mfu_989']:.1%} of 989, "
                 f"{m['mfu_measured_dense']:.1%} of measured dense, peak mem {m['peak_mem_gib']:.1f} GiB"
             )

@@ -66,7 +66,7 @@ def select_backend(
         reason = _why_not("cutedsl_fp8", device, dtype)
         if reason is not None:
             raise BackendUnavailable(
-                f"trainer.experts.precision = 'fp8' cannot run here: the cutedsl backend {reason}; set "
+                f"trainer.experts.precision = 'fp8' cannot run here (the cutedsl backend: {reason}); set "
                 "trainer.experts.precision = 'bf16'"
             )
         return "cutedsl_fp8"

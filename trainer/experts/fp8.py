@@ -34,7 +34,8 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     M, K = x.shape
     kb = _blocks(K)
     xf = F.pad(x.float(), (0, kb * BLOCK - K)).view(M, kb, BLOCK)
-    scale = xf.abs().amax(dim=-1).clamp(min=TINY) / E4M3_MAX  # [M, kb]
+    # Times the fp32 reciprocal: what CUDA torch computes for `/ 448` anyway, and what the kernel does (quant.py).
+    scale = xf.abs().amax(dim=-1).clamp(min=TINY) * (1 / E4M3_MAX)  # [M, kb]
     q = (xf / scale.unsqueeze(-1)).view(M, kb * BLOCK)[:, :K].to(torch.float8_e4m3fn)
     return q.contiguous(), scale.t().contiguous()
 
@@ -50,7 +51,7 @@ def quantize_blocks(w: torch.Tensor, experts_per_chunk: int = 8) -> tuple[torch.
         chunk = w[e0 : e0 + experts_per_chunk].float()
         c = chunk.shape[0]
         blocks = F.pad(chunk, (0, kb * BLOCK - K, 0, nb * BLOCK - N)).view(c, nb, BLOCK, kb, BLOCK)
-        s = blocks.abs().amax(dim=(2, 4)).clamp(min=TINY) / E4M3_MAX  # [c, nb, kb]
+        s = blocks.abs().amax(dim=(2, 4)).clamp(min=TINY) * (1 / E4M3_MAX)  # [c, nb, kb]
         scale[e0 : e0 + c] = s
         q[e0 : e0 + c] = (blocks / s[:, :, None, :, None]).view(c, nb * BLOCK, kb * BLOCK)[:, :N, :K]
     return q, scale
@@ -76,5 +77,35 @@ def quantize_expert_weights(gate_up: torch.Tensor, down: torch.Tensor) -> tuple[
     out: list[torch.Tensor] = []
     for w in (gate_up, down):
         q, s = quantize_blocks(w.detach())
-        out += [q, s, q.transpose(1, 2).contiguous(), s.transpose(1, 2).contiguous()]
+        # Copies even where the transpose is already contiguous (one block row): no tensor of the pack aliases another.
+        out += [
+            q,
+            s,
+            q.mT.clone(memory_format=torch.contiguous_format),
+            s.mT.clone(memory_format=torch.contiguous_format),
+        ]
     return tuple(out)
+
+
+# The same as a torch custom op, for a forward that finds no per-step FP8 copy (the first one, before the
+# Experts module makes it): torch.compile runs it as an opaque eager call instead of generating e4m3 code (the
+# Triton of torch 2.11 on the H200 failed to build the fused cast).
+@torch.library.custom_op("slipstream::fp8_quantize_expert_weights", mutates_args=())
+def quantize_expert_weights_op(gate_up: torch.Tensor, down: torch.Tensor) -> list[torch.Tensor]:
+    """quantize_expert_weights as an op."""
+    return list(quantize_expert_weights(gate_up, down))
+
+
+@quantize_expert_weights_op.register_fake
+def _(gate_up, down):
+    out = []
+    for w in (gate_up, down):
+        E, N, K = w.shape
+        nb, kb = _blocks(N), _blocks(K)
+        out += [
+            w.new_empty(E, N, K, dtype=torch.float8_e4m3fn),
+            w.new_empty(E, nb, kb, dtype=torch.float32),
+            w.new_empty(E, K, N, dtype=torch.float8_e4m3fn),
+            w.new_empty(E, kb, nb, dtype=torch.float32),
+        ]
+    return out

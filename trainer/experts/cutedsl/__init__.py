@@ -11,7 +11,7 @@ first use, so this module imports on any machine; `cutedsl_unavailable` says why
 
 `cutedsl_fp8_experts` runs the forward and dgrad GEMMs in FP8 e4m3 with DeepSeek-V3's block scales (the
 tokens quantized 1x128 on the way in, trainer/experts/fp8.py; the weights 128x128, once per optimizer step by
-the caller), and the wgrad GEMMs in bf16 from the bf16 activations the forward keeps: FP8 weight gradients
+the caller), the tokens by our quantization kernel (quant.py), and the wgrad GEMMs in bf16 from the bf16 activations the forward keeps: FP8 weight gradients
 would need the tokens quantized in 128-row blocks along each expert's rows, cut at every expert's end. Left
 out for now: that FP8 wgrad, the permutation gather fused into the A load, a Blackwell (sm100) kernel."""
 
@@ -22,8 +22,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from trainer.experts.cutedsl import grouped
-from trainer.experts.fp8 import quantize_expert_weights, quantize_rows
+from trainer.experts.cutedsl import grouped, quant
+from trainer.experts.fp8 import quantize_expert_weights_op
 
 
 class _CuteSwiGLU(torch.autograd.Function):
@@ -85,9 +85,9 @@ class _CuteFP8SwiGLU(torch.autograd.Function):
     def forward(ctx, x, offsets, gate_up, down, *pack):
         gu_q, gu_s, gu_t_q, gu_t_s, dn_q, dn_s, dn_t_q, dn_t_s = pack
         items = grouped.work_items(offsets, x.shape[0], grouped.FP8_CONFIG.tile_mn[0])
-        h = grouped.m_grouped_scaled_op(*quantize_rows(x), gu_q, gu_s, offsets, *items)  # [N, 2I] bf16
+        h = grouped.m_grouped_scaled_op(*quant.quantize_rows_op(x), gu_q, gu_s, offsets, *items)  # [N, 2I] bf16
         gate, up = h.chunk(2, dim=-1)
-        y = grouped.m_grouped_scaled_op(*quantize_rows(F.silu(gate) * up), dn_q, dn_s, offsets, *items)
+        y = grouped.m_grouped_scaled_op(*quant.quantize_rows_op(F.silu(gate) * up), dn_q, dn_s, offsets, *items)
         ctx.save_for_backward(x, offsets, h, gu_t_q, gu_t_s, dn_t_q, dn_t_s, *items)
         ctx.master_dtypes = (gate_up.dtype, down.dtype)
         return y
@@ -100,13 +100,17 @@ class _CuteFP8SwiGLU(torch.autograd.Function):
         grad_y = grad_y.contiguous()
         gate, up = h.chunk(2, dim=-1)
         silu_gate = F.silu(gate)
-        grad_act = grouped.m_grouped_scaled_op(*quantize_rows(grad_y), dn_t_q, dn_t_s, offsets, *items)  # [N, I]
+        grad_act = grouped.m_grouped_scaled_op(
+            *quant.quantize_rows_op(grad_y), dn_t_q, dn_t_s, offsets, *items
+        )  # [N, I]
         grad_down = grouped.k_grouped_op(grad_y, silu_gate * up, offsets, down_dtype) if need_down else None
         grad_h = torch.cat([torch.ops.aten.silu_backward(grad_act * up, gate), grad_act * silu_gate], dim=-1)
         grad_gate_up = grouped.k_grouped_op(grad_h, x, offsets, gate_up_dtype) if need_gate_up else None
         grad_x = None
         if need_x:
-            grad_x = grouped.m_grouped_scaled_op(*quantize_rows(grad_h), gu_t_q, gu_t_s, offsets, *items)  # [N, H]
+            grad_x = grouped.m_grouped_scaled_op(
+                *quant.quantize_rows_op(grad_h), gu_t_q, gu_t_s, offsets, *items
+            )  # [N, H]
         return (grad_x, None, grad_gate_up, grad_down) + (None,) * 8
 
 
@@ -126,7 +130,7 @@ def cutedsl_fp8_experts(
     H, inter = down.shape[1], down.shape[2]
     if H % 16 or inter % 16:
         raise ValueError(f"the cutedsl FP8 expert backend needs H and I divisible by 16, got H={H} I={inter}")
-    pack = cast_weights if cast_weights is not None else quantize_expert_weights(gate_up, down)
+    pack = cast_weights if cast_weights is not None else quantize_expert_weights_op(gate_up.detach(), down.detach())
     if len(pack) != 8 or pack[0].dtype != torch.float8_e4m3fn:
         raise TypeError("cast_weights of the FP8 backend must be the 8 tensors of quantize_expert_weights")
     return _CuteFP8SwiGLU.apply(x.contiguous(), offsets.int(), gate_up, down, *(t.detach() for t in pack))

@@ -1,0 +1,82 @@
+"""The CuTeDSL quantization kernel (trainer/experts/cutedsl/quant.py): on an H200 with the DSL it writes bit for
+bit what `trainer.experts.fp8.quantize_rows` computes on the same GPU, for full and partial 128-column
+blocks, one row, no rows, all-zero rows, tiny rows, negative zeros, strided inputs and under torch.compile
+(skipped elsewhere, with the reason); on any machine the module imports without the DSL and refuses a width
+that is not a multiple of 8 before touching it."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from trainer.experts.cutedsl import cutedsl_unavailable, grouped
+from trainer.experts.cutedsl.quant import quantize_rows_kernel, quantize_rows_op
+from trainer.experts.fp8 import quantize_rows
+
+GPU_REASON = cutedsl_unavailable(torch.device("cuda"), torch.bfloat16) if torch.cuda.is_available() else "no CUDA GPU"
+needs_gpu = pytest.mark.skipif(GPU_REASON is not None, reason=f"cutedsl cannot run here: {GPU_REASON}")
+
+
+def test_the_quant_module_imports_without_loading_the_dsl():
+    code = "import sys, trainer.experts.cutedsl.quant; assert 'cutlass' not in sys.modules, 'cutlass imported eagerly'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_width_that_is_not_a_multiple_of_8_is_refused_with_the_shape():
+    with pytest.raises(ValueError, match=r"multiple of 8.*\(4, 12\)"):
+        quantize_rows_kernel(torch.zeros(4, 12, dtype=torch.bfloat16))
+
+
+def _tokens(M: int, K: int, seed: int = 0) -> torch.Tensor:
+    """bf16 [M, K] whose columns span 12 decades (each block's maximum far above most of its elements, many in
+    e4m3's subnormals), with an all-zero row, a row below the 1e-12 floor of the maximum, negative zeros."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(M, K, device="cuda", generator=g) * torch.logspace(-6, 6, K, device="cuda")
+    x = x[:, torch.randperm(K, device="cuda", generator=g)]
+    if M >= 4:
+        x[M // 2] = 0
+        x[M // 3] *= 1e-20
+    if M:
+        x[0, :8] = -0.0
+    return x.bfloat16()
+
+
+def _assert_same_bits(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor]) -> None:
+    (q, s), (q_ref, s_ref) = got, want
+    assert q.dtype == torch.float8_e4m3fn and s.dtype == torch.float32
+    assert q.shape == q_ref.shape and s.shape == s_ref.shape
+    q_bits, q_ref_bits = q.view(torch.uint8), q_ref.view(torch.uint8)
+    assert torch.equal(q_bits, q_ref_bits), f"{int((q_bits != q_ref_bits).sum())} values differ"
+    assert torch.equal(s.view(torch.int32), s_ref.view(torch.int32)), f"{int((s != s_ref).sum())} scales differ"
+
+
+@needs_gpu
+@pytest.mark.parametrize(
+    "M,K", [(0, 2048), (1, 2048), (1, 320), (3, 128), (37, 768), (300, 1536), (129, 320), (4099, 256), (16, 8)]
+)
+def test_the_kernel_writes_the_bits_of_the_torch_quantizer(monkeypatch, M, K):
+    monkeypatch.setattr(grouped, "POISON_OUTPUTS", True)  # an element the kernel skips stays NaN and differs
+    x = _tokens(M, K)
+    _assert_same_bits(quantize_rows_kernel(x), quantize_rows(x))
+
+
+@needs_gpu
+def test_a_strided_input_and_the_compiled_op_give_the_same_bits():
+    wide = _tokens(257, 2048, seed=1)
+    x = wide[:, 512:1280]  # [257, 768], rows 4 KB apart
+    _assert_same_bits(quantize_rows_kernel(x), quantize_rows(x))
+    compiled = torch.compile(lambda t: quantize_rows_op(t), fullgraph=True)
+    _assert_same_bits(compiled(wide), quantize_rows(wide))
+
+
+@needs_gpu
+def test_a_nan_poisons_its_own_block_and_no_other():
+    x = _tokens(5, 320, seed=2)
+    x[2, 200] = float("nan")
+    q, s = quantize_rows_kernel(x)
+    q_ref, s_ref = quantize_rows(x)
+    assert torch.equal(s.isnan(), s_ref.isnan()) and s.isnan().sum() == 1 and s[1, 2].isnan()
+    assert torch.equal(q.float().isnan(), q_ref.float().isnan()) and q[2, 128:256].float().isnan().all()
+    finite = ~q_ref.float().isnan()
+    assert torch.equal(q.view(torch.uint8)[finite], q_ref.view(torch.uint8)[finite])
