@@ -115,6 +115,14 @@ def test_impossible_combinations_are_rejected():
         load_config(None, ["trainer.model.num_experts_per_tok=9"], environ={})
     with pytest.raises(ConfigError, match=r"no entry is critical"):
         load_config(None, ["launch.roles.router.replicas=1"], environ={})
+    fp8 = ["trainer.experts.precision=fp8", "trainer.dtype=bfloat16"]
+    with pytest.raises(ConfigError, match=r"fp8' runs on the cutedsl backend only, not 'grouped_mm'"):
+        load_config(None, [*fp8, "trainer.experts.backend=grouped_mm"], environ={})
+    with pytest.raises(ConfigError, match=r"set trainer\.dtype = 'bfloat16' \(is 'float32'\)"):
+        load_config(None, ["trainer.experts.precision=fp8"], environ={})
+    with pytest.raises(ConfigError, match=r"hidden_size \(72\) and moe_intermediate_size .* divisible by 16"):
+        load_config(None, [*fp8, "trainer.model.hidden_size=72"], environ={})
+    load_config(None, [*fp8, "trainer.experts.backend=cutedsl"], environ={})
 
 
 def test_identity_and_runtime_fields_are_classified():

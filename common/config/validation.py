@@ -245,6 +245,23 @@ def validate(cfg: Config) -> None:
         f"trainer.rl.kl_coef = {rl.kl_coef}: a KL penalty needs a frozen reference policy, which the trainer does "
         "not keep; set trainer.rl.kl_coef = 0 (the PPO clip against the proximal policy and TIS bound each update)",
     )
+    ex = cfg.trainer.experts
+    if ex.precision == "fp8":
+        _require(
+            ex.backend in ("auto", "cutedsl"),
+            f"trainer.experts.precision = 'fp8' runs on the cutedsl backend only, not {ex.backend!r}: set "
+            "trainer.experts.backend = 'cutedsl' (or 'auto'), or precision = 'bf16'",
+        )
+        _require(
+            cfg.trainer.dtype == "bfloat16",
+            f"trainer.experts.precision = 'fp8' quantizes bf16 tokens: set trainer.dtype = 'bfloat16' (is "
+            f"{cfg.trainer.dtype!r})",
+        )
+        _require(
+            m.hidden_size % 16 == 0 and m.moe_intermediate_size % 16 == 0,
+            f"trainer.experts.precision = 'fp8' needs trainer.model.hidden_size ({m.hidden_size}) and "
+            f"moe_intermediate_size ({m.moe_intermediate_size}) divisible by 16 (16-byte e4m3 rows for TMA)",
+        )
     par = cfg.trainer.parallel
     _require(par.ep >= 1, f"trainer.parallel.ep must be >= 1, got {par.ep}")
     _require(
