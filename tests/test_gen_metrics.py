@@ -269,3 +269,42 @@ def test_the_rl_trainer_logs_every_timing_figure_and_numbers_samples_on_across_a
     assert sorted(publish_start) == sorted(series["weights/publish_s"])
     assert publish_start[0] < 0 and all(publish_start[v] >= 0 for v in publish_start if v > 0)
     assert publish_start[1] > series["perf/step_start_s"][0]
+
+
+@pytest.mark.timeout(90)
+def test_a_finished_rl_run_resumed_with_more_steps_trains_on_from_its_last_step(rendezvous, tmp_path):
+    """A researcher extends a finished run: the same run directory, trainer.steps raised from 2 to 4. The
+    trainer resumes from the final checkpoint, keeps the lineage (versions 0..2 = steps), trains steps 2 and 3
+    and publishes versions 3 and 4. Started once more with 4 steps, it finishes at once: nothing trained or
+    published again. (It used to fail: the final checkpoint held the flow state from before the last publish
+    beside the lineage after it, and a finished policy stayed finished whatever trainer.steps said.)"""
+    from trainer.loop import RLTrainer
+    from trainer.ranks import Ranks
+
+    io_loop = asyncio.new_event_loop()
+    threading.Thread(target=io_loop.run_forever, daemon=True).start()
+    client = rendezvous.connect()
+    keys = Keys(EXP)
+
+    def served() -> int:
+        current = client.get(keys.weights_current)
+        return 0 if current is None else int(current)
+
+    router = FakeRouter(0.05, served)
+    run_dir = tmp_path / "run"
+    try:
+        for steps in (2, 4, 4):
+            cfg = rl_config(tmp_path)
+            cfg.trainer.steps = steps
+            ctx = context(cfg, rendezvous, run_dir)
+            client.set(ctx.keys.router(cfg.router.name), router.url)
+            trainer = RLTrainer(ctx, io_loop, Ranks.single(torch.device("cpu")))
+            assert trainer.run() == 0
+            assert trainer.state.step == steps
+            assert trainer.lineage.pairs == [(s, s) for s in range(steps + 1)]
+    finally:
+        router.close()
+        io_loop.call_soon_threadsafe(io_loop.stop)
+    assert served() == 4
+    series = step_series(run_dir, ["perf/step_s"], role="trainer")
+    assert sorted(series["perf/step_s"]) == [0, 1, 2, 3]

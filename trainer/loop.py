@@ -611,7 +611,7 @@ class RLTrainer(TrainerRank):
             with contextlib.suppress(ControllerClosed):
                 controller.run_coroutine(generator.close()).result(timeout=10)
             controller.close()
-        self.save(runtime.state_dict())
+        self.save(runtime.final_state())
         self.command(Command("stop"))
         c = report.counters
         log.info("flow finished: %s; counters %s", report.finish_reason, c)

@@ -290,7 +290,9 @@ class FlowPolicy:
             self.rewards.setdefault(p, {})[s] = r
         self.filtered = list(state.get("filtered", []))
         self.job_dropped = state.get("job_dropped", 0)
-        self.finished = state["finished"]
+        # Whether the run is over is decided again by `start()` from the current limits: a finished run resumed
+        # with more steps (or more data) goes on, one resumed as it was finishes at once.
+        self.finished = False
         self.counters = FlowCounters.from_state(state["counters"])
         self._load_extra_state(state)
         self._rewind()

@@ -237,6 +237,12 @@ class FlowRuntime(Generic[P, R]):
             return self._last_state
         return self._snapshot()
 
+    def final_state(self) -> FlowState:
+        """The state as a finished `run()` left it, its last publish included: what the final checkpoint
+        holds, so that a run extended with more steps goes on from there (state_dict() is the state before
+        that publish, which the trainer's lineage has already passed). Call after run() returned."""
+        return self._snapshot()
+
     def load_state_dict(self, state: FlowState) -> None:
         """Restore a saved state before `run()`: buffered results come back, anything in flight is
         re-issued, and finished samples whose results were not saved are generated again."""
