@@ -46,8 +46,11 @@ def test_missing_dsl_is_reported_with_the_extra_that_installs_it():
         assert "nvidia-cutlass-dsl is not importable" in reason and "`gpu` extra" in reason
 
 
-def test_auto_never_picks_cutedsl_yet():
-    assert select_backend("auto", "cpu", torch.bfloat16) in ("grouped_mm", "reference")
+def test_auto_never_picks_cutedsl_yet_and_says_what_it_picked(caplog):
+    with caplog.at_level("INFO", logger="trainer.experts"):
+        picked = select_backend("auto", "cpu", torch.bfloat16)
+    assert picked in ("grouped_mm", "reference")
+    assert f"trainer.experts.backend = 'auto' picked {picked} on cpu torch.bfloat16" in caplog.text
 
 
 def test_the_backend_package_imports_without_loading_the_dsl():

@@ -12,6 +12,7 @@ shapes, shared/notes/h200.md), so `auto` with fp8 picks it or fails with the rea
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 
 import torch
@@ -19,6 +20,8 @@ import torch
 from trainer.experts.cutedsl import cutedsl_experts, cutedsl_fp8_experts, cutedsl_unavailable
 from trainer.experts.grouped_mm import grouped_mm_experts, grouped_mm_unavailable
 from trainer.experts.reference import reference_experts
+
+log = logging.getLogger(__name__)
 
 ExpertsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """(x sorted [N, H], offsets [E] int32, gate_up [E, 2I, H], down [E, H, I]) -> [N, H]."""
@@ -69,9 +72,20 @@ def select_backend(
                 f"trainer.experts.precision = 'fp8' cannot run here (the cutedsl backend: {reason}); set "
                 "trainer.experts.precision = 'bf16'"
             )
+        if name == "auto":
+            log.info("trainer.experts.backend = 'auto' with precision 'fp8' picked cutedsl_fp8 on %s", device)
         return "cutedsl_fp8"
     if name == "auto":
-        return "grouped_mm" if _why_not("grouped_mm", device, dtype) is None else "reference"
+        reason = _why_not("grouped_mm", device, dtype)
+        picked = "grouped_mm" if reason is None else "reference"
+        log.info(
+            "trainer.experts.backend = 'auto' picked %s on %s %s%s",
+            picked,
+            device,
+            dtype,
+            "" if reason is None else f" (grouped_mm: {reason})",
+        )
+        return picked
     reason = _why_not(name, device, dtype)
     if reason is not None:
         raise BackendUnavailable(
