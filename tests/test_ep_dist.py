@@ -17,7 +17,6 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-import trainer.ep.parallel as ep_parallel
 from common.config import Config, ModelConfig
 from trainer.checkpoint import TrainState, load_checkpoint, save_checkpoint
 from trainer.ep import ProcessGroupTransport, ShardedExperts, apply_expert_parallel
@@ -93,7 +92,6 @@ def _capture_expert_outputs(model: torch.nn.Module, store: list[torch.Tensor]) -
                 return y
 
             BACKENDS[name] = capturing
-            ep_parallel.BACKENDS[name] = capturing
             m.backend = name
 
 

@@ -106,3 +106,47 @@ def test_sharding_refuses_an_expert_count_that_does_not_split():
     transport.world = 4  # as if a group of 4: only the expert split is checked before any exchange
     with pytest.raises(ValueError, match="n_routed_experts = 6 does not split over an expert-parallel group of 4"):
         apply_expert_parallel(model, transport)
+
+
+@pytest.mark.timeout(60)
+def test_sharded_experts_run_on_the_per_step_weight_copy_like_the_plain_model(monkeypatch):
+    """Under bf16 autocast over fp32 masters the sharded experts, like `Experts`, ask for a bf16 copy of their
+    block, get it from the optimizer's refresh, and then run the GEMMs on it (no per-call cast of the masters);
+    the result stays bitwise the plain model's, before and after an optimizer step."""
+    import trainer.model.moe as moe
+    from trainer.experts import BACKENDS
+    from trainer.model.moe import refresh_expert_weight_copies
+
+    seen: list[bool] = []
+    grouped = BACKENDS["grouped_mm"]
+
+    def recording(x, offsets, gate_up, down, cast_weights=None):
+        seen.append(cast_weights is not None)
+        return grouped(x, offsets, gate_up, down, cast_weights)
+
+    monkeypatch.setitem(moe.BACKENDS, "grouped_mm", recording)
+    cfg = ModelConfig(num_layers=2, kv_lora_rank=16)
+    plain, sharded = build_model(cfg, "grouped_mm", seed=3), build_model(cfg, "grouped_mm", seed=3)
+    apply_expert_parallel(sharded, LocalTransport())
+    tokens = torch.randint(0, cfg.vocab_size, (2, 10), generator=torch.Generator().manual_seed(0))
+
+    def outputs() -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.autocast("cpu", torch.bfloat16):
+            return plain(tokens), sharded(tokens)
+
+    a, b = outputs()
+    assert torch.equal(a, b) and seen == [False, False]  # no copy yet: cast per call, and one asked for
+    for model in (plain, sharded):
+        refresh_expert_weight_copies(model)
+    layer = sharded.moe_layers()[0].experts
+    assert isinstance(layer, ShardedExperts) and layer._cast[0].dtype == torch.bfloat16
+    seen.clear()
+    a, b = outputs()
+    assert torch.equal(a, b) and seen == [True, True]
+    with torch.no_grad():
+        for model in (plain, sharded):
+            for m in model.moe_layers():
+                m.experts.gate_up_proj.mul_(0.5)
+            refresh_expert_weight_copies(model)
+    a2, b2 = outputs()
+    assert torch.equal(a2, b2) and not torch.equal(a2, a)

@@ -20,8 +20,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from trainer.ep.plan import DispatchPlan, make_plan
 from trainer.ep.transport import Transport
-from trainer.experts import BACKENDS
-from trainer.model.moe import Experts, MoE
+from trainer.model.moe import Experts, ExpertWeights, MoE
 
 
 class _Dispatch(torch.autograd.Function):
@@ -54,15 +53,16 @@ def _local(p: torch.Tensor) -> torch.Tensor:
     return p.to_local() if isinstance(p, DTensor) else p
 
 
-class ShardedExperts(nn.Module):
+class ShardedExperts(ExpertWeights):
     """This rank's experts [E/W, ...] of one MoE layer, with the `Experts` contract over all E experts.
 
     Parameter names and global shapes are those of `Experts` (gate_up_proj [E, 2I, H], down_proj
     [E, H, I]); with a process group they are DTensors sharded on dim 0, alone they are the full
-    tensors. `last_plan` keeps the plan of the latest forward for inspection."""
+    tensors. The GEMMs run on a per-step copy of this rank's block, as `Experts` does on its weights (the
+    optimizer refreshes both). `last_plan` keeps the plan of the latest forward for inspection."""
 
     def __init__(self, experts: Experts, transport: Transport, mesh: DeviceMesh | None) -> None:
-        super().__init__()
+        super().__init__(experts.backend)
         E = experts.gate_up_proj.shape[0]
         W, r = transport.world, transport.rank
         if E % W:
@@ -70,7 +70,6 @@ class ShardedExperts(nn.Module):
                 f"n_routed_experts = {E} does not split over an expert-parallel group of {W} ranks; "
                 f"use a group size that divides {E}"
             )
-        self.backend = experts.backend
         self.transport = transport
         self.num_experts = E
         El = E // W
@@ -82,6 +81,9 @@ class ShardedExperts(nn.Module):
             setattr(self, name, nn.Parameter(local, requires_grad=getattr(experts, name).requires_grad))
         self.last_plan: DispatchPlan | None = None
 
+    def masters(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return _local(self.gate_up_proj), _local(self.down_proj)
+
     # Host-side sizes and communication: compiled blocks run this part eagerly.
     @torch.compiler.disable
     def forward(self, x_sorted: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -89,7 +91,7 @@ class ShardedExperts(nn.Module):
         plan = make_plan(self.transport.exchange_counts(counts), self.transport.rank, x_sorted.device)
         self.last_plan = plan
         rows = _Dispatch.apply(x_sorted, plan, self.transport)
-        out = BACKENDS[self.backend](rows, plan.expert_offsets, _local(self.gate_up_proj), _local(self.down_proj))
+        out = self.run_backend(rows, plan.expert_offsets)
         return _Combine.apply(out, plan, self.transport)
 
 

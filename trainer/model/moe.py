@@ -140,20 +140,22 @@ class Router(nn.Module):
         return weights * self.scaling
 
 
-def _refresh_after_load(module: Experts, incompatible_keys: object) -> None:
+def _refresh_after_load(module: ExpertWeights, incompatible_keys: object) -> None:
     module.refresh_weight_copy()
 
 
 def refresh_expert_weight_copies(model: nn.Module) -> None:
-    """Refresh the bf16 weight copy of every `Experts` in `model`: trainer.optim.Optimizer calls it after each
-    step; call it after any other in-place write of the expert masters (`load_state_dict` refreshes by itself)."""
+    """Refresh the weight copy of every expert module (`Experts`, and trainer.ep's `ShardedExperts`) in `model`:
+    trainer.optim.Optimizer calls it after each step; call it after any other in-place write of the expert
+    masters (`load_state_dict` refreshes by itself)."""
     for mod in model.modules():
-        if isinstance(mod, Experts):
+        if isinstance(mod, ExpertWeights):
             mod.refresh_weight_copy()
 
 
-class Experts(nn.Module):
-    """Routed experts, stacked: gate_up_proj [E, 2I, H] (gate rows then up rows), down_proj [E, H, I].
+class ExpertWeights(nn.Module):
+    """What every routed-expert module shares: its masters (gate_up [E, 2I, H], down [E, H, I], given by
+    `masters()`) run through the expert backend `backend`, on a per-step copy of the weights.
 
     Under bf16 autocast over fp32 masters the grouped GEMMs run on a bf16 copy of the weights instead of
     casting 600M fp32 weights per call (about a third of the expert GEMMs of a 16k-token batch); the FP8
@@ -165,21 +167,22 @@ class Experts(nn.Module):
     guards only on the copy existing (one recompile when it appears). The copy is a plain attribute, never
     a buffer, so state dicts and checkpoints hold the fp32 masters only."""
 
-    def __init__(self, cfg: ModelConfig, backend: str) -> None:
+    def __init__(self, backend: str) -> None:
         super().__init__()
-        E, H, inter = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
-        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * inter, H))
-        self.down_proj = nn.Parameter(torch.empty(E, H, inter))
         self.backend = backend
         self._cast: tuple[torch.Tensor, ...] | None = None
         self._copy_dtype: torch.dtype | None = None  # the token dtype a forward asked a copy for
         self.register_load_state_dict_post_hook(_refresh_after_load)
 
+    def masters(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up, down) as the GEMMs take them (this rank's plain tensors)."""
+        raise NotImplementedError
+
     @torch.no_grad()
     def refresh_weight_copy(self) -> None:
         """Make the copy a forward asked for, or rewrite the existing one from the masters in place (so that
         a backward still holding the old copy fails autograd's version check)."""
-        params = (self.gate_up_proj, self.down_proj)
+        params = self.masters()
         if self.backend == "cutedsl_fp8":
             if self._copy_dtype is None:
                 return
@@ -197,8 +200,8 @@ class Experts(nn.Module):
 
     def weight_copy(self, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """The copy the GEMMs read for tokens in `dtype`, without autograd history, made now if missing (eager
-        callers: tests, benches that take no optimizer step): (gate_up_proj, down_proj) in `dtype`, or for
-        `cutedsl_fp8` the 8 tensors of `quantize_expert_weights`."""
+        callers: tests, benches that take no optimizer step): (gate_up, down) in `dtype`, or for `cutedsl_fp8`
+        the 8 tensors of `quantize_expert_weights`."""
         if self._cast is None or self._copy_dtype != dtype:
             self._cast, self._copy_dtype = None, dtype
             self.refresh_weight_copy()
@@ -211,20 +214,39 @@ class Experts(nn.Module):
     def __getstate__(self) -> dict:  # deepcopy / pickle: the copy is remade at the first refresh
         return {**super().__getstate__(), "_cast": None}
 
+    def run_backend(self, x_sorted: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """The backend over rows sorted by expert (offsets: running ends), on the copy when there is one."""
+        gate_up, down = self.masters()
+        if self.backend in ("grouped_mm", "cutedsl", "cutedsl_fp8") and (
+            gate_up.dtype != x_sorted.dtype or self.backend == "cutedsl_fp8"
+        ):
+            cast = self._cast
+            if cast is None or self._copy_dtype != x_sorted.dtype:
+                self._copy_dtype, cast = x_sorted.dtype, None  # the backend casts (or quantizes) per call
+            return BACKENDS[self.backend](x_sorted, offsets, gate_up, down, cast)
+        return BACKENDS[self.backend](x_sorted, offsets, gate_up, down)
+
+
+class Experts(ExpertWeights):
+    """Routed experts, stacked: gate_up_proj [E, 2I, H] (gate rows then up rows), down_proj [E, H, I], run on a
+    per-step weight copy (ExpertWeights)."""
+
+    def __init__(self, cfg: ModelConfig, backend: str) -> None:
+        super().__init__(backend)
+        E, H, inter = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * inter, H))
+        self.down_proj = nn.Parameter(torch.empty(E, H, inter))
+
+    def masters(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.gate_up_proj, self.down_proj
+
     def forward(self, x_sorted: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         # Autocast does not cover grouped GEMMs: run them in its dtype ourselves, else the fp32 residual
         # stream would make every expert GEMM fp32.
         dev = x_sorted.device.type
         if torch.is_autocast_enabled(dev):
             x_sorted = x_sorted.to(torch.get_autocast_dtype(dev))
-        if self.backend in ("grouped_mm", "cutedsl", "cutedsl_fp8") and (
-            self.gate_up_proj.dtype != x_sorted.dtype or self.backend == "cutedsl_fp8"
-        ):
-            cast = self._cast
-            if cast is None or self._copy_dtype != x_sorted.dtype:
-                self._copy_dtype, cast = x_sorted.dtype, None  # the backend casts (or quantizes) per call
-            return BACKENDS[self.backend](x_sorted, offsets, self.gate_up_proj, self.down_proj, cast)
-        return BACKENDS[self.backend](x_sorted, offsets, self.gate_up_proj, self.down_proj)
+        return self.run_backend(x_sorted, offsets)
 
 
 class MoE(nn.Module):
