@@ -19,6 +19,7 @@ from trainer.experts.fp8 import (
     dequantize_blocks,
     dequantize_rows,
     quantize_blocks,
+    quantize_expert_weights,
     quantize_rows,
 )
 from trainer.experts.numerics import relative_errors
@@ -164,6 +165,9 @@ def test_the_experts_module_keeps_one_fp8_pack_per_step_and_the_transposes_agree
         experts.down_proj.mul_(2)
     experts.refresh_weight_copy()
     assert experts._cast[4] is pack[4] and torch.allclose(experts(x, offsets).float(), 2 * y0.float(), rtol=0.02)
+    fresh = quantize_expert_weights(experts.gate_up_proj, experts.down_proj)
+    # Rewritten in place, every tensor holds the bits of a fresh pack (the dgrad transposes included).
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(experts._cast, fresh, strict=True))
 
 
 def test_fp8_precision_runs_on_cutedsl_only_and_says_why_not_here():

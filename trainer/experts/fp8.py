@@ -40,13 +40,20 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.contiguous(), scale.t().contiguous()
 
 
-def quantize_blocks(w: torch.Tensor, experts_per_chunk: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [E, N, K] -> (q [E, N, K] e4m3, scale [E, ceil(N/128), ceil(K/128)] fp32), one scale per 128x128 block.
-    Works through `experts_per_chunk` experts at a time, so the fp32 temporaries stay a few hundred MB."""
+def quantize_blocks(
+    w: torch.Tensor, experts_per_chunk: int = 8, out: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [E, N, K] -> (q [E, N, K] e4m3, scale [E, ceil(N/128), ceil(K/128)] fp32), one scale per 128x128 block,
+    written into `out` when given. Works through `experts_per_chunk` experts at a time, so the fp32 temporaries
+    stay a few hundred MB."""
     E, N, K = w.shape
     nb, kb = _blocks(N), _blocks(K)
-    q = torch.empty(E, N, K, device=w.device, dtype=torch.float8_e4m3fn)
-    scale = torch.empty(E, nb, kb, device=w.device, dtype=torch.float32)
+    if out is None:
+        out = (
+            torch.empty(E, N, K, device=w.device, dtype=torch.float8_e4m3fn),
+            torch.empty(E, nb, kb, device=w.device, dtype=torch.float32),
+        )
+    q, scale = out
     for e0 in range(0, E, experts_per_chunk):
         chunk = w[e0 : e0 + experts_per_chunk].float()
         c = chunk.shape[0]
@@ -69,22 +76,32 @@ def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.float() * full[:, :N, :K]
 
 
-def quantize_expert_weights(gate_up: torch.Tensor, down: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def quantize_expert_weights(
+    gate_up: torch.Tensor, down: torch.Tensor, out: tuple[torch.Tensor, ...] | None = None
+) -> tuple[torch.Tensor, ...]:
     """The FP8 copy of the expert weights the GEMMs read, made once per optimizer step: gate_up [E, 2I, H] and
     down [E, H, I] as stored (forward) and transposed (dgrad; FP8 wgmma reads both operands K-contiguous), each
     with its block scales. A 128x128 block is the same block transposed, so the transposes share the values and
-    scales of the forward copies. Returns (gate_up q, s, gate_up^T q, s, down q, s, down^T q, s)."""
-    out: list[torch.Tensor] = []
-    for w in (gate_up, down):
-        q, s = quantize_blocks(w.detach())
-        # Copies even where the transpose is already contiguous (one block row): no tensor of the pack aliases another.
-        out += [
-            q,
-            s,
-            q.mT.clone(memory_format=torch.contiguous_format),
-            s.mT.clone(memory_format=torch.contiguous_format),
-        ]
-    return tuple(out)
+    scales of the forward copies. Returns (gate_up q, s, gate_up^T q, s, down q, s, down^T q, s); `out`, a pack
+    made before, is rewritten in place and returned (no second pack in memory)."""
+    if out is None:
+        pack: list[torch.Tensor] = []
+        for w in (gate_up, down):
+            q, s = quantize_blocks(w.detach())
+            # Copies even where the transpose is already contiguous (one block row): no tensor aliases another.
+            pack += [
+                q,
+                s,
+                q.mT.clone(memory_format=torch.contiguous_format),
+                s.mT.clone(memory_format=torch.contiguous_format),
+            ]
+        return tuple(pack)
+    for i, w in enumerate((gate_up, down)):
+        q, s, q_t, s_t = out[4 * i : 4 * i + 4]
+        quantize_blocks(w.detach(), out=(q, s))
+        q_t.copy_(q.mT)
+        s_t.copy_(s.mT)
+    return out
 
 
 # The same as a torch custom op, for a forward that finds no per-step FP8 copy (the first one, before the

@@ -186,12 +186,8 @@ class ExpertWeights(nn.Module):
         if self.backend == "cutedsl_fp8":
             if self._copy_dtype is None:
                 return
-            pack = quantize_expert_weights(*params)  # from the masters: one rounding, not two
-            if self._cast is None:
-                self._cast = pack
-            else:
-                for c, new in zip(self._cast, pack, strict=True):
-                    c.copy_(new)
+            # From the masters (one rounding, not two), into the existing pack when there is one.
+            self._cast = quantize_expert_weights(*params, out=self._cast)
         elif self._cast is not None:
             for c, p in zip(self._cast, params, strict=True):
                 c.copy_(p)
