@@ -80,8 +80,9 @@ def test_work_items_cover_every_row_once_within_its_expert(counts):
 
 def _kernel_contract(grouping, config, a, b, c, offsets, item_expert, item_row, sfa=None, sfb=None):
     """What the kernel must do with the operands grouped.py hands it, in plain torch: `m` writes
-    c[rows of e] = a[rows of e] @ b[:, :, e]^T item by item, `k` writes c[:, :, e] = a[:, rows of e] @ b[:, rows of e]^T;
-    with scales (FP8), a and b stand for their e4m3 values times sfa (K/128, M) and sfb (N/128, K/128, E)."""
+    c[rows of e] = a[rows of e] @ b[:, :, e]^T item by item, `k` writes
+    c[:, :, e] = a[:, rows of e] @ b[:, rows of e]^T; with scales (FP8), a and b stand for their e4m3 values
+    times sfa (K/128, M) and sfb (N/128, K/128, E)."""
     ends = offsets.tolist()
     a, b = a.float(), b.float()
     if sfa is not None:
