@@ -7,6 +7,8 @@ outputs, the combine and the expert weight gradients are bitwise. Dense (replica
 over tokens that EP splits into per-rank partial sums plus an all-reduce, a different floating-point
 summation order: they agree within 1e-6, not bitwise."""
 
+import os
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -61,8 +63,14 @@ def _entry(rank: int, world: int, store: str, fn, args: tuple) -> None:
         # Every rank finishes before any tears its connections down: a gloo peer that vanishes while
         # the other still holds the pair can abort it ("terminate called without an active exception").
         dist.barrier()
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    # Even after the barrier, destroying the group aborted one rank of four once in CI (2026-12-04, the EP=4
+    # resume): a rank that passed its checks leaves without running gloo's destructors at all.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _spawn(tmp_path: Path, world: int, fn, *args) -> None:
