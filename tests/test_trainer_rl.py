@@ -1,9 +1,11 @@
-"""The RL trainer's batching, and its log-probs of rollout tokens against vLLM's behaviour log-probs
-(real vLLM CPU build, the shared DeepSeek run of tests/conftest.py)."""
+"""The RL trainer's batching, its log-probs of rollout tokens against vLLM's behaviour log-probs (real vLLM
+CPU build, the shared DeepSeek run of tests/conftest.py), and its bounded stop on SIGTERM."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import pytest
 import torch
@@ -12,7 +14,7 @@ from common.config import load_config
 from rollout.client import RolloutClient, Sample
 from rollout.generator import Rollout
 from trainer.hf import load_hf_state
-from trainer.loop import padded_batch
+from trainer.loop import padded_batch, stop_within
 from trainer.model.transformer import build_model
 from trainer.tinykit import resolve_model
 
@@ -107,3 +109,17 @@ def test_waits_for_eval_see_results_before_and_during_the_wait_and_time_out(tmp_
         assert wait_for_evals(client, keys, {0, 7}, "ifeval", timeout_s=0) == {0, 7}
     finally:
         rz.close()
+
+
+def test_a_stop_that_blocks_does_not_hold_the_trainer_role_on_sigterm(caplog):
+    """The trainer role's SIGTERM path calls the trainer's stop through `stop_within`: a stop blocked on a lock
+    nobody releases (here an Event; in CI once tqdm's write lock, taken by the controller's progress bar) is
+    left behind in its daemon thread after the bound, with an error, and a quick stop returns True."""
+    never = threading.Event()
+    t0 = time.monotonic()
+    with caplog.at_level("ERROR", logger="trainer.loop"):
+        assert stop_within(never.wait, 0.3) is False
+    assert 0.3 <= time.monotonic() - t0 < 2.0
+    assert "stopping the trainer did not return within 0s" in caplog.text
+    assert stop_within(lambda: None, 5.0) is True
+    never.set()

@@ -739,6 +739,20 @@ def _device(cfg: Config, info: RankInfo) -> torch.device:
     return device
 
 
+def stop_within(stop: Callable[[], None], timeout_s: float) -> bool:
+    """Call `stop` from a daemon thread and wait at most `timeout_s` for it; False (logged) if it did not return.
+    A stop on SIGTERM closes the generation controller, whose progress bar takes tqdm's process-wide lock: in a
+    CI run (2026-12-04) that lock was never released and the restarted trainer of a killed launcher hung in
+    its stop for good, so the stop must not hold the role's exit."""
+    thread = threading.Thread(target=stop, name="trainer-stop", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        log.error("stopping the trainer did not return within %.0fs; the role exits without waiting for it", timeout_s)
+        return False
+    return True
+
+
 async def main(ctx: RunContext) -> int:
     """ROLE=trainer on one rank: form the group, then RL (rank 0 leads, the others follow) or pretraining.
 
@@ -784,7 +798,7 @@ async def main(ctx: RunContext) -> int:
     except asyncio.CancelledError:
         stopping.set()
         if trainer is not None:
-            trainer.stop()
+            stop_within(trainer.stop, STOP_TIMEOUT_S)
         done, _ = await asyncio.wait({work}, timeout=STOP_TIMEOUT_S)
         if not done:
             log.error("the training thread did not stop within %.0fs", STOP_TIMEOUT_S)
