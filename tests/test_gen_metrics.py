@@ -7,6 +7,7 @@ numbering samples on across a resume. No vLLM."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -192,6 +193,27 @@ def rl_config(run_root: Path) -> Config:
     return cfg
 
 
+@contextlib.contextmanager
+def trainer_world(rz: Rendezvous) -> Iterator[tuple[asyncio.AbstractEventLoop, FakeRouter, Callable[[], int]]]:
+    """What an in-process RLTrainer needs around it: an io loop in a thread (its publisher runs there) and the
+    fake router, labelling every token with the version weights:current names (`served`, also returned)."""
+    io_loop = asyncio.new_event_loop()
+    threading.Thread(target=io_loop.run_forever, daemon=True).start()
+    client = rz.connect()
+    keys = Keys(EXP)
+
+    def served() -> int:
+        current = client.get(keys.weights_current)
+        return 0 if current is None else int(current)
+
+    router = FakeRouter(0.05, served)
+    try:
+        yield io_loop, router, served
+    finally:
+        router.close()
+        io_loop.call_soon_threadsafe(io_loop.stop)
+
+
 @pytest.mark.timeout(180)
 def test_the_rl_trainer_logs_every_timing_figure_and_numbers_samples_on_across_a_resume(rendezvous, tmp_path):
     from trainer.loop import RLTrainer
@@ -208,21 +230,11 @@ def test_the_rl_trainer_logs_every_timing_figure_and_numbers_samples_on_across_a
                 raise Crash
             super().train_step(step, groups, dropped_groups)
 
-    io_loop = asyncio.new_event_loop()
-    threading.Thread(target=io_loop.run_forever, daemon=True).start()
-    client = rendezvous.connect()
-    keys = Keys(EXP)
-
-    def served() -> int:
-        current = client.get(keys.weights_current)
-        return 0 if current is None else int(current)
-
-    router = FakeRouter(0.05, served)
     run_dir = tmp_path / "run"
     cfg = rl_config(tmp_path)
     ctx = context(cfg, rendezvous, run_dir)
-    client.set(ctx.keys.router(cfg.router.name), router.url)
-    try:
+    with trainer_world(rendezvous) as (io_loop, router, _):
+        rendezvous.connect().set(ctx.keys.router(cfg.router.name), router.url)
         lost = CrashingTrainer(ctx, io_loop, Ranks.single(torch.device("cpu")))
         with pytest.raises(Crash):
             lost.run()
@@ -230,9 +242,6 @@ def test_the_rl_trainer_logs_every_timing_figure_and_numbers_samples_on_across_a
         asyncio.run_coroutine_threadsafe(lost.publisher.close(), io_loop).result(10)
         # The launcher restarts it: it resumes at step 2.
         assert RLTrainer(ctx, io_loop, Ranks.single(torch.device("cpu"))).run() == 0
-    finally:
-        router.close()
-        io_loop.call_soon_threadsafe(io_loop.stop)
 
     gen_tags = [
         "gen/start_s",
@@ -281,30 +290,17 @@ def test_a_finished_rl_run_resumed_with_more_steps_trains_on_from_its_last_step(
     from trainer.loop import RLTrainer
     from trainer.ranks import Ranks
 
-    io_loop = asyncio.new_event_loop()
-    threading.Thread(target=io_loop.run_forever, daemon=True).start()
-    client = rendezvous.connect()
-    keys = Keys(EXP)
-
-    def served() -> int:
-        current = client.get(keys.weights_current)
-        return 0 if current is None else int(current)
-
-    router = FakeRouter(0.05, served)
     run_dir = tmp_path / "run"
-    try:
+    with trainer_world(rendezvous) as (io_loop, router, served):
         for steps in (2, 4, 4):
             cfg = rl_config(tmp_path)
             cfg.trainer.steps = steps
             ctx = context(cfg, rendezvous, run_dir)
-            client.set(ctx.keys.router(cfg.router.name), router.url)
+            rendezvous.connect().set(ctx.keys.router(cfg.router.name), router.url)
             trainer = RLTrainer(ctx, io_loop, Ranks.single(torch.device("cpu")))
             assert trainer.run() == 0
             assert trainer.state.step == steps
             assert trainer.lineage.pairs == [(s, s) for s in range(steps + 1)]
-    finally:
-        router.close()
-        io_loop.call_soon_threadsafe(io_loop.stop)
     assert served() == 4
     series = step_series(run_dir, ["perf/step_s"], role="trainer")
     assert sorted(series["perf/step_s"]) == [0, 1, 2, 3]
