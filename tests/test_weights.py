@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import time
 from pathlib import Path
 
 import aiohttp
 import pytest
+import redis.exceptions
 import torch
 from aiohttp import web
 from rl_routes import register, start_app
@@ -30,6 +32,7 @@ from rollout.weights import (
     prune_versions,
     write_version,
 )
+from rollout.weights.workers import weight_lock
 
 
 def test_fused_expert_tensors_are_split_into_one_name_per_expert():
@@ -288,3 +291,58 @@ async def test_republish_refuses_a_corrupted_shard_naming_the_file(tmp_path: Pat
             await pub.republish(2, source=1)
     assert int(await r.get(keys.weights_current)) == 1 and not (root / "v2").exists()
     assert not list(root.glob(".v2.*"))
+
+
+_HOLDER = """
+import asyncio, sys
+import redis.asyncio
+from common.keys import Keys
+from rollout.weights.workers import weight_lock
+
+async def main():
+    host, port, password = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    client = redis.asyncio.Redis(host=host, port=port, password=password)
+    async with weight_lock(client, Keys("dl"), "w", ttl_s=1.5):
+        print("held", flush=True)
+        await asyncio.sleep(3600)
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.timeout(60)
+async def test_the_weight_lock_outlives_its_ttl_while_held_and_lapses_within_it_when_the_holder_is_killed(
+    redis_client,
+):
+    """A trainer SIGKILLed mid-publish held its worker's weight lock: the next trainer (or the worker's own
+    catch-up) must get it within the lock's TTL, not after the 600 s an update may take. The holder here is
+    a real process holding the lock through a real Redis, killed with SIGKILL."""
+    r, keys = redis_client, Keys("dl")
+    kwargs = r.connection_pool.connection_kwargs
+    holder = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        _HOLDER,
+        kwargs["host"],
+        str(kwargs["port"]),
+        kwargs["password"],
+        cwd=Path(__file__).resolve().parent.parent,
+        stdout=asyncio.subprocess.PIPE,
+    )
+    try:
+        assert await asyncio.wait_for(holder.stdout.readline(), 30) == b"held\n"
+        # Renewed while held: three TTLs later it is still taken.
+        await asyncio.sleep(4.5)
+        assert await r.lock(keys.worker_sync("w")).locked()
+        with pytest.raises(redis.exceptions.LockError, match="held by another updater"):
+            async with weight_lock(r, keys, "w", ttl_s=1.5, wait_s=0.5):
+                pass
+    finally:
+        holder.kill()
+        await holder.wait()
+    t0 = time.monotonic()
+    async with weight_lock(r, keys, "w", ttl_s=1.5):
+        waited = time.monotonic() - t0
+        await asyncio.sleep(2.0)  # longer than the TTL: the renewal keeps it ours, and the release succeeds
+    assert waited < 1.5 + 1.0, f"the killed holder's lock held its successor {waited:.1f}s"
+    assert not await r.lock(keys.worker_sync("w")).locked()

@@ -6,15 +6,17 @@ hash, evicted when the update fails). No torch: the evaluator and the worker rol
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 import redis.asyncio
+import redis.asyncio.lock
 import redis.exceptions
 
 from common.fleet import WorkerError, evict, set_worker_version, while_alive
@@ -101,11 +103,42 @@ async def served_version(session: aiohttp.ClientSession, url: str) -> str | None
     return json.loads(await _call(session, "GET", f"{url}/weight_info"))["weight_version"]
 
 
-def weight_lock(client: redis.asyncio.Redis, keys: Keys, worker_id: str):
+# The weight lock's time to live, renewed every third of it while held: a holder that dies (a trainer
+# SIGKILLed mid-publish) blocks its successor for at most this long, not for a whole UPDATE_TIMEOUT_S.
+LOCK_TTL_S = 30.0
+
+
+@contextlib.asynccontextmanager
+async def weight_lock(
+    client: redis.asyncio.Redis, keys: Keys, worker_id: str, ttl_s: float = LOCK_TTL_S, wait_s: float = UPDATE_TIMEOUT_S
+) -> AsyncIterator[None]:
     """The lock around any change of one worker's weights: a publisher driving it and the worker catching
-    up by itself never interleave their pause/update/resume calls on the same vLLM server. It expires
-    after UPDATE_TIMEOUT_S if its holder dies; waiting for it is bounded the same way."""
-    return client.lock(keys.worker_sync(worker_id), timeout=UPDATE_TIMEOUT_S, blocking_timeout=UPDATE_TIMEOUT_S)
+    up by itself never interleave their pause/update/resume calls on the same vLLM server.
+
+    The lock lives `ttl_s` and a task renews it while the body runs, so an update may take as long as it
+    needs and a dead holder's lock lapses within `ttl_s`. Waiting for it is bounded by `wait_s`.
+    A lock lost while held (its renewal failed) raises LockError on the way out.
+    """
+    lock = client.lock(keys.worker_sync(worker_id), timeout=ttl_s, blocking_timeout=wait_s)
+    if not await lock.acquire():
+        raise redis.exceptions.LockError(
+            f"worker {worker_id}'s weight lock {keys.worker_sync(worker_id)} was held by another updater for "
+            f"{wait_s:.0f}s; a publisher or the worker's own catch-up is stuck"
+        )
+    renewal = asyncio.ensure_future(_renew(lock, ttl_s / 3))
+    try:
+        yield
+    finally:
+        renewal.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await renewal
+        await lock.release()  # LockNotOwnedError (a LockError) when it lapsed meanwhile
+
+
+async def _renew(lock: redis.asyncio.lock.Lock, every_s: float) -> None:
+    while True:
+        await asyncio.sleep(every_s)
+        await lock.reacquire()
 
 
 class WorkerDriver:
