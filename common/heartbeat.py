@@ -12,6 +12,7 @@ import redis
 import redis.asyncio
 
 from common.rendezvous import STOP_WRITE_S
+from common.tasks import cancel_and_join
 
 log = logging.getLogger(__name__)
 
@@ -45,9 +46,7 @@ class Heartbeat:
     async def stop(self, delete: bool = True) -> None:
         task, self._task = self._task, None
         if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await cancel_and_join(task, STOP_WRITE_S, f"heartbeat {self.key}")
         if delete:
             with contextlib.suppress(redis.ConnectionError, redis.TimeoutError, TimeoutError):
                 async with asyncio.timeout(STOP_WRITE_S):

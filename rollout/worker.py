@@ -40,6 +40,7 @@ from common.net import advertised, bearer, free_port, url_host
 from common.proc import die_with_parent
 from common.rendezvous import STOP_WRITE_S
 from common.roles import RunContext, announce
+from common.tasks import cancel_and_join
 from rollout.vllm_plugin import FILE_BACKEND
 from rollout.vllm_plugin.auth import KEY_ENV, MIDDLEWARE
 from rollout.vllm_plugin.watchdog import PARENT_ENV
@@ -436,10 +437,7 @@ async def _serve(
                 # A publish finished without driving us (it started before we registered).
                 await follow_current(ctx, client, session, worker_id, record.url)
     finally:
-        if not died.done():
-            died.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await died
+        await cancel_and_join(died, 5.0, "the worker's watch of its vLLM server")
 
 
 __all__ = ["TINY_MODELS", "main", "vllm_command", "vllm_env", "worker_vllm"]

@@ -25,6 +25,7 @@ import redis.asyncio
 from common.fleet import WorkerRecord, read_records, time_to_live
 from common.keys import Keys
 from common.roles import announce
+from common.tasks import cancel_and_join
 
 log = logging.getLogger(__name__)
 
@@ -168,8 +169,7 @@ class PoolSync:
         for task in tasks:
             task.cancel()
         for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await cancel_and_join(task, 5.0, f"router task {task.get_name()}")
 
     def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
         task = asyncio.create_task(coro, name=name)

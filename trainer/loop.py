@@ -49,6 +49,7 @@ from common.config import Config
 from common.metrics import MetricsWriter
 from common.net import advertised
 from common.roles import REPORT_FILE, RunContext
+from common.tasks import cancel_and_join
 from rollout.controller import GenerationController
 from rollout.flow.runtime import FlowRuntime, FlowState, Group
 from rollout.flow.strategies import policy_from_config
@@ -804,9 +805,9 @@ async def main(ctx: RunContext) -> int:
             log.error("the training thread did not stop within %.0fs", STOP_TIMEOUT_S)
         raise
     finally:
-        watch.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await watch
+        # A watch cancelled inside a Redis command could run on for good (common/tasks.py): this rank then never
+        # ended (CI, 2026-12-04).
+        await cancel_and_join(watch, STOP_TIMEOUT_S, "the watch of the other trainer ranks")
         if work.done() and not work.cancelled() and work.exception() is None:
             ranks.close()
         client.close()

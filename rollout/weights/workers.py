@@ -22,6 +22,7 @@ import redis.exceptions
 from common.fleet import WorkerError, evict, set_worker_version, while_alive
 from common.keys import Keys
 from common.net import bearer
+from common.tasks import cancel_and_join
 
 # A weight update of a large model can take minutes; a stuck worker is still bounded by this.
 UPDATE_TIMEOUT_S = 600.0
@@ -129,9 +130,7 @@ async def weight_lock(
     try:
         yield
     finally:
-        renewal.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await renewal
+        await cancel_and_join(renewal, 5.0, f"the renewal of {keys.worker_sync(worker_id)}")
         await lock.release()  # LockNotOwnedError (a LockError) when it lapsed meanwhile
 
 

@@ -1,0 +1,56 @@
+"""Tasks that poll a real redis-server (through the clients our roles use: socket timeouts, retries) end when
+stopped: one cancel alone is not enough on Python 3.11, where a cancel landing inside a redis-py command can be
+lost and the task runs on; `cancel_and_join` cancels again until it ends (common/tasks.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from common.tasks import cancel_and_join
+
+STOPS = 60
+
+
+def poller(r, rng: random.Random):
+    async def poll() -> None:  # the shape of the trainer's rank watch and of the heartbeat
+        while True:
+            await asyncio.sleep(rng.choice([0, 0.001]))
+            await r.hgetall("h")
+            await r.mget(["a", "b"])
+
+    return poll
+
+
+@pytest.mark.timeout(120)
+async def test_every_polling_task_ends_when_stopped_and_the_client_still_works(redis_client):
+    r, rng = redis_client, random.Random(0)
+    await r.hset("h", mapping={"0": "x"})
+    poll = poller(r, rng)
+    for i in range(STOPS):
+        task = asyncio.ensure_future(poll())
+        await asyncio.sleep(rng.random() * 0.01)
+        assert await cancel_and_join(task, 5.0, "the poller"), f"stop {i}: still running: {task!r}"
+        assert task.cancelled()
+    assert await r.hget("h", "0") == "x"
+
+
+@pytest.mark.timeout(60)
+async def test_a_task_that_refuses_to_end_is_left_after_the_bound_with_an_error(caplog):
+    release = asyncio.Event()
+
+    async def stubborn() -> None:
+        while not release.is_set():
+            try:
+                await asyncio.sleep(0.05)
+            except asyncio.CancelledError:
+                pass
+
+    task = asyncio.ensure_future(stubborn())
+    await asyncio.sleep(0)
+    assert not await cancel_and_join(task, 0.5, "the stubborn task")
+    assert not task.done() and "the stubborn task did not end within 0s of being cancelled" in caplog.text
+    release.set()
+    await task
