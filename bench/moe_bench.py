@@ -44,6 +44,7 @@ from trainer.experts import (  # noqa: E402
     reference_experts,
     select_backend,
 )
+from trainer.experts.cutedsl import cutedsl_unavailable, grouped  # noqa: E402
 from trainer.experts.fp8 import quantize_expert_weights  # noqa: E402
 from trainer.model import attention_flops_per_token, build_model, compile_blocks, count_params  # noqa: E402
 from trainer.model.moe import MoE  # noqa: E402
@@ -143,6 +144,30 @@ def raw_grouped(device, dtype, H, inter, E, k, tokens, reps, backend="grouped_mm
     ms = bench_ms(step, device, reps)
     vs = "" if name == "grouped_mm" else "raw grouped_mm"
     return Row(f"raw {name}", expert_flops(tokens, H, inter, k) / ms / 1e9, ms, vs=vs)
+
+
+def launch_cost(device, launch: str, calls: int = 400) -> Row:
+    """Host time of one CuTeDSL grouped-GEMM launch (grouped.LAUNCH = `launch`): `calls` back-to-back launches of
+    a GEMM far too small to keep the GPU busy (256 rows, 256x256, 8 experts), so that the wall time per call is
+    the host's: argument conversion and the launch. `ms` is per launch."""
+    from trainer.experts.cutedsl import grouped
+
+    if (why := cutedsl_unavailable(device, torch.bfloat16)) is not None:
+        raise BackendUnavailable(why)
+    grouped.LAUNCH = launch
+    a = torch.randn(256, 256, device=device, dtype=torch.bfloat16)
+    w = torch.randn(8, 256, 256, device=device, dtype=torch.bfloat16).permute(1, 2, 0)
+    offs = balanced_offsets(device, 256, 8)
+    items = grouped.work_items(offs, 256, grouped.M_CONFIG.tile_mn[0])
+    for _ in range(20):
+        grouped.m_grouped(a, w, offs, items)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        grouped.m_grouped(a, w, offs, items)
+    host_ms = (time.perf_counter() - t0) * 1e3 / calls
+    torch.cuda.synchronize()
+    return Row(f"one cutedsl launch, host time, {launch}", math.nan, host_ms, "ms per launch, host wall time")
 
 
 def quantize_rowwise(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -455,7 +480,15 @@ def main() -> None:
         help="moonlet's expert GEMMs: bf16 (the config's backend), fp8 (CuTeDSL FP8), or both, one row each",
     )
     ap.add_argument("--profile", action="store_true", help="kernel table of the compiled layer (first shape)")
+    ap.add_argument(
+        "--launch",
+        default=grouped.LAUNCH,
+        choices=[*grouped.LAUNCHES, "both"],
+        help="how CuTeDSL kernels are launched (trainer/experts/cutedsl/grouped.py LAUNCH); both: every cutedsl row "
+        "once per way, the second labelled, and a row of the host time of one launch each way",
+    )
     args = ap.parse_args()
+    launches = list(grouped.LAUNCHES) if args.launch == "both" else [args.launch]
     variants = args.variants.split(",")
     first_only = [v for v in args.first_shape_variants.split(",") if v and v not in variants]
     if unknown := set(variants + first_only) - set(VARIANTS):
@@ -483,7 +516,12 @@ def main() -> None:
     def save() -> None:
         Path(args.out).write_text(json.dumps(results, indent=2, default=lambda r: asdict(r)))
 
-    def measure(shape, label, fn, *fn_args) -> None:
+    def measure(shape, label, fn, *fn_args, launch: str = "") -> None:
+        """One row; `launch` (a cutedsl row): under that grouped.LAUNCH, named in the row unless it is the first."""
+        if launch:
+            grouped.LAUNCH = launch
+            if launch != launches[0]:
+                label = f"{label}, {launch} launch"
         if time.perf_counter() - t_start > args.budget_s:
             print(f"skipped {label} for {shape}: time budget spent", flush=True)
             return
@@ -494,6 +532,10 @@ def main() -> None:
         except Exception as exc:  # report and keep measuring the other variants
             row = Row(label, math.nan, math.nan, repr(exc)[:200])
             traceback.print_exc()
+        finally:
+            grouped.LAUNCH = launches[0]
+        if launch and launch != launches[0] and not row.what.endswith(" launch"):
+            row.what = f"{row.what}, {launch} launch"
         rows_of[shape].append(row)
         print(
             f"{shape} | {row.what}: {row.tflops:.1f} TFLOP/s ({row.ms:.3f} ms), {row.tflops / dense.tflops:.0%} of "
@@ -506,7 +548,8 @@ def main() -> None:
 
     def layer(sh, v):
         if v == "compiled-fp8":
-            measure(sh, "MoE layer cutedsl_fp8 compiled", fp8_layer, device, *sh, tokens, reps)
+            for launch in launches:
+                measure(sh, "MoE layer cutedsl_fp8 compiled", fp8_layer, device, *sh, tokens, reps, launch=launch)
             return
         compiled, bf16_w, extra = v.startswith("compiled"), v.endswith("bf16w"), EXTRA.get(v, "")
         prof = (
@@ -516,13 +559,19 @@ def main() -> None:
         )
         measure(sh, v, moe_layer, device, *sh, tokens, "grouped_mm", compiled, bf16_w, reps, extra, prof)
 
+    if len(launches) > 1:
+        for launch in launches:
+            measure(shapes[0], "one cutedsl launch", launch_cost, device, launch)
     # Cheap measurements first, compiled ones (minutes of compile time) last, so a budget cut loses least.
     for sh in shapes:
         if "raw" in variants or (sh == shapes[0] and "raw" in first_only):
             measure(sh, "raw grouped_mm", raw_grouped, device, dtype, *sh, tokens, reps)
         if "raw-cutedsl" in variants or (sh == shapes[0] and "raw-cutedsl" in first_only):
             for precision, label in (("bf16", "raw cutedsl"), ("fp8", "raw cutedsl_fp8")):
-                measure(sh, label, raw_grouped, device, dtype, *sh, tokens, reps, "cutedsl", precision)
+                for launch in launches:
+                    measure(
+                        sh, label, raw_grouped, device, dtype, *sh, tokens, reps, "cutedsl", precision, launch=launch
+                    )
         if "raw-scaled" in variants or (sh == shapes[0] and "raw-scaled" in first_only):
             label = "raw torch._scaled_grouped_mm fp8 rowwise, forward only"
             measure(sh, label, raw_scaled_forward, device, *sh, tokens, reps)

@@ -263,3 +263,35 @@ def test_an_empty_expert_gets_zero_weight_gradients():
         grouped.POISON_OUTPUTS = False
     assert gate_up.grad[1].eq(0).all() and down.grad[1].eq(0).all()
     assert gate_up.grad[0].abs().sum() > 0 and down.grad[2].abs().sum() > 0
+
+
+@needs_gpu
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_both_launch_paths_compute_the_same_bits(monkeypatch, precision):
+    """TVM-FFI (torch tensors handed to the compiled function, torch's current stream) and DLPack (cute tensors
+    made per call, the stream passed explicitly) launch the same kernel: outputs and gradients are bitwise equal,
+    also on a side stream, where a launch on the wrong stream would race with the side stream's producers."""
+    counts = [300, 0, 517, 64]
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(sum(counts), 256, device="cuda", dtype=torch.bfloat16, generator=gen)
+    gate_up = torch.randn(4, 2 * 128, 256, device="cuda", generator=gen) * 0.05
+    down = torch.randn(4, 256, 128, device="cuda", generator=gen) * 0.05
+    offsets = torch.tensor(counts, device="cuda").cumsum(0).int()
+    run = cutedsl_experts if precision == "bf16" else cutedsl_fp8_experts
+
+    def grads(launch: str) -> list[torch.Tensor]:
+        monkeypatch.setattr(grouped, "LAUNCH", launch)
+        leaves = [t.clone().requires_grad_() for t in (x, gate_up, down)]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            y = run(leaves[0], offsets, *leaves[1:])
+            y.backward(torch.ones_like(y))
+        torch.cuda.current_stream().wait_stream(side)
+        return [y.detach(), *(t.grad for t in leaves)]
+
+    for a, b in zip(grads("tvm-ffi"), grads("dlpack"), strict=True):
+        assert torch.equal(a, b)
+    monkeypatch.setattr(grouped, "LAUNCH", "pointers")
+    with pytest.raises(ValueError, match=r"grouped.LAUNCH = 'pointers' is not one of \('dlpack', 'tvm-ffi'\)"):
+        run(x, offsets, gate_up, down)

@@ -160,4 +160,4 @@ def cutedsl_unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
         return f"the kernel is built for Hopper (sm90a); this GPU is sm{major}{minor}"
     if dtype != torch.bfloat16:
         return f"it computes in bf16 only, not {dtype}"
-    return _import_error()
+    return _import_error() or (grouped._tvm_ffi_error() if grouped.LAUNCH == "tvm-ffi" else None)

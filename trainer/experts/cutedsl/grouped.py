@@ -36,21 +36,76 @@ POISON_OUTPUTS = False
 write shows up in the error instead of hiding behind stale data."""
 
 
-def _as_cute(t: torch.Tensor, compact: bool = False):
+# How a compiled kernel is called. "dlpack": every call wraps every tensor with cute.runtime.from_dlpack in Python
+# and passes torch's current stream (tens of microseconds of host time a launch, more than a GEMM takes at small
+# expert shapes). "tvm-ffi": the function is compiled with TVM-FFI and takes the torch tensors themselves,
+# checked against its compiled layout in C++, on the stream torch reports (apache-tvm-ffi, in the `gpu` extra).
+# dlpack stays the default until tvm-ffi has run on the H200: bench/moe_bench.py --launch both times the two,
+# tests/test_experts_cutedsl.py compares their results bit for bit (issue 16's closing note).
+LAUNCH = "dlpack"
+LAUNCHES = ("dlpack", "tvm-ffi")
+
+
+def _as_cute(t: torch.Tensor, compact: bool = False, tvm_ffi: bool = False):
     """A cute tensor over t's memory with dynamic shape and strides (the stride-1 mode stays static). `compact`
     (an output we allocated): also tell the compiler that the contiguous mode has a multiple of 8 elements,
-    so that every row starts 16-byte aligned."""
+    so that every row starts 16-byte aligned. `tvm_ffi`: the spec of a TVM-FFI compile."""
     from cutlass.cute.runtime import from_dlpack
 
-    if t.data_ptr() % 16:
-        raise ValueError(f"tensor of shape {tuple(t.shape)} is not 16-byte aligned; pass a fresh (.clone()) tensor")
     unit = [i for i, s in enumerate(t.stride()) if s == 1 and t.shape[i] > 1] or [t.stride().index(1)]
-    ct = from_dlpack(t.detach(), assumed_align=16)  # autograd's inputs still require grad; DLPack refuses those
+    # autograd's inputs still require grad; DLPack refuses those
+    ct = from_dlpack(t.detach(), assumed_align=16, enable_tvm_ffi=tvm_ffi)
     if not compact:
         return ct.mark_layout_dynamic(leading_dim=unit[0])
     for mode in range(t.dim()):
         ct = ct.mark_compact_shape_dynamic(mode, divisibility=8 if mode == unit[0] else 1)
     return ct
+
+
+def _check_aligned(tensors) -> None:
+    for t in tensors:
+        if t.data_ptr() % 16:
+            raise ValueError(f"tensor of shape {tuple(t.shape)} is not 16-byte aligned; pass a fresh (.clone()) tensor")
+
+
+@functools.cache
+def _tvm_ffi_error() -> str | None:
+    try:
+        import tvm_ffi  # noqa: F401
+    except ImportError as exc:
+        return (
+            f"apache-tvm-ffi is not importable ({exc}), and the CuTeDSL kernels are launched through it: install the "
+            "`gpu` extra (pip install -e '.[gpu]')"
+        )
+    return None
+
+
+def call(cache: dict, key: tuple, jit_fn, tensors, compact: tuple[int, ...] = ()) -> None:
+    """Launch `jit_fn` on `tensors` on the current stream, compiled on first use per `key` and LAUNCH (shapes
+    and strides are dynamic, so one compile serves every size). `compact`: the indices of tensors we allocated
+    (outputs), whose contiguous mode is a multiple of 8 elements."""
+    import cutlass.cute as cute
+
+    _check_aligned(tensors)
+    full = (*key, LAUNCH)
+    fn = cache.get(full)
+    if LAUNCH == "tvm-ffi":
+        if fn is None:
+            if (why := _tvm_ffi_error()) is not None:
+                raise RuntimeError(why)
+            from cutlass.cute.runtime import make_fake_stream
+
+            args = [_as_cute(t, compact=i in compact, tvm_ffi=True) for i, t in enumerate(tensors)]
+            stream = make_fake_stream(use_tvm_ffi_env_stream=True)
+            fn = cache[full] = cute.compile(jit_fn, *args, stream, options="--enable-tvm-ffi")
+        fn(*[t.detach() for t in tensors])
+    elif LAUNCH == "dlpack":
+        args = [_as_cute(t, compact=i in compact) for i, t in enumerate(tensors)]
+        if fn is None:
+            fn = cache[full] = cute.compile(jit_fn, *args, _stream())
+        fn(*args, _stream())
+    else:
+        raise ValueError(f"grouped.LAUNCH = {LAUNCH!r} is not one of {LAUNCHES}")
 
 
 def _with_batch(t: torch.Tensor) -> torch.Tensor:
@@ -91,19 +146,18 @@ _COMPILED: dict[tuple, object] = {}
 
 def _launch(grouping: str, config: TileConfig, a, b, c, offsets, item_expert, item_row, sfa=None, sfb=None) -> None:
     """One kernel launch (compiled on first use per variant). sfa/sfb given: the FP8 block-scaled kernel."""
-    import cutlass.cute as cute
-
     scaled = sfa is not None
     if not scaled:  # the kernel ignores them; any tensors of a fixed type keep one compile per variant
         sfa, sfb = offsets, offsets
     tensors = (a, b, c, offsets, item_expert, item_row, sfa, sfb)
-    args = [_as_cute(t, compact=i == 2) for i, t in enumerate(tensors)]
     key = (grouping, config, scaled, *((t.dtype, t.stride().index(1) if 1 in t.stride() else -1) for t in tensors))
-    fn = _COMPILED.get(key)
-    if fn is None:
-        sm_count = torch.cuda.get_device_properties(a.device).multi_processor_count
-        fn = _COMPILED[key] = cute.compile(_kernel(grouping, config, sm_count, scaled), *args, _stream())
-    fn(*args, _stream())
+    sm_count = _sm_count(a.device)
+    call(_COMPILED, key, _kernel(grouping, config, sm_count, scaled), tensors, compact=(2,))
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def work_items(offsets: torch.Tensor, rows: int, bm: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -85,16 +85,10 @@ def quantize_rows_kernel(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = grouped._output(-(-K // BLOCK), M, device=x.device, dtype=torch.float32)
     if M == 0:
         return q, scale
-    import cutlass.cute as cute
-
     x = grouped._aligned(x)
-    args = [grouped._as_cute(x, compact=True), grouped._as_cute(q, compact=True), grouped._as_cute(scale)]
     # A one-row scale [kb, 1] has its stride-1 mode first: another layout, another compile.
     key = (x.dtype, scale.stride().index(1))
-    fn = _COMPILED.get(key)
-    if fn is None:
-        fn = _COMPILED[key] = cute.compile(_launcher(), *args, grouped._stream())
-    fn(*args, grouped._stream())
+    grouped.call(_COMPILED, key, _launcher(), (x, q, scale), compact=(0, 1))
     return q, scale
 
 
