@@ -46,20 +46,46 @@ LAUNCH = "dlpack"
 LAUNCHES = ("dlpack", "tvm-ffi")
 
 
-def _as_cute(t: torch.Tensor, compact: bool = False, tvm_ffi: bool = False):
+def _unit_mode(t: torch.Tensor) -> int:
+    """The mode with stride 1 (of more than one element, where there is one)."""
+    return next((i for i, s in enumerate(t.stride()) if s == 1 and t.shape[i] > 1), t.stride().index(1))
+
+
+def _as_cute(t: torch.Tensor, compact: bool = False):
     """A cute tensor over t's memory with dynamic shape and strides (the stride-1 mode stays static). `compact`
     (an output we allocated): also tell the compiler that the contiguous mode has a multiple of 8 elements,
-    so that every row starts 16-byte aligned. `tvm_ffi`: the spec of a TVM-FFI compile."""
+    so that every row starts 16-byte aligned."""
     from cutlass.cute.runtime import from_dlpack
 
-    unit = [i for i, s in enumerate(t.stride()) if s == 1 and t.shape[i] > 1] or [t.stride().index(1)]
-    # autograd's inputs still require grad; DLPack refuses those
-    ct = from_dlpack(t.detach(), assumed_align=16, enable_tvm_ffi=tvm_ffi)
+    unit = _unit_mode(t)
+    ct = from_dlpack(t.detach(), assumed_align=16)  # autograd's inputs still require grad; DLPack refuses those
     if not compact:
-        return ct.mark_layout_dynamic(leading_dim=unit[0])
+        return ct.mark_layout_dynamic(leading_dim=unit)
     for mode in range(t.dim()):
-        ct = ct.mark_compact_shape_dynamic(mode, divisibility=8 if mode == unit[0] else 1)
+        ct = ct.mark_compact_shape_dynamic(mode, divisibility=8 if mode == unit else 1)
     return ct
+
+
+def _spec(t: torch.Tensor, compact: bool = False):
+    """What a TVM-FFI compile is specialized on, from t's metadata alone (no device memory: it compiles anywhere,
+    checked on this CPU): t's element type and rank, 16-byte alignment, its stride-1 mode static and every other
+    stride and every extent dynamic; `compact` as in _as_cute. Each call checks its tensors against it in C++."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_tensor
+
+    types = {
+        torch.bfloat16: cutlass.BFloat16,
+        torch.float8_e4m3fn: cutlass.Float8E4M3FN,
+        torch.float32: cutlass.Float32,
+        torch.int32: cutlass.Int32,
+    }
+    if t.dtype not in types:
+        raise TypeError(f"the CuTeDSL kernels take {', '.join(map(str, types))} tensors, not {t.dtype}")
+    unit = _unit_mode(t)
+    shape = tuple(cute.sym_int32(divisibility=8 if compact and m == unit else 1) for m in range(t.dim()))
+    stride = tuple(1 if m == unit else cute.sym_int64() for m in range(t.dim()))
+    return make_fake_tensor(types[t.dtype], shape, stride, assumed_align=16)
 
 
 def _check_aligned(tensors) -> None:
@@ -95,7 +121,7 @@ def call(cache: dict, key: tuple, jit_fn, tensors, compact: tuple[int, ...] = ()
                 raise RuntimeError(why)
             from cutlass.cute.runtime import make_fake_stream
 
-            args = [_as_cute(t, compact=i in compact, tvm_ffi=True) for i, t in enumerate(tensors)]
+            args = [_spec(t, compact=i in compact) for i, t in enumerate(tensors)]
             stream = make_fake_stream(use_tvm_ffi_env_stream=True)
             fn = cache[full] = cute.compile(jit_fn, *args, stream, options="--enable-tvm-ffi")
         fn(*[t.detach() for t in tensors])
@@ -150,7 +176,7 @@ def _launch(grouping: str, config: TileConfig, a, b, c, offsets, item_expert, it
     if not scaled:  # the kernel ignores them; any tensors of a fixed type keep one compile per variant
         sfa, sfb = offsets, offsets
     tensors = (a, b, c, offsets, item_expert, item_row, sfa, sfb)
-    key = (grouping, config, scaled, *((t.dtype, t.stride().index(1) if 1 in t.stride() else -1) for t in tensors))
+    key = (grouping, config, scaled, *((t.dtype, _unit_mode(t)) for t in tensors))
     sm_count = _sm_count(a.device)
     call(_COMPILED, key, _kernel(grouping, config, sm_count, scaled), tensors, compact=(2,))
 

@@ -87,7 +87,7 @@ def quantize_rows_kernel(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return q, scale
     x = grouped._aligned(x)
     # A one-row scale [kb, 1] has its stride-1 mode first: another layout, another compile.
-    key = (x.dtype, scale.stride().index(1))
+    key = (x.dtype, grouped._unit_mode(scale))
     grouped.call(_COMPILED, key, _launcher(), (x, q, scale), compact=(0, 1))
     return q, scale
 
