@@ -100,8 +100,8 @@ def _tvm_ffi_error() -> str | None:
         import tvm_ffi  # noqa: F401
     except ImportError as exc:
         return (
-            f"apache-tvm-ffi is not importable ({exc}), and the CuTeDSL kernels are launched through it: install the "
-            "`gpu` extra (pip install -e '.[gpu]')"
+            f"apache-tvm-ffi is not importable ({exc}), and grouped.LAUNCH = 'tvm-ffi' launches the CuTeDSL kernels "
+            "through it: install the `gpu` extra (pip install -e '.[gpu]') or set LAUNCH = 'dlpack'"
         )
     return None
 
