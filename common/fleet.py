@@ -12,7 +12,6 @@ per value. Left out: the weight updates themselves (rollout/weights/workers.py d
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import math
@@ -25,6 +24,7 @@ import redis.asyncio
 from common.keys import Keys
 from common.rendezvous import text
 from common.roles import announce
+from common.tasks import cancel_and_join
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -175,7 +175,4 @@ async def while_alive(client: redis.asyncio.Redis, keys: Keys, worker_id: str, c
             if not await client.exists(keys.worker_alive(worker_id)):
                 raise WorkerError(f"worker {worker_id} stopped heartbeating during the weight update (its role died)")
     finally:
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, WorkerError):
-                await task
+        await cancel_and_join(task, LIVENESS_POLL_S * 10, f"the weight update of worker {worker_id}")
