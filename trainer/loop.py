@@ -806,7 +806,7 @@ async def main(ctx: RunContext) -> int:
         raise
     finally:
         # A watch cancelled inside a Redis command could run on for good (common/tasks.py): this rank then never
-        # ended (CI, 2026-12-04).
+        # ended (reproduced here, 2026-12-04: 1 launch in 12).
         await cancel_and_join(watch, STOP_TIMEOUT_S, "the watch of the other trainer ranks")
         if work.done() and not work.cancelled() and work.exception() is None:
             ranks.close()
