@@ -146,15 +146,12 @@ def raw_grouped(device, dtype, H, inter, E, k, tokens, reps, backend="grouped_mm
     return Row(f"raw {name}", expert_flops(tokens, H, inter, k) / ms / 1e9, ms, vs=vs)
 
 
-def launch_cost(device, launch: str, calls: int = 400) -> Row:
-    """Host time of one CuTeDSL grouped-GEMM launch (grouped.LAUNCH = `launch`): `calls` back-to-back launches of
-    a GEMM far too small to keep the GPU busy (256 rows, 256x256, 8 experts), so that the wall time per call is
+def launch_cost(device, calls: int = 400) -> Row:
+    """Host time of one CuTeDSL grouped-GEMM launch (as grouped.LAUNCH is): `calls` back-to-back launches of a
+    GEMM far too small to keep the GPU busy (256 rows, 256x256, 8 experts), so that the wall time per call is
     the host's: argument conversion and the launch. `ms` is per launch."""
-    from trainer.experts.cutedsl import grouped
-
     if (why := cutedsl_unavailable(device, torch.bfloat16)) is not None:
         raise BackendUnavailable(why)
-    grouped.LAUNCH = launch
     a = torch.randn(256, 256, device=device, dtype=torch.bfloat16)
     w = torch.randn(8, 256, 256, device=device, dtype=torch.bfloat16).permute(1, 2, 0)
     offs = balanced_offsets(device, 256, 8)
@@ -167,7 +164,7 @@ def launch_cost(device, launch: str, calls: int = 400) -> Row:
         grouped.m_grouped(a, w, offs, items)
     host_ms = (time.perf_counter() - t0) * 1e3 / calls
     torch.cuda.synchronize()
-    return Row(f"one cutedsl launch, host time, {launch}", math.nan, host_ms, "ms per launch, host wall time")
+    return Row("one cutedsl launch, host time", math.nan, host_ms, "ms per launch, host wall time")
 
 
 def quantize_rowwise(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -518,15 +515,16 @@ def main() -> None:
 
     def measure(shape, label, fn, *fn_args, launch: str = "") -> None:
         """One row; `launch` (a cutedsl row): under that grouped.LAUNCH, named in the row unless it is the first."""
-        if launch:
-            grouped.LAUNCH = launch
-            if launch != launches[0]:
-                label = f"{label}, {launch} launch"
+        suffix = f", {launch} launch" if launch and launch != launches[0] else ""
+        label += suffix
         if time.perf_counter() - t_start > args.budget_s:
             print(f"skipped {label} for {shape}: time budget spent", flush=True)
             return
+        if launch:
+            grouped.LAUNCH = launch
         try:
             row = fn(*fn_args)
+            row.what += suffix
         except BackendUnavailable as exc:  # expected off Hopper or without the DSL: the reason, no traceback
             row = Row(label, math.nan, math.nan, f"unavailable: {exc}")
         except Exception as exc:  # report and keep measuring the other variants
@@ -534,8 +532,6 @@ def main() -> None:
             traceback.print_exc()
         finally:
             grouped.LAUNCH = launches[0]
-        if launch and launch != launches[0] and not row.what.endswith(" launch"):
-            row.what = f"{row.what}, {launch} launch"
         rows_of[shape].append(row)
         print(
             f"{shape} | {row.what}: {row.tflops:.1f} TFLOP/s ({row.ms:.3f} ms), {row.tflops / dense.tflops:.0%} of "
@@ -561,7 +557,7 @@ def main() -> None:
 
     if len(launches) > 1:
         for launch in launches:
-            measure(shapes[0], "one cutedsl launch", launch_cost, device, launch)
+            measure(shapes[0], "one cutedsl launch", launch_cost, device, launch=launch)
     # Cheap measurements first, compiled ones (minutes of compile time) last, so a budget cut loses least.
     for sh in shapes:
         if "raw" in variants or (sh == shapes[0] and "raw" in first_only):

@@ -18,8 +18,6 @@ fused into the A load, a Blackwell (sm100) kernel."""
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
@@ -137,17 +135,13 @@ def cutedsl_fp8_experts(
     return _CuteFP8SwiGLU.apply(x.contiguous(), offsets.int(), gate_up, down, *(t.detach() for t in pack))
 
 
-@functools.cache
 def _import_error() -> str | None:
-    try:
-        import cutlass  # noqa: F401
-        import cutlass.cute  # noqa: F401
-    except ImportError as exc:
-        return (
-            f"nvidia-cutlass-dsl is not importable ({exc}); install the `gpu` extra (pip install -e '.[gpu]') or, "
-            "on a machine without an index, unpack the bundle of ../shared/tools/cutedsl-bundle onto PYTHONPATH"
-        )
-    return None
+    return grouped.import_error(
+        "cutlass.cute",
+        "nvidia-cutlass-dsl",
+        "install the `gpu` extra (pip install -e '.[gpu]') or, on a machine without an index, unpack the bundle "
+        "of ../shared/tools/cutedsl-bundle onto PYTHONPATH",
+    )
 
 
 def cutedsl_unavailable(device: torch.device, dtype: torch.dtype) -> str | None:

@@ -6,6 +6,7 @@ dynamic, so one compile serves every size)."""
 from __future__ import annotations
 
 import functools
+import importlib
 from dataclasses import dataclass
 
 import torch
@@ -95,15 +96,22 @@ def _check_aligned(tensors) -> None:
 
 
 @functools.cache
-def _tvm_ffi_error() -> str | None:
+def import_error(module: str, package: str, fix: str) -> str | None:
+    """None if `module` imports, else why `package` is missing and `fix`."""
     try:
-        import tvm_ffi  # noqa: F401
+        importlib.import_module(module)
     except ImportError as exc:
-        return (
-            f"apache-tvm-ffi is not importable ({exc}), and grouped.LAUNCH = 'tvm-ffi' launches the CuTeDSL kernels "
-            "through it: install the `gpu` extra (pip install -e '.[gpu]') or set LAUNCH = 'dlpack'"
-        )
+        return f"{package} is not importable ({exc}); {fix}"
     return None
+
+
+def _tvm_ffi_error() -> str | None:
+    return import_error(
+        "tvm_ffi",
+        "apache-tvm-ffi",
+        "grouped.LAUNCH = 'tvm-ffi' launches the CuTeDSL kernels through it: install the `gpu` extra "
+        "(pip install -e '.[gpu]') or set LAUNCH = 'dlpack'",
+    )
 
 
 def call(cache: dict, key: tuple, jit_fn, tensors, compact: tuple[int, ...] = ()) -> None:
