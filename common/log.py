@@ -40,3 +40,11 @@ def setup(role: str, exp: str, level: str = "info", handlers: Sequence[logging.H
     # Third-party chatter at INFO drowns the run's own lines.
     for noisy in ("aiohttp.access", "urllib3", "asyncio", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def reset() -> None:
+    """Remove the handlers `setup` installed (a role's entry point run inside another program, a test)."""
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        if any(isinstance(f, _Context) for f in handler.filters):
+            root.removeHandler(handler)

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from common import log
 from common.config import RendezvousConfig, load_config
 from common.keys import Keys
 from common.rendezvous import Rendezvous
@@ -140,6 +141,15 @@ def _vllm_run(base: Path, exp: str, arch: str, router: bool) -> Iterator[VllmRun
         yield run
     finally:
         run.stop()
+
+
+@pytest.fixture(autouse=True)
+def _no_role_logging_left_behind() -> Iterator[None]:
+    """A role's entry point run in-process (the launcher, `slipstream eval`) routes the root logger to the
+    stderr pytest captured for that test (common.log.setup); once that stream is closed, every later test's
+    log line there is a '--- Logging error ---' traceback in the output. Those handlers go after each test."""
+    yield
+    log.reset()
 
 
 @pytest.fixture(scope="session")
