@@ -157,7 +157,7 @@ async def test_across_a_keep_mode_publish_each_row_comes_from_the_weights_that_s
     old_routing, new_routing = trainer_routing(old_model, samples), trainer_routing(new_model, samples)
     # (Seen in CI, not reproduced: every token of the old version.) The message tells the timing and the publish.
     said = f"timeline (s): {timeline}; publish: {result}; the requests went to {url}"
-    assert [w.url for w in result.workers if w.ok] == [url], f"the publish did not update the serving worker; {said}"
+    assert url in [w.url for w in result.workers if w.ok], f"the publish did not update the serving worker; {said}"
     for i, s in enumerate(samples):
         assert old in s.versions and new in s.versions, (
             f"sample {i}: versions {[(v, s.versions.count(v)) for v in sorted(set(s.versions))]}; {said}"
