@@ -17,6 +17,7 @@ The TTL liveness keys every role keeps alive are common/heartbeat.py's.
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import contextlib
 import json
@@ -104,8 +105,27 @@ class RedisInfo:
         return redis.Redis(**self._options(timeout_s), retry=Retry(_backoff(), _RETRIES if retry else 0))
 
     def async_client(self, timeout_s: float = 5.0) -> redis.asyncio.Redis:
-        """The asyncio twin of `client`, with the same retries."""
-        return redis.asyncio.Redis(**self._options(timeout_s), retry=redis.asyncio.retry.Retry(_backoff(), _RETRIES))
+        """The asyncio twin of `client`, with the same retries, on connections that keep their task's cancel."""
+        client = redis.asyncio.Redis(**self._options(timeout_s), retry=redis.asyncio.retry.Retry(_backoff(), _RETRIES))
+        client.connection_pool.connection_class = CancelKeepingConnection  # the pool has made no connection yet
+        return client
+
+
+class CancelKeepingConnection(redis.asyncio.Connection):
+    """A connection that does not lose its task's cancel. With a socket timeout, redis-py writes each command
+    under `asyncio.wait_for`, and Python 3.11's wait_for drops a cancel that arrives as the write finishes
+    (CPython gh-86296): the task then ran on as if never cancelled (a role that ignored its SIGTERM, a trainer
+    rank that never ended; bench/RESULTS.md). A cancel asked for during the write that did not come out of it
+    is raised here, after closing the connection, whose reply is then never read (as redis-py does for a
+    cancel it lets through)."""
+
+    async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        task = asyncio.current_task()
+        asked = task.cancelling() if task is not None else 0
+        await super().send_packed_command(command, check_health)
+        if task is not None and task.cancelling() > asked:
+            await self.disconnect(nowait=True)
+            raise asyncio.CancelledError
 
 
 def _lock_path(meet: Path, generation: int) -> Path:
