@@ -25,31 +25,35 @@ def poller(r, rng: random.Random):
     return poll
 
 
-@pytest.mark.timeout(120)
-async def test_one_cancel_ends_a_polling_task_and_the_client_still_works(redis_client):
-    r, rng = redis_client, random.Random(1)
+async def stop_pollers(r, seed: int, stop) -> None:
+    """STOPS pollers on client `r`, each stopped a moment in by `await stop(task, i)`; the client works afterwards."""
+    rng = random.Random(seed)
     await r.hset("h", mapping={"0": "x"})
     poll = poller(r, rng)
     for i in range(STOPS):
         task = asyncio.ensure_future(poll())
         await asyncio.sleep(rng.random() * 0.01)
+        await stop(task, i)
+    assert await r.hget("h", "0") == "x"
+
+
+@pytest.mark.timeout(120)
+async def test_one_cancel_ends_a_polling_task_and_the_client_still_works(redis_client):
+    async def one_cancel(task: asyncio.Future, i: int) -> None:
         task.cancel()
         await asyncio.wait({task}, timeout=5.0)
         assert task.cancelled(), f"stop {i}: one cancel did not end the task: {task!r}"
-    assert await r.hget("h", "0") == "x"
+
+    await stop_pollers(redis_client, 1, one_cancel)
 
 
 @pytest.mark.timeout(120)
 async def test_every_polling_task_ends_when_stopped_and_the_client_still_works(redis_client):
-    r, rng = redis_client, random.Random(0)
-    await r.hset("h", mapping={"0": "x"})
-    poll = poller(r, rng)
-    for i in range(STOPS):
-        task = asyncio.ensure_future(poll())
-        await asyncio.sleep(rng.random() * 0.01)
+    async def join(task: asyncio.Future, i: int) -> None:
         assert await cancel_and_join(task, 5.0, "the poller"), f"stop {i}: still running: {task!r}"
         assert task.cancelled()
-    assert await r.hget("h", "0") == "x"
+
+    await stop_pollers(redis_client, 0, join)
 
 
 @pytest.mark.timeout(60)

@@ -805,8 +805,8 @@ async def main(ctx: RunContext) -> int:
             log.error("the training thread did not stop within %.0fs", STOP_TIMEOUT_S)
         raise
     finally:
-        # A watch cancelled inside a Redis command could run on for good (common/tasks.py): this rank then never
-        # ended (reproduced here, 2026-12-04: 1 launch in 12).
+        # A watch whose cancel was lost ran on for good and this rank never ended (2026-12-04: 1 launch in 12,
+        # a cancel dropped inside a Redis command, which our connections now raise again): common/tasks.py.
         await cancel_and_join(watch, STOP_TIMEOUT_S, "the watch of the other trainer ranks")
         if work.done() and not work.cancelled() and work.exception() is None:
             ranks.close()
