@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
@@ -23,8 +23,22 @@ from trainer.experts.reference import reference_experts
 
 log = logging.getLogger(__name__)
 
-ExpertsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-"""(x sorted [N, H], offsets [E] int32, gate_up [E, 2I, H], down [E, H, I]) -> [N, H]."""
+
+class ExpertsFn(Protocol):
+    """(x sorted [N, H], offsets [E] int32, gate_up [E, 2I, H], down [E, H, I], weight copy) -> [N, H]. The
+    copy is what `ExpertWeights` keeps fresh per step: (gate_up, down) in x's dtype, or for `cutedsl_fp8` the
+    FP8 pack; None: the backend casts per call (the reference ignores it: it computes from the masters)."""
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        offsets: torch.Tensor,
+        gate_up: torch.Tensor,
+        down: torch.Tensor,
+        cast_weights: tuple[torch.Tensor, ...] | None = None,
+        /,
+    ) -> torch.Tensor: ...
+
 
 BACKENDS: dict[str, ExpertsFn] = {
     "reference": reference_experts,

@@ -56,7 +56,7 @@ def grouped_mm_experts(
     offsets: torch.Tensor,
     gate_up: torch.Tensor,
     down: torch.Tensor,
-    cast_weights: tuple[torch.Tensor, torch.Tensor] | None = None,
+    cast_weights: tuple[torch.Tensor, ...] | None = None,
 ) -> torch.Tensor:
     """Same contract as `reference_experts`: x [N, H] sorted by expert, offsets [E] int32 running ends.
 

@@ -9,10 +9,15 @@ import torch.nn.functional as F
 
 
 def reference_experts(
-    x: torch.Tensor, offsets: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+    x: torch.Tensor,
+    offsets: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    cast_weights: tuple[torch.Tensor, ...] | None = None,
 ) -> torch.Tensor:
     """SwiGLU experts over x [N, H] sorted by expert; offsets [E] = running end of each expert's rows;
-    gate_up [E, 2I, H] (gate rows first), down [E, H, I]. Returns [N, H]."""
+    gate_up [E, 2I, H] (gate rows first), down [E, H, I]. Returns [N, H]. `cast_weights` (the other backends'
+    weight copy) is not used: the ground truth casts the masters itself."""
     ends = offsets.tolist()
     outs = []
     start = 0

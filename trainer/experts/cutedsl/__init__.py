@@ -59,7 +59,7 @@ def cutedsl_experts(
     offsets: torch.Tensor,
     gate_up: torch.Tensor,
     down: torch.Tensor,
-    cast_weights: tuple[torch.Tensor, torch.Tensor] | None = None,
+    cast_weights: tuple[torch.Tensor, ...] | None = None,
 ) -> torch.Tensor:
     """Same contract as `grouped_mm_experts`: x [N, H] bf16 sorted by expert, offsets [E] int32 running ends,
     gate_up [E, 2I, H], down [E, H, I]; `cast_weights` an up-to-date bf16 copy of (gate_up, down). H and I
