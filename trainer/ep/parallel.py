@@ -147,10 +147,12 @@ class ParallelPlan:
         ):
             if group is None:
                 continue
+            grads = []
             for p in params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-            _all_reduce_flat([_local(p.grad) for p in params], group)
+                grads.append(_local(p.grad))
+            _all_reduce_flat(grads, group)
 
     def reduce_expert_load(self) -> None:
         """Sum every MoE layer's tokens_per_expert over all ranks, so the bias update and router
@@ -209,8 +211,8 @@ def apply_expert_parallel(
         device_type = layers[0].experts.gate_up_proj.device.type
         mesh = DeviceMesh.from_group(transport.group, device_type)
     for moe in layers:
-        if isinstance(moe.experts, ShardedExperts):
-            raise ValueError("expert parallelism is already applied to this model")
+        if not isinstance(moe.experts, Experts):
+            raise ValueError(f"expert parallelism is already applied to this model ({type(moe.experts).__name__})")
         moe.experts = ShardedExperts(moe.experts, transport, mesh)
     return ParallelPlan(
         model, transport, dense_group if dense_group is not None else transport.group, expert_replica_group

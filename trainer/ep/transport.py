@@ -13,11 +13,15 @@ from __future__ import annotations
 import os
 import warnings
 from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from trainer.ep.plan import DispatchPlan
+
+if TYPE_CHECKING:
+    from torch._C._distributed_c10d import _SymmetricMemory
 
 
 class TransportUnavailable(RuntimeError):
@@ -72,6 +76,16 @@ class LocalTransport(Transport):
         return 0
 
 
+def _group_or_world(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    """`group`, or the default group of an initialised torch.distributed."""
+    if group is not None:
+        return group
+    world = dist.group.WORLD
+    if world is None:
+        raise TransportUnavailable("no process group given and torch.distributed has no default group yet")
+    return world
+
+
 class _StagingBuffers:
     """One reusable buffer per (device, dtype, width), grown to exactly the largest request seen."""
 
@@ -105,7 +119,7 @@ class ProcessGroupTransport(Transport):
                 "ProcessGroupTransport needs torch.distributed: call dist.init_process_group first "
                 "(gloo on CPU, nccl on GPU), or use LocalTransport for one rank"
             )
-        self.group = group if group is not None else dist.group.WORLD
+        self.group: dist.ProcessGroup = _group_or_world(group)
         self.rank = dist.get_rank(self.group)
         self.world = dist.get_world_size(self.group)
         self._peers = [dist.get_global_rank(self.group, r) for r in range(self.world)]
@@ -181,7 +195,7 @@ class SymmetricMemoryTransport(Transport):
         import torch.distributed._symmetric_memory as symm_mem
 
         self._symm = symm_mem
-        self.group = group if group is not None else dist.group.WORLD
+        self.group: dist.ProcessGroup = _group_or_world(group)
         self.rank = dist.get_rank(self.group)
         self.world = dist.get_world_size(self.group)
         self.device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
@@ -191,12 +205,12 @@ class SymmetricMemoryTransport(Transport):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", FutureWarning)
                 symm_mem.enable_symm_mem_for_group(self.group.group_name)
-        self._counts: tuple[torch.Tensor, object] | None = None
-        self._data: list[tuple[torch.Tensor, object]] = []
+        self._counts: tuple[torch.Tensor, _SymmetricMemory] | None = None
+        self._data: list[tuple[torch.Tensor, _SymmetricMemory]] = []
         self._data_bytes = 0
         self._turn = 0
 
-    def _alloc(self, nbytes: int) -> tuple[torch.Tensor, object]:
+    def _alloc(self, nbytes: int) -> tuple[torch.Tensor, _SymmetricMemory]:
         buf = self._symm.empty(nbytes, dtype=torch.uint8, device=self.device)
         return buf, self._symm.rendezvous(buf, self.group.group_name)
 
@@ -211,7 +225,7 @@ class SymmetricMemoryTransport(Transport):
         handle.barrier(channel=0)
         return handle.get_buffer(self.rank, (self.world, E), torch.int64).cpu()
 
-    def _buffers(self, plan: DispatchPlan, width: int, dtype: torch.dtype) -> tuple[object, int]:
+    def _buffers(self, plan: DispatchPlan, width: int, dtype: torch.dtype) -> tuple[_SymmetricMemory, int]:
         """The handle to use for this operation and its capacity in rows of `width` x `dtype`."""
         row_bytes = width * dtype.itemsize
         need = plan.max_rows * row_bytes

@@ -86,6 +86,8 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 class Router(nn.Module):
     """Top-k expert choice. `weight` [E, H] is the gate; `e_score_correction_bias` exists for sigmoid scoring."""
 
+    e_score_correction_bias: torch.Tensor  # a buffer, registered for sigmoid scoring only
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.sigmoid = cfg.arch == "deepseek_v3"
@@ -167,6 +169,9 @@ class ExpertWeights(nn.Module):
     guards only on the copy existing (one recompile when it appears). The copy is a plain attribute, never
     a buffer, so state dicts and checkpoints hold the fp32 masters only."""
 
+    gate_up_proj: nn.Parameter  # [E, 2I, H] over all E experts (a subclass may hold this rank's block as a DTensor)
+    down_proj: nn.Parameter  # [E, H, I]
+
     def __init__(self, backend: str) -> None:
         super().__init__()
         self.backend = backend
@@ -201,6 +206,7 @@ class ExpertWeights(nn.Module):
         if self._cast is None or self._copy_dtype != dtype:
             self._cast, self._copy_dtype = None, dtype
             self.refresh_weight_copy()
+        assert self._cast is not None  # refresh_weight_copy makes it once a dtype is asked for
         return self._cast
 
     def _apply(self, fn, recurse=True):  # .to(), .cuda(), .half(): the copy would be on the old device/dtype
@@ -248,6 +254,8 @@ class Experts(ExpertWeights):
 class MoE(nn.Module):
     """Shared experts + routed experts; records per-expert token counts while training."""
 
+    tokens_per_expert: torch.Tensor  # a buffer
+
     def __init__(self, cfg: ModelConfig, backend: str, permute: str = "auto") -> None:
         super().__init__()
         self.permute = permute
@@ -255,7 +263,7 @@ class MoE(nn.Module):
         self.top_k = cfg.num_experts_per_tok
         self.num_experts = cfg.n_routed_experts
         self.gate = Router(cfg)
-        self.experts = Experts(cfg, backend)
+        self.experts: ExpertWeights = Experts(cfg, backend)  # trainer.ep swaps in its ShardedExperts
         self.shared_experts = (
             MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts) if cfg.n_shared_experts else None
         )

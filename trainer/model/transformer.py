@@ -51,6 +51,8 @@ class Decoder(nn.Module):
 class Transformer(nn.Module):
     """Causal LM. `forward(tokens)` gives logits; `token_logprobs` gives log p(target) per position."""
 
+    rope_angles: torch.Tensor  # a buffer
+
     def __init__(self, cfg: ModelConfig, experts_backend: str = "reference") -> None:
         super().__init__()
         if experts_backend not in ("reference", "grouped_mm", "cutedsl", "cutedsl_fp8"):
@@ -131,10 +133,12 @@ class Transformer(nn.Module):
     def routing_disagreement(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Per row [B], summed over MoE layers, of the last forward given a routing: (token-layer pairs whose
         router top-k differs from the given routing, token-layer pairs with a given routing)."""
-        pairs = [m.routing_disagreement for m in self.moe_layers()]
-        if any(p is None for p in pairs):
-            raise RuntimeError("the last forward was not given a routing")
-        return sum(p[0] for p in pairs), sum(p[1] for p in pairs)  # type: ignore[index]
+        pairs = []
+        for m in self.moe_layers():
+            if m.routing_disagreement is None:
+                raise RuntimeError("the last forward was not given a routing")
+            pairs.append(m.routing_disagreement)
+        return torch.stack([p[0] for p in pairs]).sum(0), torch.stack([p[1] for p in pairs]).sum(0)
 
     def aux_loss(self) -> torch.Tensor | None:
         """Sum of the MoE layers' sequence balance losses of the last forward (None when not computed)."""
