@@ -103,7 +103,7 @@ def _dcp_save(state: dict[str, Any], path: Path) -> None:
         dcp.save(state, checkpoint_id=str(path))
 
 
-def _dcp_load(state: dict[str, Any], path: Path) -> None:
+def _dcp_load(state: dict[str, Any], path: str | Path) -> None:
     with _single_process_quiet():
         dcp.load(state, checkpoint_id=str(path))
 

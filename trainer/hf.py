@@ -190,7 +190,8 @@ def hf_tensors(
             continue
         first = 0
         if isinstance(t, DTensor):  # this rank's contiguous block of experts
-            t, first = t.to_local(), t.device_mesh.get_local_rank() * t.to_local().shape[0]
+            first = t.device_mesh.get_local_rank() * t.to_local().shape[0]
+            t = t.to_local()
         if name.endswith("mlp.experts.gate_up_proj"):
             prefix = name[: -len(".gate_up_proj")]
             inter = t.shape[1] // 2

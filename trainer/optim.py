@@ -115,6 +115,7 @@ class Optimizer:
                 continue
             # Norm gains (1-D) are not decayed: shrinking them towards 0 only fights the normalisation.
             buckets.setdefault((group_of(name), p.ndim >= 2), []).append(p)
+        ordered = sorted(buckets.items())
         groups = [
             {
                 "params": ps,
@@ -123,12 +124,13 @@ class Optimizer:
                 "lr": peak[g],
                 "weight_decay": cfg.weight_decay if dec else 0.0,
             }
-            for (g, dec), ps in sorted(buckets.items())
+            for (g, dec), ps in ordered
         ]
-        self.params = [p for grp in groups for p in grp["params"]] + matrices
+        self.params = [p for _, ps in ordered for p in ps] + matrices
         fused = bool(self.params) and all(p.is_cuda for p in self.params)
+        beta1, beta2 = cfg.betas  # two numbers (the config's validation)
         self.adamw = torch.optim.AdamW(
-            groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay, fused=fused or None
+            groups, lr=cfg.lr, betas=(beta1, beta2), eps=cfg.eps, weight_decay=cfg.weight_decay, fused=fused or None
         )
         self.optimizers: list[torch.optim.Optimizer] = [self.adamw]
         if matrices:

@@ -84,7 +84,9 @@ class Mixture:
     """Rows drawn from named sources with fixed probabilities; `next_batch(n)` gives the next n rows of the
     run's one global stream."""
 
-    def __init__(self, sources: Sequence[tuple[str, Rows]], probabilities: Sequence[float], seed: int) -> None:
+    def __init__(
+        self, sources: Sequence[tuple[str, Rows]], probabilities: Sequence[float] | np.ndarray, seed: int
+    ) -> None:
         if len(sources) != len(probabilities) or not sources:
             raise ValueError(f"{len(sources)} sources but {len(probabilities)} probabilities")
         self.names = [name for name, _ in sources]
