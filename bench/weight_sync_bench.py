@@ -37,7 +37,8 @@ sys.path.insert(0, str(ROOT))
 from common.config import RendezvousConfig, load_config  # noqa: E402
 from common.keys import Keys  # noqa: E402
 from common.rendezvous import Rendezvous  # noqa: E402
-from rollout.weights import WeightPublisher, hf_tensors  # noqa: E402
+from common.weights.export import hf_tensors  # noqa: E402
+from common.weights.publisher import WeightPublisher  # noqa: E402
 
 # Pause before each measured step: vLLM's OpenMP threads spin for a while after an update and would
 # slow whatever runs next on this 2-core machine (floor reads varied 0.09-0.52 s without it).

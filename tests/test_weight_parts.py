@@ -27,17 +27,12 @@ from rl_routes import reading_worker, register
 
 from common.config import RolloutConfig
 from common.keys import Keys
+from common.weights.base import PublishError
+from common.weights.export import hf_tensors
+from common.weights.index import ABORT_MARKER, INDEX_NAME, CorruptShardError, PartReport, shard_name
+from common.weights.publisher import WeightPublisher
+from common.weights.writer import VersionPart, VersionWriter, count_shards, write_version
 from rollout.vllm_plugin.file_engine import FileUpdateInfo
-from rollout.weight_files import ABORT_MARKER, INDEX_NAME, CorruptShardError, PartReport, shard_name
-from rollout.weights import (
-    PublishError,
-    VersionPart,
-    VersionWriter,
-    WeightPublisher,
-    count_shards,
-    hf_tensors,
-    write_version,
-)
 
 MB = 1 << 20
 PEER_START_S = 60.0

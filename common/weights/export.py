@@ -8,7 +8,7 @@ import re
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING
 
-from rollout.weights.base import PublishError
+from common.weights.base import PublishError
 
 if TYPE_CHECKING:
     import torch

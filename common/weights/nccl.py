@@ -19,14 +19,14 @@ from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from rollout.weights.base import PublishError, PublishResult, WeightTransport
-from rollout.weights.export import hf_tensors
-from rollout.weights.workers import UPDATE_TIMEOUT_S, WorkerDriver, WorkerOutcome
+from common.weights.base import PublishError, PublishResult, WeightTransport
+from common.weights.export import hf_tensors
+from common.weights.workers import UPDATE_TIMEOUT_S, WorkerDriver, WorkerOutcome
 
 if TYPE_CHECKING:
     import torch
 
-    from rollout.weights.writer import PeerWriters
+    from common.weights.writer import PeerWriters
 
 
 @dataclass(frozen=True)
