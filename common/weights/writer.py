@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from common.weights.base import PublishError
-from common.weights.export import hf_views
+from common.weights.export import per_expert_views
 from common.weights.index import ABORT_MARKER, PartReport, ShardRecord, shard_name, write_index
 from common.weights.versions import temp_dir, version_dir
 
@@ -52,7 +52,7 @@ def plan_shards(named: list[tuple[str, torch.Tensor]], shard_bytes: int) -> list
 
 def count_shards(tensors: Mapping[str, torch.Tensor], shard_bytes: int) -> int:
     """How many shards `VersionPart` cuts these tensors into (0 for none): what a rank announces before writing."""
-    return len(plan_shards(list(hf_views(tensors)), shard_bytes))
+    return len(plan_shards(list(per_expert_views(tensors)), shard_bytes))
 
 
 def _mark_aborted(tmp: Path, exc: BaseException) -> None:
@@ -83,7 +83,7 @@ class VersionPart:
         first_shard: int,
         total_shards: int,
     ) -> None:
-        named = list(hf_views(tensors))
+        named = list(per_expert_views(tensors))
         self.shards = plan_shards(named, shard_bytes)
         if first_shard < 0 or first_shard + len(self.shards) > total_shards:
             raise PublishError(
