@@ -33,7 +33,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common.config import Config, ModelConfig  # noqa: E402
-from rollout.weights import VersionPart, count_shards  # noqa: E402
+from common.weights.writer import VersionPart, count_shards  # noqa: E402
 from trainer.core import TrainingCore, cross_entropy_loss  # noqa: E402
 from trainer.model import build_model  # noqa: E402
 from trainer.ranks import RankInfo, Ranks  # noqa: E402

@@ -37,7 +37,8 @@ sys.path.insert(0, str(ROOT))
 from common.config import RendezvousConfig, load_config  # noqa: E402
 from common.keys import Keys  # noqa: E402
 from common.rendezvous import Rendezvous  # noqa: E402
-from rollout.weights import WeightPublisher, hf_tensors  # noqa: E402
+from common.weights.export import per_expert_tensors  # noqa: E402
+from common.weights.publisher import WeightPublisher  # noqa: E402
 
 # Pause before each measured step: vLLM's OpenMP threads spin for a while after an update and would
 # slow whatever runs next on this 2-core machine (floor reads varied 0.09-0.52 s without it).
@@ -108,7 +109,7 @@ async def bench_size(name: str, overrides: dict, repeats: int, shard_mb: int, vl
 
         (model_dir,) = (work / "run" / "models").glob("*-*")
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        original = {k: v.clone() for k, v in dict(hf_tensors(model.state_dict())).items()}
+        original = {k: v.clone() for k, v in dict(per_expert_tensors(model.state_dict())).items()}
         perturbed = {k: v + 0.01 for k, v in original.items()}
         size = sum(t.numel() * t.element_size() for t in original.values())
         modes = {"streamed": True, "whole": False}

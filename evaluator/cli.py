@@ -3,7 +3,7 @@
 With --config or --run-dir the benchmarks and generation settings come from `eval_plan` over the run's
 config (flags win), so the command reproduces a score the run's evaluator role recorded for a version.
 `slipstream eval --run-dir RUN --version N` measures one published version as the run's evaluator did in pin
-mode: it loads `<weight dir>/v<N>/` into a worker with `rollout.weights.apply_version` (the `--url` server, or
+mode: it loads `<weight dir>/v<N>/` into a worker with `common.weights.workers.apply_version` (the `--url` server, or
 a vLLM server it starts for the run's model with the run's worker command line and environment and stops
 afterwards) and prints the score the run recorded for N beside its own. Each benchmark is run by
 evaluator/runner.py's `evaluate`; this module only reads the command line and the run, and reports.
@@ -25,11 +25,13 @@ import aiohttp
 
 from common.cli import add_set_argument
 from common.config import Config, ConfigError, EvaluatorConfig, load_config
-from common.fleet import WorkerError
 from common.http import RetryPolicy
 from common.log import setup as setup_logging
 from common.metrics import step_series
 from common.net import bearer, free_port
+from common.weights.fleet import WorkerError
+from common.weights.versions import committed_versions, version_dir, weight_root
+from common.weights.workers import apply_version
 from evaluator.backend import Backend, RequestError
 from evaluator.benchmark import BENCHMARKS, BenchmarkError
 from evaluator.cache import ResultCache
@@ -43,8 +45,6 @@ from evaluator.runner import (
     evaluate,
     probe_for,
 )
-from rollout.weights.versions import committed_versions, version_dir, weight_root
-from rollout.weights.workers import apply_version
 
 log = logging.getLogger(__name__)
 

@@ -19,9 +19,9 @@ import aiohttp
 import redis.asyncio
 from redis.typing import KeyT, StreamIdT, StreamRangeResponse
 
-from common.fleet import current_version, live_workers
 from common.keys import Keys
 from common.rendezvous import text
+from common.weights.fleet import current_version, live_workers
 from evaluator.runner import Snapshot
 
 log = logging.getLogger(__name__)

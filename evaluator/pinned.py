@@ -12,8 +12,9 @@ from pathlib import Path
 
 import aiohttp
 
-from common.fleet import WorkerError, evict, live_workers, set_worker_version, while_alive
 from common.http import RetryPolicy
+from common.weights.fleet import WorkerError, evict, live_workers, set_worker_version, while_alive
+from common.weights.workers import apply_version, served_version
 from evaluator.backend import Backend, RequestError
 from evaluator.fleetview import (
     EvaluatorError,
@@ -25,7 +26,6 @@ from evaluator.runner import (
     Snapshot,
 )
 from evaluator.watching import UNSETTLED_LOG_S, Inputs, Watcher
-from rollout.weights.workers import apply_version, served_version
 
 log = logging.getLogger(__name__)
 

@@ -20,11 +20,11 @@ import time
 
 import aiohttp
 
-from common.fleet import live_workers
 from common.http import RetryPolicy
 from common.metrics import MetricsWriter
 from common.net import bearer
 from common.roles import RunContext
+from common.weights.fleet import live_workers
 from evaluator.backend import Backend, RequestError
 from evaluator.cache import ResultCache
 from evaluator.fleetview import (

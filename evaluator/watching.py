@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import redis.asyncio
 
-from common.fleet import WorkerError
 from common.metrics import MetricsWriter
 from common.roles import RunContext, announce
+from common.weights.fleet import WorkerError
 from evaluator.backend import Backend, RequestError
 from evaluator.benchmark import Benchmark
 from evaluator.cache import ResultCache

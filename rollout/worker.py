@@ -34,17 +34,17 @@ from pathlib import Path
 import aiohttp
 
 from common.config import Config, RolloutConfig
-from common.fleet import WorkerError, WorkerRecord, current_version, read_record, register, set_worker_version
 from common.heartbeat import Heartbeat
 from common.net import advertised, bearer, free_port, url_host
 from common.proc import die_with_parent
 from common.rendezvous import STOP_WRITE_S
 from common.roles import RunContext, announce
 from common.tasks import cancel_and_join
+from common.weights.fleet import WorkerError, WorkerRecord, current_version, read_record, register, set_worker_version
+from common.weights.workers import apply_version, label_version, weight_lock
 from rollout.vllm_plugin import FILE_BACKEND
 from rollout.vllm_plugin.auth import KEY_ENV, MIDDLEWARE
 from rollout.vllm_plugin.watchdog import PARENT_ENV
-from rollout.weights.workers import apply_version, label_version, weight_lock
 from trainer.tinykit import TINY_MODELS, resolve_model
 
 log = logging.getLogger(__name__)

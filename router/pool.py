@@ -22,10 +22,10 @@ import aiohttp
 import redis
 import redis.asyncio
 
-from common.fleet import WorkerRecord, read_records, time_to_live
 from common.keys import Keys
 from common.roles import announce
 from common.tasks import cancel_and_join
+from common.weights.fleet import WorkerRecord, read_records, time_to_live
 
 log = logging.getLogger(__name__)
 

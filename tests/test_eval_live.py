@@ -2,7 +2,7 @@
 DeepSeek run (conftest.py: Redis, a router role process and one worker role process). One test runs
 all three benchmarks end to end through the router and counts the requests the router proxied. The
 other runs ROLE=evaluator as a process during a sequence of publishes (WeightPublisher of
-rollout/weights/, publishing the original weights again so later tests see version-0 weights):
+common/weights/, publishing the original weights again so later tests see version-0 weights):
 every evaluated version gets exactly one result row with its number, a version that moves during
 its evaluation gets none, an evaluator killed (SIGKILL) mid-version and restarted regenerates only
 the cases its cache lacked (counted by the router's /metrics), and `slipstream eval --config` against
@@ -40,13 +40,15 @@ import evaluator.cli
 from common.cli import main as slipstream_main
 from common.config import load_config, to_toml
 from common.metrics import MetricsWriter, read_metrics
+from common.weights.publisher import WeightPublisher
+from common.weights.workers import apply_version, served_version
+from common.weights.writer import write_version
 from evaluator.backend import Backend
 from evaluator.benchmark import EvalOptions, load_benchmark
 from evaluator.cache import ResultCache
 from evaluator.cli import build_parser, run_cli
 from evaluator.fleetview import FleetProbe
 from evaluator.runner import PIN_PAUSE_MODE, WeightInfoProbe, eval_plan, evaluate
-from rollout.weights import WeightPublisher, apply_version, served_version, write_version
 from trainer.tinykit import resolve_model
 
 pytestmark = [pytest.mark.slow]

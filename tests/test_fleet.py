@@ -1,4 +1,4 @@
-"""The worker fleet's records in Redis (common/fleet.py) against a real redis-server: a record round-trips
+"""The worker fleet's records in Redis (common/weights/fleet.py) against a real redis-server: a record round-trips
 through its hash value, a bad value is refused naming the worker and the fix and is skipped by every reader,
 a worker is live only while its liveness key exists, recording a version changes only the version, and
 the fleet, the router, the evaluator and the worker role import without torch."""
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from common.fleet import WorkerRecord, live_workers, read_records, register, set_worker_version, time_to_live
 from common.keys import Keys
+from common.weights.fleet import WorkerRecord, live_workers, read_records, register, set_worker_version, time_to_live
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -62,7 +62,7 @@ async def test_recording_a_version_changes_only_the_version_and_never_registers_
 def test_the_fleet_the_router_the_evaluator_and_the_worker_role_import_without_torch():
     code = (
         "import sys\n"
-        "import common.fleet, router.server, evaluator.watcher, evaluator.runner, rollout.worker, rollout.weights\n"
+        "import common.weights.fleet, router.server, evaluator.watcher, evaluator.runner, rollout.worker, common.weights.publisher\n"
         "print('torch' in sys.modules)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)

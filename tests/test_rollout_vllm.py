@@ -23,9 +23,10 @@ import torch
 from conftest import MAX_MODEL_LEN
 
 from common.config import load_config
+from common.weights.publisher import WeightPublisher
+from common.weights.workers import served_version
 from rollout.client import RolloutClient
 from rollout.vllm_plugin import watchdog
-from rollout.weights import WeightPublisher, served_version
 
 pytestmark = [pytest.mark.slow]
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from common.fleet import WorkerRecord
+from common.weights.fleet import WorkerRecord
 from router.metrics import Metrics
 from router.policy import Policy, affinity_worker, least_outstanding, overloaded
 from router.pool import WorkerPool

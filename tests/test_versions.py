@@ -1,11 +1,11 @@
-"""The run's lineage (trainer/versions.py): without faults version = step; after a resume the weights of
+"""The run's lineage (common/weights/lineage.py): without faults version = step; after a resume the weights of
 a step are published under a new, higher number, and versions of the lost run are no one's."""
 
 from __future__ import annotations
 
 import pytest
 
-from trainer.versions import Lineage, UnknownVersion
+from common.weights.lineage import Lineage, UnknownVersion
 
 
 def test_without_faults_every_step_publishes_its_own_number():

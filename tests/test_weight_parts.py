@@ -27,17 +27,12 @@ from rl_routes import reading_worker, register
 
 from common.config import RolloutConfig
 from common.keys import Keys
+from common.weights.base import PublishError
+from common.weights.export import per_expert_tensors
+from common.weights.index import ABORT_MARKER, INDEX_NAME, CorruptShardError, PartReport, shard_name
+from common.weights.publisher import WeightPublisher
+from common.weights.writer import VersionPart, VersionWriter, count_shards, write_version
 from rollout.vllm_plugin.file_engine import FileUpdateInfo
-from rollout.weight_files import ABORT_MARKER, INDEX_NAME, CorruptShardError, PartReport, shard_name
-from rollout.weights import (
-    PublishError,
-    VersionPart,
-    VersionWriter,
-    WeightPublisher,
-    count_shards,
-    hf_tensors,
-    write_version,
-)
 
 MB = 1 << 20
 PEER_START_S = 60.0
@@ -205,7 +200,7 @@ async def test_three_ranks_publish_one_version_that_streaming_and_complete_reade
         "model.layers.0.mlp.experts.down_proj": torch.randn(2, 250, 100),
     }
     specs = [{}, expert_spec(2, 5)]
-    expected = dict(hf_tensors(own)) | build(specs[1])
+    expected = dict(per_expert_tensors(own)) | build(specs[1])
     keys, got, seen, loading = Keys("wp"), {}, [], threading.Event()
     peers = await asyncio.to_thread(ProcessPeers, specs, MB, 1, None, loading)
     runner, url = await _streaming_worker(got, seen, loading)

@@ -18,9 +18,11 @@ from rl_routes import reading_worker, register
 
 from common.config import RolloutConfig
 from common.keys import Keys
+from common.weights.base import PublishError
+from common.weights.index import ABORT_MARKER, INDEX_NAME, shard_name
+from common.weights.publisher import WeightPublisher
+from common.weights.writer import VersionWriter, plan_shards
 from rollout.vllm_plugin.file_engine import FileUpdateInfo
-from rollout.weight_files import ABORT_MARKER, INDEX_NAME, shard_name
-from rollout.weights import PublishError, VersionWriter, WeightPublisher, plan_shards
 
 MB = 1 << 20
 

@@ -22,17 +22,13 @@ from safetensors.torch import load_file
 
 from common.config import RolloutConfig
 from common.keys import Keys
-from rollout.weights import (
-    NcclTransport,
-    PublishError,
-    WeightPublisher,
-    hf_tensors,
-    newest_version,
-    pin_versions,
-    prune_versions,
-    write_version,
-)
-from rollout.weights.workers import weight_lock
+from common.weights.base import PublishError
+from common.weights.export import per_expert_tensors
+from common.weights.nccl import NcclTransport
+from common.weights.publisher import WeightPublisher
+from common.weights.versions import newest_version, pin_versions, prune_versions
+from common.weights.workers import weight_lock
+from common.weights.writer import write_version
 
 
 def test_fused_expert_tensors_are_split_into_one_name_per_expert():
@@ -40,7 +36,7 @@ def test_fused_expert_tensors_are_split_into_one_name_per_expert():
     down = torch.arange(2 * 3 * 3, dtype=torch.float32).reshape(2, 3, 3)  # [E, H, I]
     other = torch.ones(4)
     out = dict(
-        hf_tensors(
+        per_expert_tensors(
             {
                 "model.layers.1.mlp.experts.gate_up_proj": gate_up,
                 "model.layers.1.mlp.experts.down_proj": down,
@@ -297,7 +293,7 @@ _HOLDER = """
 import asyncio, sys
 import redis.asyncio
 from common.keys import Keys
-from rollout.weights.workers import weight_lock
+from common.weights.workers import weight_lock
 
 async def main():
     host, port, password = sys.argv[1], int(sys.argv[2]), sys.argv[3]

@@ -51,7 +51,7 @@ class TrainState:
     flow_state: dict[str, Any] = field(default_factory=dict)
     """Queued / in-flight / buffered prompts of the flow runtime (opaque)."""
     versions: list[list[int]] = field(default_factory=list)
-    """The RL run's lineage: [step, version] of every weight publication (trainer/versions.py)."""
+    """The RL run's lineage: [step, version] of every weight publication (common/weights/lineage.py)."""
 
 
 class CheckpointSchedule:

@@ -23,7 +23,7 @@ are seconds on the flow's clock, whose origin is the moment the flow runtime sta
 A trainer that starts where checkpoints exist resumes from the newest (every rank; the launcher restarts
 them together): the flow state re-issues what was in flight, the ledger sets aside the steps trained
 after the checkpoint by the lost run, and before generation starts the workers are made to serve the
-checkpoint's generator weights under a version number the experiment never used (trainer/versions.py
+checkpoint's generator weights under a version number the experiment never used (common/weights/lineage.py
 says why numbers are not reused, and keeps the map from versions to steps that the flow policy needs).
 """
 
@@ -50,22 +50,18 @@ from common.metrics import MetricsWriter
 from common.net import advertised
 from common.roles import REPORT_FILE, RunContext
 from common.tasks import cancel_and_join
+from common.weights.fleet import current_version
+from common.weights.index import PartReport
+from common.weights.lineage import Lineage
+from common.weights.publisher import WeightPublisher
+from common.weights.versions import newest_version, pin_versions, unfinished_versions
+from common.weights.writer import VersionPart, count_shards
 from rollout.controller import GenerationController
 from rollout.flow.runtime import FlowRuntime, FlowState, Group
 from rollout.flow.strategies import policy_from_config
 from rollout.generator import Rollout, SampleGenerator
 from rollout.outcomes import ControllerClosed
 from rollout.tasks import Problem, load_task
-from rollout.weights import (
-    PartReport,
-    VersionPart,
-    WeightPublisher,
-    count_shards,
-    current_version,
-    newest_version,
-    pin_versions,
-    unfinished_versions,
-)
 from trainer.checkpoint import CheckpointSchedule, TrainState, checkpoint_steps
 from trainer.core import StepResult, TrainingCore, cross_entropy_loss
 from trainer.data.shards import data_root
@@ -87,7 +83,6 @@ from trainer.rl.advantages import group_advantages, zero_variance_groups
 from trainer.rl.replay import routing_batch
 from trainer.rl.update import gap_quantile, mini_batch_rows, proximal_fn, rl_updates
 from trainer.tinykit import resolve_model
-from trainer.versions import Lineage
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -147,7 +142,7 @@ class Command:
 
 
 class _RankPeers:
-    """Rank 0's side of a publish the other ranks write parts of (rollout.weights.PeerWriters)."""
+    """Rank 0's side of a publish the other ranks write parts of (common.weights.writer.PeerWriters)."""
 
     def __init__(self, ranks: Ranks, shard_counts: list[int]) -> None:
         self.ranks, self.shard_counts = ranks, shard_counts
@@ -291,7 +286,7 @@ class RLTrainer(TrainerRank):
         self._mismatch: list[float] = []  # trainer-vs-vLLM log-prob gap on fresh samples, per step
         self._router: list[RouterStats] = []  # the last RL update's per-layer router telemetry
         self._perf: dict[str, float] = {}  # the last RL update's parts (seconds) and trained tokens per second
-        self.lineage = Lineage()  # which published version holds which step's weights (trainer/versions.py)
+        self.lineage = Lineage()  # which published version holds which step's weights (common/weights/lineage.py)
         ck = self.cfg.trainer.checkpoint
         self.schedule = CheckpointSchedule(ck.interval_steps, ck.interval_minutes)
 

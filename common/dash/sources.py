@@ -16,12 +16,12 @@ from pathlib import Path
 import redis
 
 from common.config import ConfigError, diff, from_dict
-from common.fleet import WorkerRecord
 from common.keys import Keys
 from common.metrics import read_metrics
 from common.registry import Registry, RunRecord
 from common.rendezvous import RedisInfo
 from common.roles import RUN_FILE
+from common.weights.fleet import WorkerRecord
 
 # redis.json: the name the rendezvous writes.
 REDIS_FILE = "redis.json"
@@ -197,7 +197,7 @@ def read_live(exp: str, meet_dir: Path) -> LiveState:
                 try:
                     record = WorkerRecord.from_json(worker_id, entries[worker_id])
                     url, version = record.url, record.weight_version
-                except ValueError:  # no worker to common/fleet.py's readers; the page still shows what is there
+                except ValueError:  # no worker to common/weights/fleet.py's readers; the page still shows what is there
                     url, version = f"unreadable record {entries[worker_id][:80]!r}", None
                 state.workers.append(
                     {

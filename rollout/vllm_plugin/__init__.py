@@ -2,7 +2,7 @@
 
 vLLM runs `register` (entry point group `vllm.general_plugins`, see pyproject.toml) in every vLLM
 process. It registers the `file` engine, which loads a published weight version from safetensors
-files (rollout/weights/ writes them) and works on any machine that sees the files, and, on the CPU
+files (common/weights/ writes them) and works on any machine that sees the files, and, on the CPU
 platform of vLLM 0.32, makes weight reloads re-run the CPU expert pre-packing that vLLM skips, and
 in the server a worker role started, watches that role and ends the server when it dies (watchdog.py).
 On that platform it also makes `--enable-return-routed-experts` work with the V1 CPU model runner

@@ -5,7 +5,7 @@ is read in name order. When the directory has an index with checksums (`model.sa
 which the publisher writes), each file is read once into memory, its size and CRC-32 checked against
 the index, and its tensors loaded from those bytes; a mismatch, a shard missing or a shard the index
 does not know raises before that file is loaded. With `{"path": DIR, "shards": K}` the version is still
-being written (the publisher streams it; layout in rollout/weight_files.py): shard i appears by an
+being written (the publisher streams it; layout in common/weights/index.py): shard i appears by an
 atomic rename once whole, so the engine loads shard i while the publisher (or another trainer rank)
 writes shard i+1. It waits at most `wait_s` seconds for each shard and stops at once if a writer
 leaves an `ABORTED` file (its write failed). Streamed shards are NOT checksummed: the index is written
@@ -33,7 +33,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from rollout.weight_files import ABORT_MARKER, CorruptShardError, read_index, shard_name, verify_shard
+from common.weights.index import ABORT_MARKER, CorruptShardError, read_index, shard_name, verify_shard
 
 _POLL_S = 0.001
 

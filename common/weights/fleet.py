@@ -6,7 +6,7 @@ its id, and heartbeats `keys.worker_alive(id)`: a worker counts as alive only wh
 module is the one place that encodes, decodes and reads those records, evicts a worker, records the version a
 worker serves, and gives up on a call when its worker dies. It imports no torch, so the router and the
 evaluator can use it. An entry that does not decode is not a worker: every reader skips it, with one warning
-per value. Left out: the weight updates themselves (rollout/weights/workers.py drives a worker over HTTP).
+per value. Left out: the weight updates themselves (common/weights/workers.py drives a worker over HTTP).
 """
 
 from __future__ import annotations

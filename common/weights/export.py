@@ -1,5 +1,7 @@
-"""HF naming of the trainer's tensors for vLLM: transformers keeps routed experts fused in memory, vLLM's
-loaders want one name per expert. Every transport sends what this yields.
+"""One name per expert, the form every transport sends: vLLM's loaders want `...experts.{e}.gate_proj.weight`,
+transformers keeps routed experts fused in memory (`...experts.gate_up_proj` [E, 2I, H]). `per_expert_views`
+splits fused tensors and passes everything else through, so a publisher takes either a transformers state
+dict or the trainer's own export (trainer/hf.py's `hf_tensors(model)`, already one name per expert).
 """
 
 from __future__ import annotations
@@ -8,7 +10,7 @@ import re
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING
 
-from rollout.weights.base import PublishError
+from common.weights.base import PublishError
 
 if TYPE_CHECKING:
     import torch
@@ -18,8 +20,8 @@ _FUSED_GATE_UP = re.compile(r"^(.*\.experts)\.gate_up_proj$")
 _FUSED_DOWN = re.compile(r"^(.*\.experts)\.down_proj$")
 
 
-def hf_views(tensors: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
-    """HF-named tensors with one name per expert, as views (no copies); see `hf_tensors`."""
+def per_expert_views(tensors: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF-named tensors with one name per expert, as views (no copies); see `per_expert_tensors`."""
     for name, t in tensors.items():
         t = t.detach()
         if (m := _FUSED_GATE_UP.match(name)) and t.dim() == 3:
@@ -36,12 +38,12 @@ def hf_views(tensors: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.T
             yield name, t
 
 
-def hf_tensors(tensors: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+def per_expert_tensors(tensors: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
     """HF-named tensors with one name per expert: fused transformers expert tensors are split.
 
     `...experts.gate_up_proj` [E, 2I, H] becomes `...experts.{e}.gate_proj.weight` [I, H] and
     `...experts.{e}.up_proj.weight` [I, H]; `...experts.down_proj` [E, H, I] becomes
     `...experts.{e}.down_proj.weight`. Everything else passes through; all come out contiguous on CPU.
     """
-    for name, t in hf_views(tensors):
+    for name, t in per_expert_views(tensors):
         yield name, t.contiguous().cpu()

@@ -1,4 +1,4 @@
-"""The on-disk layout of a published weight version, shared by the writer (rollout/weights/writer.py, no
+"""The on-disk layout of a published weight version, shared by the writer (common/weights/writer.py, no
 vLLM import) and the `file` engine inside vLLM (rollout/vllm_plugin/file_engine.py).
 
 A version is the directory `<weight_dir>/v<N>/` holding `model-<i>-of-<K>.safetensors` shards

@@ -19,14 +19,14 @@ from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from rollout.weights.base import PublishError, PublishResult, WeightTransport
-from rollout.weights.export import hf_tensors
-from rollout.weights.workers import UPDATE_TIMEOUT_S, WorkerDriver, WorkerOutcome
+from common.weights.base import PublishError, PublishResult, WeightTransport
+from common.weights.export import per_expert_tensors
+from common.weights.workers import UPDATE_TIMEOUT_S, WorkerDriver, WorkerOutcome
 
 if TYPE_CHECKING:
     import torch
 
-    from rollout.weights.writer import PeerWriters
+    from common.weights.writer import PeerWriters
 
 
 @dataclass(frozen=True)
@@ -148,7 +148,7 @@ class NcclTransport(WeightTransport):
                 "trainer ranks hold parts of this version; use rollout.weight_backend = 'file'"
             )
         t0 = time.perf_counter()
-        self._tensors = await asyncio.to_thread(lambda: dict(hf_tensors(tensors)))
+        self._tensors = await asyncio.to_thread(lambda: dict(per_expert_tensors(tensors)))
         self._export_s = time.perf_counter() - t0
 
     async def send(self, version: int, workers: Mapping[str, str], pause_mode: str) -> PublishResult:

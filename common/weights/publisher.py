@@ -20,19 +20,19 @@ import aiohttp
 import redis.asyncio
 
 from common.config import RolloutConfig
-from common.fleet import current_version, live_workers
 from common.keys import Keys
 from common.roles import announce
-from rollout.weights.base import PublishError, PublishResult
-from rollout.weights.factory import make_transport
-from rollout.weights.nccl import NcclGroup
-from rollout.weights.versions import weight_root
-from rollout.weights.workers import WorkerDriver
+from common.weights.base import PublishError, PublishResult
+from common.weights.factory import make_transport
+from common.weights.fleet import current_version, live_workers
+from common.weights.nccl import NcclGroup
+from common.weights.versions import weight_root
+from common.weights.workers import WorkerDriver
 
 if TYPE_CHECKING:
     import torch
 
-    from rollout.weights.writer import PeerWriters
+    from common.weights.writer import PeerWriters
 
 log = logging.getLogger(__name__)
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from common.config import RolloutConfig
-from rollout.weights.base import WeightTransport
-from rollout.weights.file import FileTransport
-from rollout.weights.nccl import NcclGroup, NcclTransport
-from rollout.weights.workers import WorkerDriver
+from common.weights.base import WeightTransport
+from common.weights.file import FileTransport
+from common.weights.nccl import NcclGroup, NcclTransport
+from common.weights.workers import WorkerDriver
 
 
 def make_transport(

@@ -22,11 +22,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rollout.weight_files import CorruptShardError, ShardRecord, read_index, verify_shard
-from rollout.weights.base import PublishError, PublishResult, WeightTransport
-from rollout.weights.versions import prune_versions, temp_dir, version_dir
-from rollout.weights.workers import WorkerDriver, WorkerOutcome
-from rollout.weights.writer import PeerWriters, VersionWriter
+from common.weights.base import PublishError, PublishResult, WeightTransport
+from common.weights.index import CorruptShardError, ShardRecord, read_index, verify_shard
+from common.weights.versions import prune_versions, temp_dir, version_dir
+from common.weights.workers import WorkerDriver, WorkerOutcome
+from common.weights.writer import PeerWriters, VersionWriter
 
 if TYPE_CHECKING:
     import torch

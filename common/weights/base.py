@@ -14,12 +14,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
-from rollout.weights.workers import WorkerOutcome
+from common.weights.workers import WorkerOutcome
 
 if TYPE_CHECKING:
     import torch
 
-    from rollout.weights.writer import PeerWriters
+    from common.weights.writer import PeerWriters
 
 
 class PublishError(RuntimeError):

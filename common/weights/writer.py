@@ -1,5 +1,5 @@
 """The streamed writer of the file transport: one version as safetensors shards (layout:
-rollout/weight_files.py), each renamed into place once whole so workers can load shard i while shard i+1 is
+common/weights/index.py), each renamed into place once whole so workers can load shard i while shard i+1 is
 written, by one trainer rank or several. Rank 0's `VersionWriter` owns the temporary directory, writes its own
 `VersionPart` (shards 0..) while `PeerWriters`, the other ranks, write theirs (the shards after it), then the
 index from every rank's `PartReport`, and renames the directory into place. A writer that fails leaves the
@@ -21,10 +21,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from rollout.weight_files import ABORT_MARKER, PartReport, ShardRecord, shard_name, write_index
-from rollout.weights.base import PublishError
-from rollout.weights.export import hf_views
-from rollout.weights.versions import temp_dir, version_dir
+from common.weights.base import PublishError
+from common.weights.export import per_expert_views
+from common.weights.index import ABORT_MARKER, PartReport, ShardRecord, shard_name, write_index
+from common.weights.versions import temp_dir, version_dir
 
 if TYPE_CHECKING:
     import torch
@@ -52,7 +52,7 @@ def plan_shards(named: list[tuple[str, torch.Tensor]], shard_bytes: int) -> list
 
 def count_shards(tensors: Mapping[str, torch.Tensor], shard_bytes: int) -> int:
     """How many shards `VersionPart` cuts these tensors into (0 for none): what a rank announces before writing."""
-    return len(plan_shards(list(hf_views(tensors)), shard_bytes))
+    return len(plan_shards(list(per_expert_views(tensors)), shard_bytes))
 
 
 def _mark_aborted(tmp: Path, exc: BaseException) -> None:
@@ -83,7 +83,7 @@ class VersionPart:
         first_shard: int,
         total_shards: int,
     ) -> None:
-        named = list(hf_views(tensors))
+        named = list(per_expert_views(tensors))
         self.shards = plan_shards(named, shard_bytes)
         if first_shard < 0 or first_shard + len(self.shards) > total_shards:
             raise PublishError(
@@ -138,7 +138,7 @@ class PeerWriters(Protocol):
 
 
 class VersionWriter:
-    """Writes one version as safetensors shards (layout: rollout/weight_files.py), then moves it into place.
+    """Writes one version as safetensors shards (layout: common/weights/index.py), then moves it into place.
 
     The shards go to a temporary directory `root/.v<N>.<pid>.tmp/`, each renamed into its final name
     once whole, so workers can load shard i while shard i+1 is written. `write` writes rank 0's part

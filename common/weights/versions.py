@@ -17,8 +17,8 @@ from pathlib import Path
 import redis.asyncio
 
 from common.config import RolloutConfig
-from common.fleet import current_version, read_records
 from common.keys import Keys
+from common.weights.fleet import current_version, read_records
 
 _VERSION_DIR = re.compile(r"^v(\d+)$")
 _TMP_DIR = re.compile(r"^\.v(\d+)\.\d+\.tmp$")
