@@ -15,16 +15,16 @@ import duckdb
 import pytest
 from selenium.webdriver.support.ui import Select
 
-from common.cli import main as cli_main
 from common.config import RendezvousConfig, load_config, to_toml
-from common.dash import DashServer
-from common.dash.charts import Series, line_chart, nice_ticks
-from common.dash.sources import DashError, RunSource
 from common.keys import Keys
 from common.metrics import MetricsWriter
-from common.registry import Registry
 from common.rendezvous import Rendezvous
 from common.roles import RUN_FILE
+from common.runs.cli import main as cli_main
+from common.runs.dash import DashServer
+from common.runs.dash.charts import Series, line_chart, nice_ticks
+from common.runs.dash.sources import DashError, RunSource
+from common.runs.registry import Registry
 from rollout.flow.events import FlowCounters
 from tests.dash_check import (
     check_run_page,

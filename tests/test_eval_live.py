@@ -37,9 +37,9 @@ import torch
 from conftest import MAX_MODEL_LEN
 
 import evaluator.cli
-from common.cli import main as slipstream_main
 from common.config import load_config, to_toml
 from common.metrics import MetricsWriter, read_metrics
+from common.runs.cli import main as slipstream_main
 from evaluator.backend import Backend
 from evaluator.benchmark import EvalOptions, load_benchmark
 from evaluator.cache import ResultCache

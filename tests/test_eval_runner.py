@@ -23,12 +23,12 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from common.cli import main as slipstream_main
 from common.config import load_config, to_toml
 from common.http import RetryPolicy
 from common.keys import Keys
 from common.metrics import MetricsWriter
 from common.roles import RunContext
+from common.runs.cli import main as slipstream_main
 from evaluator.backend import Backend, RequestError
 from evaluator.benchmark import Case, EvalOptions, Sampling, load_benchmark
 from evaluator.cache import ResultCache, fingerprint

@@ -4,7 +4,7 @@ The launcher resolves the experiment id, run dir and meet dir, writes the resolv
 run dir, records the run in the registry, becomes the rendezvous leader (so Redis outlives any role
 restart), and starts every replica of every `launch.roles` entry as a child process with ROLE,
 SLIPSTREAM_EXP, SLIPSTREAM_MEET_DIR, SLIPSTREAM_REPLICA and SLIPSTREAM_REPLICAS set (trainer replicas are
-its ranks). Each replica's output goes to <run dir>/logs/<entry>-<i>.log; the console (common/console.py)
+its ranks). Each replica's output goes to <run dir>/logs/<entry>-<i>.log; the console (common/runs/console.py)
 shows the launcher's own lines, the roles' warnings and errors and one progress line, or with `verbose`
 every child line prefixed with `entry/replica`. A replica that fails is restarted when its entry says so
 (by default the router, vLLM workers and the evaluator, which rejoin the experiment by themselves), after
@@ -12,7 +12,7 @@ a doubling backoff and up to max_restarts. The run ends when every critical entr
 first failure not restarted (whose exit code the launcher returns), or on SIGINT/SIGTERM; in every case
 the whole process tree is torn down: SIGTERM to each child's process group and every descendant, then
 SIGKILL after the grace period. Children also get SIGTERM from the kernel if the launcher itself is
-killed. The same processes for several machines are written by common/scripts.py.
+killed. The same processes for several machines are written by common/runs/scripts.py.
 """
 
 from __future__ import annotations
@@ -36,17 +36,17 @@ from typing import BinaryIO
 
 from common import log as logsetup
 from common.config import Config, RoleSpec, load_config, to_toml
-from common.console import LOGS, Console, ConsoleHandler, ProgressLine, Shown, elapsed, log_path
-from common.dash.server import DashServer
-from common.dash.sources import read_live
+from common.runs.console import LOGS, Console, ConsoleHandler, ProgressLine, Shown, elapsed, log_path
+from common.runs.dash.server import DashServer
+from common.runs.dash.sources import read_live
 from common.proc import bind_to_cpus, die_with_parent, machine_cpus, parse_cpus, stop_process_trees
-from common.registry import Registry
+from common.runs.registry import Registry
 from common.rendezvous import Rendezvous
 from common.roles import REPORT_FILE, RUN_FILE, new_exp_id, resolve_meet_dir, resolve_run_dir
 
 log = logging.getLogger(__name__)
 
-DEFAULT_COMMAND = "{python} -m common.cli run {config}"
+DEFAULT_COMMAND = "{python} -m common.runs.cli run {config}"
 
 
 @dataclass

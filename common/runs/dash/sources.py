@@ -19,7 +19,7 @@ from common.config import ConfigError, diff, from_dict
 from common.fleet import WorkerRecord
 from common.keys import Keys
 from common.metrics import read_metrics
-from common.registry import Registry, RunRecord
+from common.runs.registry import Registry, RunRecord
 from common.rendezvous import RedisInfo
 from common.roles import RUN_FILE
 

@@ -22,8 +22,8 @@ from typing import TextIO
 
 import duckdb
 
-from common.dash.panels import eval_score_tags
-from common.dash.sources import LiveState, metrics_signature
+from common.runs.dash.panels import eval_score_tags
+from common.runs.dash.sources import LiveState, metrics_signature
 from common.metrics import read_metrics
 
 LOGS = "logs"

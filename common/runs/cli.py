@@ -110,7 +110,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_launch(args: argparse.Namespace) -> int:
-    from common.launch import launch
+    from common.runs.launch import launch
 
     if args.config is None and args.resume is None:
         raise ConfigError("slipstream launch needs a CONFIG (e.g. configs/demo.toml) or --resume RUN_DIR")
@@ -119,7 +119,7 @@ def _cmd_launch(args: argparse.Namespace) -> int:
 
 def _cmd_scripts(args: argparse.Namespace) -> int:
     from common.net import is_loopback
-    from common.scripts import write_scripts
+    from common.runs.scripts import write_scripts
 
     for path in write_scripts(args.config, args.overrides, args.outdir):
         print(path)
@@ -143,8 +143,8 @@ def _cmd_scripts(args: argparse.Namespace) -> int:
 def _cmd_dash(args: argparse.Namespace) -> int:
     import uvloop
 
-    from common.dash.server import serve
-    from common.dash.sources import DashError
+    from common.runs.dash.server import serve
+    from common.runs.dash.sources import DashError
 
     try:
         uvloop.run(serve(args.path, args.host, args.port, args.token))
@@ -176,7 +176,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"slipstream: config error: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:
-        from common.launch import LaunchError
+        from common.runs.launch import LaunchError
         from common.rendezvous import RendezvousError
         from common.roles import RoleError
 
