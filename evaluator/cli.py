@@ -23,13 +23,12 @@ from pathlib import Path
 
 import aiohttp
 
-from common.config import Config, ConfigError, EvaluatorConfig, load_config
+from common.config import Config, ConfigError, EvaluatorConfig, add_set_argument, load_config
 from common.fleet import WorkerError
 from common.http import RetryPolicy
 from common.log import setup as setup_logging
 from common.metrics import step_series
 from common.net import bearer, free_port
-from common.runs.cli import add_set_argument
 from evaluator.backend import Backend, RequestError
 from evaluator.benchmark import BENCHMARKS, BenchmarkError
 from evaluator.cache import ResultCache

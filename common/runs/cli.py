@@ -9,7 +9,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from common.config import ROLES, ConfigError, diff, load_config, render
+from common.config import ROLES, ConfigError, add_set_argument, diff, load_config, render
 
 # subcommand -> "module:function" taking the remaining argv and returning an exit code; imported
 # only when used, so `slipstream --help` stays fast and needs none of their dependencies.
@@ -18,18 +18,6 @@ DELEGATED = {
     "eval": ("evaluator.cli:cli_main", "run benchmarks against an OpenAI-compatible URL"),
     "prep": ("trainer.data.prep:cli_main", "tokenize trainer.data.sources into token shards under trainer.data.root"),
 }
-
-
-def add_set_argument(p: argparse.ArgumentParser, example: str = "trainer.optim.lr=3e-4") -> None:
-    """`--set KEY=VALUE` (repeatable) into `overrides`: every command that reads a config takes it."""
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help=f"override a config value, e.g. --set {example} (repeatable)",
-    )
 
 
 def _add_config_args(p: argparse.ArgumentParser, required: bool = True) -> None:
