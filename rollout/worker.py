@@ -33,6 +33,7 @@ from pathlib import Path
 
 import aiohttp
 
+from common.aio import cancel_and_join
 from common.config import Config, RolloutConfig
 from common.fleet import WorkerError, WorkerRecord, current_version, read_record, register, set_worker_version
 from common.heartbeat import Heartbeat
@@ -40,7 +41,6 @@ from common.net import advertised, bearer, free_port, url_host
 from common.proc import die_with_parent
 from common.rendezvous import STOP_WRITE_S
 from common.roles import RunContext, announce
-from common.tasks import cancel_and_join
 from rollout.vllm_plugin import FILE_BACKEND
 from rollout.vllm_plugin.auth import KEY_ENV, MIDDLEWARE
 from rollout.vllm_plugin.watchdog import PARENT_ENV

@@ -22,10 +22,10 @@ import aiohttp
 import redis
 import redis.asyncio
 
+from common.aio import cancel_and_join
 from common.fleet import WorkerRecord, read_records, time_to_live
 from common.keys import Keys
 from common.roles import announce
-from common.tasks import cancel_and_join
 
 log = logging.getLogger(__name__)
 
