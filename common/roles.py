@@ -39,7 +39,7 @@ ROLE_MAINS = {
     "trainer": "trainer.loop:main",
     "vllm": "rollout.worker:main",
     "router": "router.server:main",
-    "evaluator": "evaluator.watcher:main",
+    "evaluator": "evaluator.role:main",
 }
 EVENTS_MAXLEN = 10_000
 # The experiment id of a run dir, written by its first launch: `--resume RUN_DIR` and the dashboard read it.

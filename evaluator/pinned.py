@@ -24,7 +24,7 @@ from evaluator.runner import (
     PIN_PAUSE_MODE,
     Snapshot,
 )
-from evaluator.watching import UNSETTLED_LOG_S, Inputs, Watcher
+from evaluator.watch_loop import UNSETTLED_LOG_S, Inputs, Watcher
 from rollout.weights.workers import apply_version, served_version
 
 log = logging.getLogger(__name__)

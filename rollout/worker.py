@@ -14,7 +14,7 @@ own version without it (a publish that raced its registration: it catches up its
 same per-worker lock publishers take, so the two never interleave). A worker of
 the eval pool registers in `eval_workers` instead, which neither the router nor the publisher
 reads, and never follows `weights:current`: the evaluator loads the version it measures into it
-(evaluator/watcher.py). On SIGTERM it deregisters and stops vLLM (SIGTERM to the API server, which
+(evaluator/pinned.py). On SIGTERM it deregisters and stops vLLM (SIGTERM to the API server, which
 stops its engine, then SIGKILL to the whole process group after a grace period).
 """
 

@@ -97,7 +97,7 @@ def publish(w: MetricsWriter, version: int, ts_ms: int) -> None:
 
 
 def evaluation(w: MetricsWriter, version: int, ts_ms: int) -> None:
-    """What evaluator/watcher.py logs for one version of the arithmetic benchmark (summarize's metrics)."""
+    """What evaluator/watch_loop.py logs for one version of the arithmetic benchmark (summarize's metrics)."""
     acc = 0.5 + version / 100
     result = {"accuracy/mean": acc, "accuracy/std": 0.5, "accuracy/pass@1": acc, "cases": 200.0, "samples": 200.0}
     for k, value in result.items():

@@ -34,7 +34,7 @@ from evaluator.benchmark import Case, EvalOptions, Sampling, load_benchmark
 from evaluator.cache import ResultCache, fingerprint
 from evaluator.cli import build_parser, cli_plan, run_config, worker_setup
 from evaluator.runner import VersionMoved, WeightInfoProbe, eval_plan, evaluate
-from evaluator.watching import Inputs, Watcher
+from evaluator.watch_loop import Inputs, Watcher
 from rollout.tasks.arithmetic import evaluate as arith_value
 
 ROOT = Path(__file__).resolve().parent.parent
