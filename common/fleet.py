@@ -23,7 +23,7 @@ import redis.asyncio
 
 from common.aio import cancel_and_join
 from common.keys import Keys
-from common.rendezvous import text
+from common.redis_client import text
 from common.roles import announce
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ import redis
 import redis.asyncio
 
 from common.aio import cancel_and_join
-from common.rendezvous import STOP_WRITE_S
+from common.redis_client import STOP_WRITE_S
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,8 @@ from redis.typing import EncodableT, FieldT
 from common.config import ROLES, Config
 from common.heartbeat import Heartbeat
 from common.keys import Keys
-from common.rendezvous import STOP_WRITE_S, Rendezvous
+from common.redis_client import STOP_WRITE_S
+from common.rendezvous import Rendezvous
 
 log = logging.getLogger(__name__)
 

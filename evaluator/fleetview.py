@@ -21,7 +21,7 @@ from redis.typing import KeyT, StreamIdT, StreamRangeResponse
 
 from common.fleet import current_version, live_workers
 from common.keys import Keys
-from common.rendezvous import text
+from common.redis_client import text
 from evaluator.runner import Snapshot
 
 log = logging.getLogger(__name__)

@@ -39,7 +39,7 @@ from common.fleet import WorkerError, WorkerRecord, current_version, read_record
 from common.heartbeat import Heartbeat
 from common.net import advertised, bearer, free_port, url_host
 from common.proc import die_with_parent
-from common.rendezvous import STOP_WRITE_S
+from common.redis_client import STOP_WRITE_S
 from common.roles import RunContext, announce
 from rollout.vllm_plugin import FILE_BACKEND
 from rollout.vllm_plugin.auth import KEY_ENV, MIDDLEWARE

@@ -165,7 +165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except Exception as exc:
         from common.runs.launch import LaunchError
-        from common.rendezvous import RendezvousError
+        from common.redis_client import RendezvousError
         from common.roles import RoleError
 
         if isinstance(exc, (RoleError, RendezvousError, LaunchError)):

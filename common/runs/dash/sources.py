@@ -20,7 +20,7 @@ from common.fleet import WorkerRecord
 from common.keys import Keys
 from common.metrics import read_metrics
 from common.runs.registry import Registry, RunRecord
-from common.rendezvous import RedisInfo
+from common.redis_client import RedisInfo
 from common.roles import RUN_FILE
 
 # redis.json: the name the rendezvous writes.
