@@ -164,9 +164,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"slipstream: config error: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:
-        from common.runs.launch import LaunchError
         from common.redis_client import RendezvousError
         from common.roles import RoleError
+        from common.runs.prepare import LaunchError
 
         if isinstance(exc, (RoleError, RendezvousError, LaunchError)):
             print(f"slipstream: {exc}", file=sys.stderr)

@@ -19,6 +19,7 @@ from urllib.parse import quote
 
 from aiohttp import web
 
+from common.net import is_loopback
 from common.runs.dash import views
 from common.runs.dash.panels import Panel, build_panels, drawn_tags, flow_counters
 from common.runs.dash.sources import (
@@ -32,7 +33,6 @@ from common.runs.dash.sources import (
     read_live,
     read_series,
 )
-from common.net import is_loopback
 
 log = logging.getLogger(__name__)
 

@@ -19,9 +19,9 @@ from common.config import ConfigError, diff, from_dict
 from common.fleet import WorkerRecord
 from common.keys import Keys
 from common.metrics import read_metrics
-from common.runs.registry import Registry, RunRecord
 from common.redis_client import RedisInfo
 from common.roles import RUN_FILE
+from common.runs.registry import Registry, RunRecord
 
 # redis.json: the name the rendezvous writes.
 REDIS_FILE = "redis.json"
