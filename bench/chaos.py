@@ -82,7 +82,7 @@ class Run:
             *extra,
         ]
         # --verbose: the figures below are read from every role's lines in one file.
-        cmd = [sys.executable, "-m", "common.cli", "launch", "--verbose", "configs/demo.toml"]
+        cmd = [sys.executable, "-m", "common.runs.cli", "launch", "--verbose", "configs/demo.toml"]
         for s in sets:
             cmd += ["--set", s]
         env = {k: v for k, v in os.environ.items() if not k.startswith("SLIPSTREAM")} | {"SLIPSTREAM_EXP": exp}

@@ -29,7 +29,7 @@ UNBOUND = ("launch.roles.trainer.cpus=", "launch.roles.vllm.cpus=", "launch.role
 
 
 def launch(root: Path, exp: str, sets: list[str]) -> Path:
-    cmd = [sys.executable, "-m", "common.cli", "launch", "configs/demo.toml"]
+    cmd = [sys.executable, "-m", "common.runs.cli", "launch", "configs/demo.toml"]
     for s in [f"run.root={root / 'runs'}", *sets]:
         cmd += ["--set", s]
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLIPSTREAM")} | {"SLIPSTREAM_EXP": exp}

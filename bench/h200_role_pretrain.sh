@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU session: bench/moe_bench.py's moonlet compiled row (16 x 4096) and a ROLE=trainer pretraining
-# run of configs/moonlet.toml through the role path (`python -m common.cli run`: rendezvous starts
+# run of configs/moonlet.toml through the role path (`python -m common.runs.cli run`: rendezvous starts
 # redis-server, the trainer forms an NCCL group of one, trains through trainer/core.py, logs to DuckDB),
 # on the same machine in the same command; then one table (bench/h200_role_summary.py) and, if the role
 # path is more than 5% slower, a profile of where the core step loses time (bench/h200_role_profile.py).
@@ -69,10 +69,10 @@ np.save('$WORK/tokens.npy', np.random.default_rng(0).integers(0, $vocab, size=n,
     --set trainer.optim.grad_accum=1 --set trainer.checkpoint.interval_steps=0 --set run.dir=$WORK/run
     --set rendezvous.redis_server=$ROOT/.redis/redis-server "${model_sets[@]}")
   local left=$((BUDGET_S - (SECONDS - t0)))
-  echo "== $(date -u +%T) role path: ROLE=trainer python -m common.cli run; +$((SECONDS - t0))s, ${left}s left"
-  echo "+ ROLE=trainer $PY -m common.cli run configs/moonlet.toml ${role_sets[*]}"
+  echo "== $(date -u +%T) role path: ROLE=trainer python -m common.runs.cli run; +$((SECONDS - t0))s, ${left}s left"
+  echo "+ ROLE=trainer $PY -m common.runs.cli run configs/moonlet.toml ${role_sets[*]}"
   local r0=$SECONDS
-  ROLE=trainer timeout $((left - 40)) "$PY" -m common.cli run configs/moonlet.toml "${role_sets[@]}"
+  ROLE=trainer timeout $((left - 40)) "$PY" -m common.runs.cli run configs/moonlet.toml "${role_sets[@]}"
   local rc=$?
   echo "role path exited $rc after $((SECONDS - r0))s (includes start, model init, compile, the final checkpoint)"
   du -sh "$WORK/run/checkpoints" 2>/dev/null

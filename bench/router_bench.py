@@ -1,7 +1,7 @@
 """Router benchmark (issue 3): the latency the router adds and the throughput it sustains, side by
 side with the Rust vLLM router (PyPI `vllm-router`) in the same run. Two fake OpenAI backends
 (tests/fake_openai.py) listen on loopback and register in a private Redis; the Slipstream router
-runs as its role process (`ROLE=router python -m common.cli run`), vllm-router with
+runs as its role process (`ROLE=router python -m common.runs.cli run`), vllm-router with
 `--policy round_robin` over the same two URLs, and ours with the same policy. The load generator is
 a lean keep-alive HTTP/1.1 client on uvloop in this process, so that it, not the routers, costs as
 little CPU as possible; everything shares one machine. Latency: one client, sequential requests,

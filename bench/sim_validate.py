@@ -55,7 +55,7 @@ def launch(root: Path, strategy: str, steps: int, extra: list[str]) -> Path:
     """One real demo run of `strategy`; its run dir."""
     exp = f"sv-{strategy.replace('_', '-')}"
     sets = [f"run.root={root / 'runs'}", f"flow.strategy={strategy}", *overrides(steps, extra)]
-    cmd = [sys.executable, "-m", "common.cli", "launch", "configs/demo.toml"]
+    cmd = [sys.executable, "-m", "common.runs.cli", "launch", "configs/demo.toml"]
     for s in sets:
         cmd += ["--set", s]
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLIPSTREAM")} | {"SLIPSTREAM_EXP": exp}
@@ -76,7 +76,7 @@ def launch(root: Path, strategy: str, steps: int, extra: list[str]) -> Path:
 
 def simulate(*args: str) -> str:
     done = subprocess.run(
-        [sys.executable, "-m", "common.cli", "simulate", *args], cwd=REPO, capture_output=True, text=True
+        [sys.executable, "-m", "common.runs.cli", "simulate", *args], cwd=REPO, capture_output=True, text=True
     )
     if done.returncode != 0:
         raise SystemExit(f"slipstream simulate {' '.join(args)} failed:\n{done.stdout}{done.stderr}")

@@ -95,7 +95,7 @@ async def bench_size(name: str, overrides: dict, repeats: int, shard_mb: int, vl
         "SLIPSTREAM_EXP": keys.exp,
         "PYTHONPATH": str(ROOT),
     }
-    cmd = [sys.executable, "-m", "common.cli", "run", str(config)] + sets.split()
+    cmd = [sys.executable, "-m", "common.runs.cli", "run", str(config)] + sets.split()
     log = (work / "worker.log").open("ab")
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     r = rz.async_client()

@@ -11,8 +11,8 @@ import logging
 import redis
 import redis.asyncio
 
-from common.rendezvous import STOP_WRITE_S
-from common.tasks import cancel_and_join
+from common.aio import cancel_and_join
+from common.redis_client import STOP_WRITE_S
 
 log = logging.getLogger(__name__)
 

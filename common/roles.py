@@ -30,7 +30,8 @@ from redis.typing import EncodableT, FieldT
 from common.config import ROLES, Config
 from common.heartbeat import Heartbeat
 from common.keys import Keys
-from common.rendezvous import STOP_WRITE_S, Rendezvous
+from common.redis_client import STOP_WRITE_S
+from common.rendezvous import Rendezvous
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +40,7 @@ ROLE_MAINS = {
     "trainer": "trainer.loop:main",
     "vllm": "rollout.worker:main",
     "router": "router.server:main",
-    "evaluator": "evaluator.watcher:main",
+    "evaluator": "evaluator.role:main",
 }
 EVENTS_MAXLEN = 10_000
 # The experiment id of a run dir, written by its first launch: `--resume RUN_DIR` and the dashboard read it.

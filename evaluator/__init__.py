@@ -4,4 +4,5 @@ OpenAI-compatible URL, and a watcher that evaluates every published policy versi
 Modules: `benchmark` (the protocol, metrics and the registry), `benchmarks/` (held-out arithmetic,
 GSM8K-format math, IFEval-style instructions; data in `data/`), `backend` (the HTTP edge: model
 discovery, prompt token counts, retries), `cache` (the versioned result cache), `runner` (one
-benchmark at one version, and `slipstream eval`), `watcher` (ROLE=evaluator)."""
+benchmark at one version, and `slipstream eval`), `role` (ROLE=evaluator; the verify mode), `pinned`
+(the pin mode), `watch_loop` (the loop both modes run)."""

@@ -23,8 +23,7 @@ from pathlib import Path
 
 import aiohttp
 
-from common.cli import add_set_argument
-from common.config import Config, ConfigError, EvaluatorConfig, load_config
+from common.config import Config, ConfigError, EvaluatorConfig, add_set_argument, load_config
 from common.http import RetryPolicy
 from common.log import setup as setup_logging
 from common.metrics import step_series

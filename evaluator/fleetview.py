@@ -5,7 +5,7 @@ of the experiment's streams that every wait of the evaluator for a publish or a 
 experiment records those changes as stream entries (`weights:log` for a publish; `events` for a publish, a
 worker registered, deregistered or evicted, a role up or down), so a wait is a blocking XREAD, bounded so that
 a change no entry marks (a liveness key expiring) is still seen and shutdown stays prompt. Left out: what is
-done once a version is there (evaluator/watcher.py).
+done once a version is there (evaluator/role.py).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import redis.asyncio
 from redis.typing import KeyT, StreamIdT, StreamRangeResponse
 
 from common.keys import Keys
-from common.rendezvous import text
+from common.redis_client import text
 from common.weights.fleet import current_version, live_workers
 from evaluator.runner import Snapshot
 

@@ -25,7 +25,7 @@ from evaluator.runner import (
     PIN_PAUSE_MODE,
     Snapshot,
 )
-from evaluator.watching import UNSETTLED_LOG_S, Inputs, Watcher
+from evaluator.watch_loop import UNSETTLED_LOG_S, Inputs, Watcher
 
 log = logging.getLogger(__name__)
 

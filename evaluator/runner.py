@@ -12,9 +12,9 @@ dev mode) or, when that route is absent, a fixed label (`--weight-version`, else
 stated in the summary).
 
 `eval_plan` is the one place that turns a run's `[evaluator]` section and its `rollout.task` into
-benchmarks and generation settings: the evaluator role (evaluator/watcher.py) and `slipstream eval`
+benchmarks and generation settings: the evaluator role (evaluator/role.py) and `slipstream eval`
 (evaluator/cli.py) both build from it, so the command reproduces a score the run recorded for a version.
-Left out: the command line and reproducing a run's version (evaluator/cli.py), the role (evaluator/watcher.py).
+Left out: the command line and reproducing a run's version (evaluator/cli.py), the role (evaluator/role.py).
 """
 
 from __future__ import annotations

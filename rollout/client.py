@@ -29,7 +29,7 @@ import redis.asyncio
 from common.http import retryable_status
 from common.keys import Keys
 from common.net import bearer
-from common.rendezvous import text
+from common.redis_client import text
 
 GENERATE_PATH = "/inference/v1/generate"
 # How long a router URL read from Redis is used before it is read again (a failed request drops it at once):

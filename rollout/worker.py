@@ -14,7 +14,7 @@ own version without it (a publish that raced its registration: it catches up its
 same per-worker lock publishers take, so the two never interleave). A worker of
 the eval pool registers in `eval_workers` instead, which neither the router nor the publisher
 reads, and never follows `weights:current`: the evaluator loads the version it measures into it
-(evaluator/watcher.py). On SIGTERM it deregisters and stops vLLM (SIGTERM to the API server, which
+(evaluator/pinned.py). On SIGTERM it deregisters and stops vLLM (SIGTERM to the API server, which
 stops its engine, then SIGKILL to the whole process group after a grace period).
 """
 
@@ -33,13 +33,13 @@ from pathlib import Path
 
 import aiohttp
 
+from common.aio import cancel_and_join
 from common.config import Config, RolloutConfig
 from common.heartbeat import Heartbeat
 from common.net import advertised, bearer, free_port, url_host
 from common.proc import die_with_parent
-from common.rendezvous import STOP_WRITE_S
+from common.redis_client import STOP_WRITE_S
 from common.roles import RunContext, announce
-from common.tasks import cancel_and_join
 from common.weights.fleet import WorkerError, WorkerRecord, current_version, read_record, register, set_worker_version
 from common.weights.workers import apply_version, label_version, weight_lock
 from rollout.vllm_plugin import FILE_BACKEND

@@ -22,9 +22,9 @@ import aiohttp
 import redis
 import redis.asyncio
 
+from common.aio import cancel_and_join
 from common.keys import Keys
 from common.roles import announce
-from common.tasks import cancel_and_join
 from common.weights.fleet import WorkerRecord, read_records, time_to_live
 
 log = logging.getLogger(__name__)

@@ -23,7 +23,7 @@ from common.config import RouterConfig
 from common.heartbeat import Heartbeat
 from common.keys import Keys
 from common.net import AddressError, advertised, bearer, is_loopback, refuses, url_host
-from common.rendezvous import text
+from common.redis_client import text
 from common.roles import RunContext
 from router.metrics import Metrics
 from router.pool import PoolSync, WorkerPool

@@ -62,7 +62,7 @@ class VllmRun:
             "PYTHONPATH": str(ROOT),
         }
         log = (self.run_dir / f"{log_name}.log").open("ab")
-        cmd = [sys.executable, "-m", "common.cli", "run", str(self.config)]
+        cmd = [sys.executable, "-m", "common.runs.cli", "run", str(self.config)]
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
         self.procs.append(proc)
         return proc

@@ -20,7 +20,7 @@ from selenium import webdriver
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.chrome.webdriver import WebDriver
 
-from common.dash import DashServer
+from common.runs.dash import DashServer
 
 # Each chart series' drawn elements: the polyline's vertices for lines, the rects otherwise.
 _DRAWN_JS = """

@@ -257,11 +257,11 @@ def start_backends(ids: list[str], meet: Path | None = None, exp: str = "", **kw
 
 
 def start_router_process(config: Path, meet: Path, exp: str, **popen: object) -> subprocess.Popen[str]:
-    """The router role process (`ROLE=router python -m common.cli run CONFIG`) of experiment `exp`;
+    """The router role process (`ROLE=router python -m common.runs.cli run CONFIG`) of experiment `exp`;
     it publishes its URL under `Keys(exp).router(name)` once it serves."""
     env = os.environ | {"ROLE": "router", "SLIPSTREAM_MEET_DIR": str(meet), "SLIPSTREAM_EXP": exp}
     env["PYTHONPATH"] = str(ROOT)
-    cmd = [sys.executable, "-m", "common.cli", "run", str(config)]
+    cmd = [sys.executable, "-m", "common.runs.cli", "run", str(config)]
     return subprocess.Popen(cmd, cwd=ROOT, env=env, text=True, **popen)  # type: ignore[call-overload]
 
 

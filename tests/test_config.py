@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from common import cli
 from common.config import (
     Config,
     ConfigError,
@@ -23,6 +22,7 @@ from common.config import (
     load_config,
     to_toml,
 )
+from common.runs import cli
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO = REPO / "configs" / "demo.toml"

@@ -1,4 +1,4 @@
-"""The launcher's quiet console (common/console.py): which role lines reach it, how the progress line is
+"""The launcher's quiet console (common/runs/console.py): which role lines reach it, how the progress line is
 drawn on a terminal and off one, and the figures it reads from a run's real DuckDB metrics."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
-from common.console import MAX_SHOWN_LINES, Console, Figures, Shown, add_live, progress_text, read_figures
-from common.dash.sources import LiveState
 from common.metrics import MetricsWriter
+from common.runs.console import MAX_SHOWN_LINES, Console, Figures, Shown, add_live, progress_text, read_figures
+from common.runs.dash.sources import LiveState
 
 OURS = "2026-12-03T20:58:26.161Z {level} router demo-1 | {text}"
 

@@ -15,16 +15,16 @@ import duckdb
 import pytest
 from selenium.webdriver.support.ui import Select
 
-from common.cli import main as cli_main
 from common.config import RendezvousConfig, load_config, to_toml
-from common.dash import DashServer
-from common.dash.charts import Series, line_chart, nice_ticks
-from common.dash.sources import DashError, RunSource
 from common.keys import Keys
 from common.metrics import MetricsWriter
-from common.registry import Registry
 from common.rendezvous import Rendezvous
 from common.roles import RUN_FILE
+from common.runs.cli import main as cli_main
+from common.runs.dash import DashServer
+from common.runs.dash.charts import Series, line_chart, nice_ticks
+from common.runs.dash.sources import DashError, RunSource
+from common.runs.registry import Registry
 from rollout.flow.events import FlowCounters
 from tests.dash_check import (
     check_run_page,
@@ -97,7 +97,7 @@ def publish(w: MetricsWriter, version: int, ts_ms: int) -> None:
 
 
 def evaluation(w: MetricsWriter, version: int, ts_ms: int) -> None:
-    """What evaluator/watcher.py logs for one version of the arithmetic benchmark (summarize's metrics)."""
+    """What evaluator/watch_loop.py logs for one version of the arithmetic benchmark (summarize's metrics)."""
     acc = 0.5 + version / 100
     result = {"accuracy/mean": acc, "accuracy/std": 0.5, "accuracy/pass@1": acc, "cases": 200.0, "samples": 200.0}
     for k, value in result.items():

@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from common.config import ConfigError, from_dict
-from common.scripts import place, write_scripts
+from common.runs.scripts import place, write_scripts
 
 REPO = Path(__file__).resolve().parent.parent
 K8S_VERSION = "1.31.0"  # the schemas the manifest must pass; raise it with the oldest cluster we deploy to

@@ -37,9 +37,9 @@ import torch
 from conftest import MAX_MODEL_LEN
 
 import evaluator.cli
-from common.cli import main as slipstream_main
 from common.config import load_config, to_toml
 from common.metrics import MetricsWriter, read_metrics
+from common.runs.cli import main as slipstream_main
 from common.weights.publisher import WeightPublisher
 from common.weights.workers import apply_version, served_version
 from common.weights.writer import write_version

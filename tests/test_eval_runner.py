@@ -23,18 +23,18 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from common.cli import main as slipstream_main
 from common.config import load_config, to_toml
 from common.http import RetryPolicy
 from common.keys import Keys
 from common.metrics import MetricsWriter
 from common.roles import RunContext
+from common.runs.cli import main as slipstream_main
 from evaluator.backend import Backend, RequestError
 from evaluator.benchmark import Case, EvalOptions, Sampling, load_benchmark
 from evaluator.cache import ResultCache, fingerprint
 from evaluator.cli import build_parser, cli_plan, run_config, worker_setup
 from evaluator.runner import VersionMoved, WeightInfoProbe, eval_plan, evaluate
-from evaluator.watching import Inputs, Watcher
+from evaluator.watch_loop import Inputs, Watcher
 from rollout.tasks.arithmetic import evaluate as arith_value
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -21,7 +21,7 @@ from common.keys import Keys
 from common.roles import announce
 from evaluator.fleetview import EvaluatorError, FleetProbe, StreamWait, choose_mode, starting_workers, wait_for_router
 from evaluator.pinned import PinWatcher
-from evaluator.watching import Inputs
+from evaluator.watch_loop import Inputs
 
 
 @pytest.mark.timeout(30)

@@ -62,7 +62,7 @@ async def test_recording_a_version_changes_only_the_version_and_never_registers_
 def test_the_fleet_the_router_the_evaluator_and_the_worker_role_import_without_torch():
     code = (
         "import sys\n"
-        "import common.weights.fleet, router.server, evaluator.watcher, evaluator.runner, rollout.worker, common.weights.publisher\n"
+        "import common.weights.fleet, router.server, evaluator.role, evaluator.runner, rollout.worker, common.weights.publisher\n"
         "print('torch' in sys.modules)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)

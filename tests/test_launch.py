@@ -15,8 +15,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from common.registry import Registry
-from common.scripts import write_scripts
+from common.runs.registry import Registry
+from common.runs.scripts import write_scripts
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -38,7 +38,7 @@ def make_config(tmp_path: Path, *roles: str) -> Path:
 def start_launch(cfg: Path, exp: str, *flags: str) -> subprocess.Popen[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLIPSTREAM")} | {"SLIPSTREAM_EXP": exp}
     return subprocess.Popen(
-        [sys.executable, "-m", "common.cli", "launch", str(cfg), *flags],
+        [sys.executable, "-m", "common.runs.cli", "launch", str(cfg), *flags],
         cwd=REPO,
         env=env,
         stdout=subprocess.PIPE,
@@ -279,8 +279,10 @@ def test_on_failure_restarts_a_replica_up_to_its_limit(tmp_path):
 
 
 def test_restart_auto_restarts_every_role_but_not_a_command_of_ones_own():
+    from common.runs.prepare import Replica
+
     from common.config import RoleSpec
-    from common.launch import Replica, restarts_on_failure
+    from common.runs.launch import restarts_on_failure
 
     def rep(role: str, **kw: object) -> Replica:
         return Replica(entry=role, role=role, index=0, spec=RoleSpec(**kw))  # type: ignore[arg-type]
@@ -333,7 +335,7 @@ def test_scripts_export_meet_dir_and_experiment_for_every_replica(tmp_path, monk
     assert "export SLIPSTREAM_EXP=lt-scripts" in vllm1
     assert "export ROLE=vllm" in vllm1 and "export SLIPSTREAM_REPLICA=1" in vllm1
     assert "export VLLM_CPU_KVCACHE_SPACE=1" in vllm1
-    assert "-m common.cli run" in vllm1 and str(tmp_path / "runs" / "lt-scripts" / "config.toml") in vllm1
+    assert "-m common.runs.cli run" in vllm1 and str(tmp_path / "runs" / "lt-scripts" / "config.toml") in vllm1
     assert os.access(out / "vllm-1.sh", os.X_OK)
     # No placement given: each entry is its own node group, and CPU-only replicas share that group's node.
     slurm = (out / "slurm.sbatch").read_text()
@@ -349,7 +351,7 @@ def launch_cmd(*args: str, exp: str | None = None) -> subprocess.CompletedProces
         {"SLIPSTREAM_EXP": exp} if exp else {}
     )
     return subprocess.run(
-        [sys.executable, "-m", "common.cli", "launch", *args],
+        [sys.executable, "-m", "common.runs.cli", "launch", *args],
         cwd=REPO,
         env=env,
         capture_output=True,

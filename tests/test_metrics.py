@@ -9,7 +9,7 @@ import time
 import pytest
 
 from common.metrics import MetricsWriter, metrics_path, read_metrics, step_series
-from common.registry import Registry, git_sha
+from common.runs.registry import Registry, git_sha
 
 
 def test_ten_thousand_points_written_in_batches_read_back_exactly(tmp_path):

@@ -152,7 +152,7 @@ def test_three_hosts_train_the_demo_from_the_scripts_and_the_router_evicts_a_dea
         "trainer.final_eval_wait_s=120",
         "flow.strategy=on_policy",
     ]
-    cmd = [sys.executable, "-m", "common.cli", "scripts", "configs/demo.toml", str(short_root / "scripts")]
+    cmd = [sys.executable, "-m", "common.runs.cli", "scripts", "configs/demo.toml", str(short_root / "scripts")]
     for s in sets:
         cmd += ["--set", s]
     # The workers' key travels in the environment, as the config's docstring asks.

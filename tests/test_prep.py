@@ -148,11 +148,18 @@ def test_a_missing_parquet_column_names_the_config_key(tmp_path):
 
 def test_slipstream_prep_has_help_and_refuses_a_config_without_sources(tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "common.cli", "prep", "--help"], cwd=REPO, capture_output=True, text=True, check=True
+        [sys.executable, "-m", "common.runs.cli", "prep", "--help"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout
     assert "trainer.data.sources" in out
     (tmp_path / "c.toml").write_text("[trainer]\nsteps = 1\n")
     done = subprocess.run(
-        [sys.executable, "-m", "common.cli", "prep", str(tmp_path / "c.toml")], cwd=REPO, capture_output=True, text=True
+        [sys.executable, "-m", "common.runs.cli", "prep", str(tmp_path / "c.toml")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
     )
     assert done.returncode == 2 and "add [[trainer.data.sources]] tables" in done.stderr

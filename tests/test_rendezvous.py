@@ -17,7 +17,8 @@ import pytest
 import redis
 
 from common.config import RendezvousConfig
-from common.rendezvous import RedisInfo, Rendezvous, RendezvousError
+from common.redis_client import RedisInfo, RendezvousError
+from common.rendezvous import Rendezvous
 
 CHILD = r"""
 import json, sys, time

@@ -70,7 +70,7 @@ class Launch:
             "trainer.final_eval_wait_s=300",
             *overrides,
         ]
-        cmd = [sys.executable, "-m", "common.cli", "launch", "configs/demo.toml"]
+        cmd = [sys.executable, "-m", "common.runs.cli", "launch", "configs/demo.toml"]
         for s in sets:
             cmd += ["--set", s]
         if resume:

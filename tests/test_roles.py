@@ -117,7 +117,7 @@ def test_heartbeat_refuses_a_ttl_shorter_than_two_periods(ctx):
 def test_run_without_a_valid_role_lists_the_roles(role, message):
     env = {k: v for k, v in os.environ.items() if k != "ROLE"} | ({"ROLE": role} if role else {})
     done = subprocess.run(
-        [sys.executable, "-m", "common.cli", "run", "configs/demo.toml"],
+        [sys.executable, "-m", "common.runs.cli", "run", "configs/demo.toml"],
         cwd=REPO,
         env=env,
         capture_output=True,

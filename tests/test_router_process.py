@@ -1,4 +1,4 @@
-"""The router as its role process (`ROLE=router python -m common.cli run CFG`): it publishes its URL
+"""The router as its role process (`ROLE=router python -m common.runs.cli run CFG`): it publishes its URL
 in Redis, serves through it, refuses to start a second time under the same name while naming the
 running one, withdraws its URL when stopped by SIGTERM, and, restarted after a kill -9, takes its name
 over from its dead predecessor at once."""

@@ -1,7 +1,7 @@
 """Tasks that poll a real redis-server (through the clients our roles use: socket timeouts, retries) end when
 stopped. On Python 3.11 redis-py's write of a command under asyncio.wait_for can drop a cancel (about one stop in
-three with a plain client); our clients' connections raise it again (common/rendezvous.CancelKeepingConnection),
-so one cancel ends the task, and `cancel_and_join` cancels again until it ends, within a bound (common/tasks.py)."""
+three with a plain client); our clients' connections raise it again (common/redis_client.CancelKeepingConnection),
+so one cancel ends the task, and `cancel_and_join` cancels again until it ends, within a bound (common/aio.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from common.tasks import cancel_and_join
+from common.aio import cancel_and_join
 
 STOPS = 60
 

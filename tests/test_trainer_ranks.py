@@ -101,7 +101,7 @@ def launch(cfg: Path, exp: str, timeout_s: float = 150) -> tuple[int, str]:
     printed."""
     env = {**os.environ, "SLIPSTREAM_EXP": exp, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "common.cli", "launch", "--verbose", str(cfg)],
+        [sys.executable, "-m", "common.runs.cli", "launch", "--verbose", str(cfg)],
         cwd=REPO,
         env=env,
         stdout=subprocess.PIPE,
@@ -213,7 +213,7 @@ def test_a_killed_rank_restarts_the_whole_trainer_which_resumes_exactly(tmp_path
     cfg = pretrain_config(tmp_path, "gang", 2, 2)
     env = {**os.environ, "SLIPSTREAM_EXP": "pt-gang", "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "common.cli", "launch", "--verbose", str(cfg)],
+        [sys.executable, "-m", "common.runs.cli", "launch", "--verbose", str(cfg)],
         cwd=REPO,
         env=env,
         stdout=subprocess.PIPE,
@@ -278,7 +278,7 @@ def start_rank(cfg: Path, exp: str, rank: int, world: int, port: int) -> subproc
         "MASTER_PORT": str(port),
     }
     return subprocess.Popen(
-        [sys.executable, "-m", "common.cli", "run", str(cfg)],
+        [sys.executable, "-m", "common.runs.cli", "run", str(cfg)],
         cwd=REPO,
         env=env,
         stdout=subprocess.PIPE,

@@ -45,11 +45,11 @@ from typing import Any, TypeVar
 
 import torch
 
+from common.aio import cancel_and_join
 from common.config import Config
 from common.metrics import MetricsWriter
 from common.net import advertised
 from common.roles import REPORT_FILE, RunContext
-from common.tasks import cancel_and_join
 from common.weights.fleet import current_version
 from common.weights.index import PartReport
 from common.weights.lineage import Lineage
@@ -801,7 +801,7 @@ async def main(ctx: RunContext) -> int:
         raise
     finally:
         # A watch whose cancel was lost ran on for good and this rank never ended (2026-12-04: 1 launch in 12,
-        # a cancel dropped inside a Redis command, which our connections now raise again): common/tasks.py.
+        # a cancel dropped inside a Redis command, which our connections now raise again): common/aio.py.
         await cancel_and_join(watch, STOP_TIMEOUT_S, "the watch of the other trainer ranks")
         if work.done() and not work.cancelled() and work.exception() is None:
             ranks.close()

@@ -23,8 +23,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from common.cli import add_set_argument
-from common.config import Config, DataSourceConfig, load_config
+from common.config import Config, DataSourceConfig, add_set_argument, load_config
 from trainer.checkpoint import CheckpointSchedule, TrainState, load_model_weights
 from trainer.core import TrainingCore, cross_entropy_loss
 from trainer.data.mixture import Mixture, effective_probabilities

@@ -11,12 +11,12 @@ checkpoint whose identity differs (`identity_diff`).
 The schema (dataclasses and docstrings only) is apart from the machinery, as torchtitan keeps its
 job_config.py: schema.py (the root `Config`; trainer, evaluator and launch sections) and sections.py
 (run, rendezvous, router, rollout and flow sections; the `identity` field helper); coerce.py (reading
-the schema, typing raw values), load.py (file, environment and --set overrides), validation.py
+the schema, typing raw values), load.py (file, environment and --set overrides, the `--set` argument), validation.py
 (combinations) and walk.py (leaves, TOML, diff, identity fingerprint). Import from here.
 """
 
 from common.config.coerce import ENV_PREFIX, ConfigError, field_docs, parse_value
-from common.config.load import apply_override, env_overrides, from_dict, load_config
+from common.config.load import add_set_argument, apply_override, env_overrides, from_dict, load_config
 from common.config.schema import (
     ROLES,
     CheckpointConfig,
@@ -73,6 +73,7 @@ __all__ = [
     "TaskConfig",
     "TrainerConfig",
     "WarmupConfig",
+    "add_set_argument",
     "apply_override",
     "diff",
     "env_overrides",

@@ -4,6 +4,7 @@ each typed by the schema, become a validated `Config`.
 
 from __future__ import annotations
 
+import argparse
 import os
 import tomllib
 from collections.abc import Mapping, Sequence
@@ -78,3 +79,15 @@ def load_config(
     for assignment in overrides:
         apply_override(data, assignment, source=f"--set {assignment}")
     return from_dict(data)
+
+
+def add_set_argument(p: argparse.ArgumentParser, example: str = "trainer.optim.lr=3e-4") -> None:
+    """`--set KEY=VALUE` (repeatable) into `overrides`: every command that reads a config takes it."""
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help=f"override a config value, e.g. --set {example} (repeatable)",
+    )

@@ -21,10 +21,10 @@ from typing import TypeVar
 
 import redis.asyncio
 
+from common.aio import cancel_and_join
 from common.keys import Keys
-from common.rendezvous import text
+from common.redis_client import text
 from common.roles import announce
-from common.tasks import cancel_and_join
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

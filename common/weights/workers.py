@@ -19,9 +19,9 @@ import redis.asyncio
 import redis.asyncio.lock
 import redis.exceptions
 
+from common.aio import cancel_and_join
 from common.keys import Keys
 from common.net import bearer
-from common.tasks import cancel_and_join
 from common.weights.fleet import WorkerError, evict, set_worker_version, while_alive
 
 # A weight update of a large model can take minutes; a stuck worker is still bounded by this.

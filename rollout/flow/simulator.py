@@ -352,7 +352,7 @@ def simulate(
 
 
 def cli_main(argv: list[str]) -> int:
-    """`slipstream simulate` (common/cli.py delegates here); the command line is simulate_cli.py, which imports
+    """`slipstream simulate` (common/runs/cli.py delegates here); the command line is simulate_cli.py, which imports
     this module, so it is imported when called."""
     from rollout.flow.simulate_cli import cli_main as main
 

@@ -32,8 +32,7 @@ from typing import IO, Any
 
 import numpy as np
 
-from common.cli import add_set_argument
-from common.config import Config, ConfigError, DataSourceConfig, load_config
+from common.config import Config, ConfigError, DataSourceConfig, add_set_argument, load_config
 from trainer.data.shards import (
     INDEX,
     data_root,

@@ -1,4 +1,4 @@
-"""The dashboard's HTTP layer: a thin aiohttp app over common/dash/sources.py (reads) and panels.py
+"""The dashboard's HTTP layer: a thin aiohttp app over common/runs/dash/sources.py (reads) and panels.py
 (drawing). Loopback by default; any other bind needs a token, accepted once as `Authorization: Bearer`
 or `?token=` and then from a cookie. Blocking reads (SQLite, DuckDB, Redis) run in threads, and the
 panels of a run are cached until one of its metrics files changes, so a page polling every 2 s costs a
@@ -19,9 +19,10 @@ from urllib.parse import quote
 
 from aiohttp import web
 
-from common.dash import views
-from common.dash.panels import Panel, build_panels, drawn_tags, flow_counters
-from common.dash.sources import (
+from common.net import is_loopback
+from common.runs.dash import views
+from common.runs.dash.panels import Panel, build_panels, drawn_tags, flow_counters
+from common.runs.dash.sources import (
     DashError,
     LiveState,
     Run,
@@ -32,7 +33,6 @@ from common.dash.sources import (
     read_live,
     read_series,
 )
-from common.net import is_loopback
 
 log = logging.getLogger(__name__)
 

@@ -5,6 +5,6 @@ sources.py reads (registry, DuckDB metrics, flow summary, live Redis); panels.py
 each chart draws; charts.py draws SVG; views.py writes the HTML; server.py is the aiohttp layer and
 `start_in_thread` / `dash_url` for in-process use."""
 
-from common.dash.server import DashServer, dash_url, start_in_thread
+from common.runs.dash.server import DashServer, dash_url, start_in_thread
 
 __all__ = ["DashServer", "dash_url", "start_in_thread"]

@@ -17,7 +17,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-SOURCE_DIR = Path(__file__).resolve().parent.parent
+SOURCE_DIR = Path(__file__).resolve().parent.parent.parent
 STATUSES = ("running", "succeeded", "failed", "interrupted")
 
 _SCHEMA = """

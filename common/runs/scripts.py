@@ -1,5 +1,5 @@
 """Scripts for multi-node runs (`slipstream scripts`): the processes the local launcher would start
-(common/launch.py), written as shell scripts, one per replica, plus a Slurm batch file and a Kubernetes
+(common/runs/prepare.py), written as shell scripts, one per replica, plus a Slurm batch file and a Kubernetes
 manifest. Placement comes from the config: entries with the same `node_group` share nodes, and `place`
 packs each group's replicas onto nodes of `launch.gpus_per_node` GPUs by their `gpus_per_replica`. Slurm
 gets one heterogeneous-job component per node group and one step per replica pinned to its node and GPUs;
@@ -24,9 +24,9 @@ from typing import Any
 import yaml
 
 from common.config import ENV_PREFIX, Config
-from common.launch import Prepared, Replica, command_of, env_of, prepare, replicas_of
+from common.runs.prepare import Prepared, Replica, command_of, env_of, prepare, replicas_of
 
-DEPLOY_DIR = Path(__file__).resolve().parent.parent / "deploy"
+DEPLOY_DIR = Path(__file__).resolve().parent.parent.parent / "deploy"
 
 # Where pods find the resolved config (a Secret: it may carry router.auth_token and rollout.api_key).
 POD_CONFIG_DIR = Path("/etc/slipstream")

@@ -1,6 +1,6 @@
 """The run page's panels: which metric tags each one reads and how it draws them. Pure: series in,
-SVG out (common/dash/charts.py). The tags are the ones the roles write: trainer/loop.py (rl/*, perf/*,
-loss/*, weights/*, flow/*), trainer/pretrain.py (router/layer<i>/*, train/*) and evaluator/watcher.py
+SVG out (common/runs/dash/charts.py). The tags are the ones the roles write: trainer/loop.py (rl/*, perf/*,
+loss/*, weights/*, flow/*), trainer/pretrain.py (router/layer<i>/*, train/*) and evaluator/watch_loop.py
 (eval/<benchmark>/<metric>, logged at the policy version).
 
 A panel whose tags the run has not written (yet) says which tags it waits for. Tags no panel draws are
@@ -12,9 +12,9 @@ import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
-from common.dash import charts
-from common.dash.charts import Series, Span
-from common.dash.sources import TaggedPoint
+from common.runs.dash import charts
+from common.runs.dash.charts import Series, Span
+from common.runs.dash.sources import TaggedPoint
 
 Tagged = Mapping[str, Mapping[int, TaggedPoint]]
 

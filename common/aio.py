@@ -6,7 +6,7 @@ three on this machine, with redis-py 5 to 8 (not on Python 3.12). The cancel is 
 which redis-py wraps around writing a command when the client has a socket timeout: on 3.11, a cancel that
 arrives when the inner write has just finished is dropped and the result returned (CPython gh-86296; 3.12
 rewrote wait_for over asyncio.timeout). A trainer rank whose rank watch was lost that way never ended.
-Our clients' connections now raise such a cancel again (common/rendezvous.CancelKeepingConnection); a stop still
+Our clients' connections now raise such a cancel again (common/redis_client.CancelKeepingConnection); a stop still
 goes through `cancel_and_join`, which cancels again until the task has ended, within a bound, whatever else
 (a library, a task's own code) swallows a cancel.
 """

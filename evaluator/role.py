@@ -8,7 +8,7 @@ record (a restarted watcher does not repeat a (version, benchmark)), the result 
 lets it finish a half-done version without regenerating, and every result goes to the `evals` stream {version,
 benchmark, score, ts}, to DuckDB as `eval/<benchmark>/<metric>` at step = version, and to the runner's JSON
 summary and per-case JSONL under `<run dir>/evals/`. Both modes run one loop (`Watcher.run`,
-evaluator/watching.py) that waits for the next publish, and every other wait for the fleet, on the
+evaluator/watch_loop.py) that waits for the next publish, and every other wait for the fleet, on the
 experiment's streams (evaluator/fleetview.py: finding the router, choosing the mode, the fleet's version,
 `StreamWait`).
 """
@@ -39,7 +39,7 @@ from evaluator.pinned import PinWatcher
 from evaluator.runner import (
     eval_plan,
 )
-from evaluator.watching import UNSETTLED_LOG_S, Inputs, Watcher
+from evaluator.watch_loop import UNSETTLED_LOG_S, Inputs, Watcher
 
 log = logging.getLogger(__name__)
 

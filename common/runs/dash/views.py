@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 from html import escape
 
-from common.dash.panels import Panel
-from common.dash.sources import LiveState, Run, age
+from common.runs.dash.panels import Panel
+from common.runs.dash.sources import LiveState, Run, age
 
 
 def page(title: str, body: str, script: bool = False) -> str:

@@ -9,7 +9,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from common.config import ROLES, ConfigError, diff, load_config, render
+from common.config import ROLES, ConfigError, add_set_argument, diff, load_config, render
 
 # subcommand -> "module:function" taking the remaining argv and returning an exit code; imported
 # only when used, so `slipstream --help` stays fast and needs none of their dependencies.
@@ -18,18 +18,6 @@ DELEGATED = {
     "eval": ("evaluator.cli:cli_main", "run benchmarks against an OpenAI-compatible URL"),
     "prep": ("trainer.data.prep:cli_main", "tokenize trainer.data.sources into token shards under trainer.data.root"),
 }
-
-
-def add_set_argument(p: argparse.ArgumentParser, example: str = "trainer.optim.lr=3e-4") -> None:
-    """`--set KEY=VALUE` (repeatable) into `overrides`: every command that reads a config takes it."""
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help=f"override a config value, e.g. --set {example} (repeatable)",
-    )
 
 
 def _add_config_args(p: argparse.ArgumentParser, required: bool = True) -> None:
@@ -110,7 +98,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_launch(args: argparse.Namespace) -> int:
-    from common.launch import launch
+    from common.runs.launch import launch
 
     if args.config is None and args.resume is None:
         raise ConfigError("slipstream launch needs a CONFIG (e.g. configs/demo.toml) or --resume RUN_DIR")
@@ -119,7 +107,7 @@ def _cmd_launch(args: argparse.Namespace) -> int:
 
 def _cmd_scripts(args: argparse.Namespace) -> int:
     from common.net import is_loopback
-    from common.scripts import write_scripts
+    from common.runs.scripts import write_scripts
 
     for path in write_scripts(args.config, args.overrides, args.outdir):
         print(path)
@@ -143,8 +131,8 @@ def _cmd_scripts(args: argparse.Namespace) -> int:
 def _cmd_dash(args: argparse.Namespace) -> int:
     import uvloop
 
-    from common.dash.server import serve
-    from common.dash.sources import DashError
+    from common.runs.dash.server import serve
+    from common.runs.dash.sources import DashError
 
     try:
         uvloop.run(serve(args.path, args.host, args.port, args.token))
@@ -176,9 +164,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"slipstream: config error: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:
-        from common.launch import LaunchError
-        from common.rendezvous import RendezvousError
+        from common.redis_client import RendezvousError
         from common.roles import RoleError
+        from common.runs.prepare import LaunchError
 
         if isinstance(exc, (RoleError, RendezvousError, LaunchError)):
             print(f"slipstream: {exc}", file=sys.stderr)

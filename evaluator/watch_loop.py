@@ -1,4 +1,4 @@
-"""What both of the evaluator's modes share (evaluator/watcher.py runs the role): the record of what was
+"""What both of the evaluator's modes share (evaluator/role.py runs the role): the record of what was
 evaluated (the `evals` stream, DuckDB, the per-case files), which versions and benchmarks are due, the
 evaluation of one version's due benchmarks, and the one loop (`Watcher.run`) that steps a mode, waits on
 the weights log for the next publish, and backs off after a failed step."""

@@ -22,9 +22,9 @@ from typing import TextIO
 
 import duckdb
 
-from common.dash.panels import eval_score_tags
-from common.dash.sources import LiveState, metrics_signature
 from common.metrics import read_metrics
+from common.runs.dash.panels import eval_score_tags
+from common.runs.dash.sources import LiveState, metrics_signature
 
 LOGS = "logs"
 # How often the progress line reads the metrics (when a file changed) and Redis.

@@ -18,10 +18,10 @@ import redis
 from common.config import ConfigError, diff, from_dict
 from common.keys import Keys
 from common.metrics import read_metrics
-from common.registry import Registry, RunRecord
-from common.rendezvous import RedisInfo
+from common.redis_client import RedisInfo
 from common.roles import RUN_FILE
 from common.weights.fleet import WorkerRecord
+from common.runs.registry import Registry, RunRecord
 
 # redis.json: the name the rendezvous writes.
 REDIS_FILE = "redis.json"
