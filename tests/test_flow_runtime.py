@@ -21,7 +21,7 @@ from common.config import FlowConfig
 from rollout.controller import GenerationController
 from rollout.flow.events import FlowError
 from rollout.flow.runtime import FlowRuntime, SampleRequest, token_versions
-from rollout.flow.simulator import Costs, GeneratorPool, ThroughputModel, Workload, simulate
+from rollout.flow.sim.simulator import Costs, GeneratorPool, ThroughputModel, Workload, simulate
 from rollout.flow.strategies import policy_from_config
 from rollout.outcomes import CallbackError, ErrorBudgetExceeded, TransientError
 

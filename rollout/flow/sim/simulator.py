@@ -12,9 +12,8 @@ sample draws a new length. Rewards are modelled only as far as dynamic sampling 
 fraction `uniform_group_rate` of prompts gets the same reward on every sample (a group with no
 signal, which dynamic sampling drops and replaces), the others a spread of rewards. It reports
 makespan, utilisations, throughput, the staleness histogram, dropped samples and groups and every
-completed request (`SimResult`), rendered as ASCII and as a PNG by sim_report.py; `slipstream simulate`
-is simulate_cli.py (a model fitted to a real run: calibrate.py). Both are re-exported here, the
-simulator's one import path.
+completed request (`SimResult`), rendered as ASCII and as a PNG by report.py; `slipstream simulate`
+is cli.py (a model fitted to a real run: calibrate.py).
 """
 
 from __future__ import annotations
@@ -22,20 +21,16 @@ from __future__ import annotations
 import heapq
 import math
 import random
-import sys
 from dataclasses import dataclass
 
 from rollout.flow.events import Abort, Action, Dispatch, Finish, Publish, SampleDone, SampleKey, Train
 from rollout.flow.policy import FlowPolicy
-from rollout.flow.sim_report import (
+from rollout.flow.sim.report import (
     SampleRecord,
     SimResult,
     Span,
     StepRecord,
     TracePoint,
-    ascii_timeline,
-    compare_table,
-    save_png,
 )
 
 
@@ -351,32 +346,12 @@ def simulate(
     )
 
 
-def cli_main(argv: list[str]) -> int:
-    """`slipstream simulate` (common/cli.py delegates here); the command line is simulate_cli.py, which imports
-    this module, so it is imported when called."""
-    from rollout.flow.simulate_cli import cli_main as main
-
-    return main(argv)
-
-
 __all__ = [
     "Costs",
     "InFlight",
-    "SampleRecord",
-    "SimResult",
     "SimulationError",
-    "Span",
-    "StepRecord",
     "GeneratorPool",
     "ThroughputModel",
-    "TracePoint",
     "Workload",
-    "ascii_timeline",
-    "cli_main",
-    "compare_table",
-    "save_png",
     "simulate",
 ]
-
-if __name__ == "__main__":  # pragma: no cover - `slipstream simulate` is the entry point
-    raise SystemExit(cli_main(sys.argv[1:]))
