@@ -26,7 +26,8 @@ from rollout.controller import GenerationController
 from rollout.flow.runtime import FlowRuntime, Group
 from rollout.flow.strategies import policy_from_config
 from rollout.generator import GenTiming, Rollout, SampleGenerator
-from rollout.tasks import Problem, load_task
+from rollout.tasks import Problem
+from rollout.tasks.load import load_task
 from tests.rl_routes import start_app
 
 ROOT = Path(__file__).resolve().parent.parent

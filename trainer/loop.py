@@ -55,7 +55,8 @@ from rollout.flow.runtime import FlowRuntime, FlowState, Group
 from rollout.flow.strategies import policy_from_config
 from rollout.generator import Rollout, SampleGenerator
 from rollout.outcomes import ControllerClosed
-from rollout.tasks import Problem, load_task
+from rollout.tasks import Problem
+from rollout.tasks.load import load_task
 from rollout.weights import (
     PartReport,
     VersionPart,
