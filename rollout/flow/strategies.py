@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from common.config import FlowConfig, validate_flow
+from common.config import FlowConfig
 from rollout.flow.events import Abort, Action, FlowError, PublishJob, SampleDone, SampleKey
 from rollout.flow.policy import FlowPolicy
 
@@ -266,9 +266,9 @@ STRATEGIES: dict[str, type[FlowPolicy]] = {cls.strategy: cls for cls in (OnPolic
 
 def policy_from_config(cfg: FlowConfig, *, num_prompts: int | None = None, max_steps: int | None = None) -> FlowPolicy:
     """The policy of `cfg.strategy` with the knobs of the flow config section, checked by the config's
-    `validate_flow` (a loaded config passed it already; the simulator's and tests' flows are built in code).
+    `FlowConfig.check` (a loaded config passed it already; the simulator's and tests' flows are built in code).
     The constructors themselves trust their knobs."""
-    validate_flow(cfg)
+    cfg.check()
     return STRATEGIES[cfg.strategy](
         prompts_per_step=cfg.prompts_per_step,
         samples_per_prompt=cfg.samples_per_prompt,
