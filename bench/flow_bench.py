@@ -74,7 +74,7 @@ def dispatch_rate(n: int = 100_000) -> tuple[float, float]:
     async def instant(item: int) -> int:
         return item
 
-    with GenerationController(instant, max_concurrent=MAX_CONCURRENT) as ctl:
+    with GenerationController(instant, FlowConfig(max_concurrent=MAX_CONCURRENT)) as ctl:
         sum(1 for _ in ctl.generate(range(1000)))  # warm-up
         t0 = time.perf_counter()
         got = sum(1 for _ in ctl.generate(range(n)))

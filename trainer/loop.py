@@ -586,7 +586,7 @@ class RLTrainer(TrainerRank):
         self._rewind_ledger()
         policy = policy_from_config(flow, num_prompts=len(self.task), max_steps=tc.steps)
         generator = SampleGenerator(self.cfg, self.ctx, self.task, self.tokenizer)
-        controller = self.controller = GenerationController.from_config(generator, flow, name="rollout")
+        controller = self.controller = GenerationController(generator, flow, name="rollout")
         if self.stop_requested.is_set():
             controller.close()
         controller.set_tqdm(disabled=False, total=None, desc="samples")

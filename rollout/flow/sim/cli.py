@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import inspect
 import math
 import sys
 import typing
@@ -48,9 +47,8 @@ COSTS = ("train_s_per_token", "train_step_overhead_s", "sync_s", "pause_s")
 
 
 def _policy_knobs() -> list[dataclasses.Field]:
-    """The FlowConfig fields a policy reads, in schema order: its strategy and the knobs its constructor takes."""
-    takes = inspect.signature(FlowPolicy.__init__).parameters
-    return [f for f in dataclasses.fields(FlowConfig) if f.name == "strategy" or f.name in takes]
+    """The FlowConfig fields a policy reads, in schema order: its strategy and its knobs."""
+    return [f for f in dataclasses.fields(FlowConfig) if f.name == "strategy" or f.name in FlowPolicy.KNOBS]
 
 
 def _flow_args(parser: argparse.ArgumentParser) -> None:

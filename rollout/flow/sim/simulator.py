@@ -244,7 +244,7 @@ def simulate(
 ) -> SimResult:
     """Run `policy` to its Finish against the model; deterministic for given inputs."""
     pool = GeneratorPool(throughput)
-    spp = policy.samples_per_prompt
+    spp = policy.flow.samples_per_prompt
     attempts: dict[SampleKey, int] = {}
     requests: dict[SampleKey, SampleRecord] = {}
     samples: list[SampleRecord] = []
@@ -331,7 +331,7 @@ def simulate(
         raise SimulationError(f"{policy.strategy}: no Finish after {max_events} events")
     return SimResult(
         strategy=policy.strategy,
-        max_concurrent=policy.max_concurrent,
+        max_concurrent=policy.flow.max_concurrent,
         makespan=pool.t,
         steps=steps,
         spans=spans,
@@ -340,7 +340,7 @@ def simulate(
         generated_tokens=pool.generated,
         trained_completion_tokens=trained_completion_tokens,
         generator_busy_s=pool.busy_s,
-        peak_tokens_per_s=throughput.pool_tokens_per_s(policy.max_concurrent),
+        peak_tokens_per_s=throughput.pool_tokens_per_s(policy.flow.max_concurrent),
         finish_reason=finish.reason,
         samples=samples,
     )
