@@ -22,7 +22,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from rollout.flow.calibrate import read_run  # noqa: E402
+from rollout.flow.sim.calibrate import read_run  # noqa: E402
 
 BOUND = ("launch.roles.trainer.cpus=0", "launch.roles.vllm.cpus=1", "launch.roles.router.cpus=1")
 UNBOUND = ("launch.roles.trainer.cpus=", "launch.roles.vllm.cpus=", "launch.roles.router.cpus=")

@@ -1,7 +1,7 @@
 """Flow-control study: on-policy vs one-step-off vs fully-async (max_staleness 1, 2, 4) on one and
 the same simulated hardware, plus the GenerationController's dispatch rate with an instant backend.
 
-The model (rollout/flow/simulator.py), chosen to describe a typical RLVR reasoning run, not tuned to a
+The model (rollout/flow/sim/simulator.py), chosen to describe a typical RLVR reasoning run, not tuned to a
 target:
 - Workload: 32 prompts per step, 8 samples per prompt (256 samples per step), 40 steps. Completion
   lengths are lognormal with median 1024 tokens and sigma 1.0 (mean ~1.7k tokens, a long tail: the
@@ -30,16 +30,8 @@ import time
 
 from common.config import FlowConfig
 from rollout.controller import GenerationController
-from rollout.flow.simulator import (
-    Costs,
-    SimResult,
-    ThroughputModel,
-    Workload,
-    ascii_timeline,
-    compare_table,
-    save_png,
-    simulate,
-)
+from rollout.flow.sim.report import SimResult, ascii_timeline, compare_table, save_png
+from rollout.flow.sim.simulator import Costs, ThroughputModel, Workload, simulate
 from rollout.flow.strategies import policy_from_config
 
 PROMPTS_PER_STEP = 32
@@ -82,7 +74,7 @@ def dispatch_rate(n: int = 100_000) -> tuple[float, float]:
     async def instant(item: int) -> int:
         return item
 
-    with GenerationController(instant, max_concurrent=MAX_CONCURRENT) as ctl:
+    with GenerationController(instant, FlowConfig(max_concurrent=MAX_CONCURRENT)) as ctl:
         sum(1 for _ in ctl.generate(range(1000)))  # warm-up
         t0 = time.perf_counter()
         got = sum(1 for _ in ctl.generate(range(n)))

@@ -88,9 +88,9 @@ def write_fixture(out: Path, runs: dict[str, Path], shared: list[str], command: 
     from collections import Counter
 
     from common.config import load_config
-    from rollout.flow.calibrate import MODEL_FILE, load_model, read_run
-    from rollout.flow.sim_compare import judged, measured_result
-    from rollout.flow.simulate_cli import run_workload
+    from rollout.flow.sim.calibrate import MODEL_FILE, load_model, read_run
+    from rollout.flow.sim.cli import run_workload
+    from rollout.flow.sim.compare import judged, measured_result
 
     out.mkdir(parents=True, exist_ok=True)
     shutil.copy(runs["on_policy"] / MODEL_FILE, out / MODEL_FILE)

@@ -60,31 +60,22 @@ _WAKE = object()  # put into waiting queues when a fatal error or close() must w
 class GenerationController:
     """Runs items through a genable on a private event loop with at most `max_concurrent` in flight."""
 
-    def __init__(
-        self,
-        genable: Genable,
-        *,
-        max_concurrent: int = 64,
-        max_retries: int = 3,
-        retry_backoff_s: float = 0.5,
-        request_timeout_s: float = 600.0,
-        error_budget: int = 32,
-        name: str = "generation",
-    ) -> None:
-        if max_concurrent < 1:
-            raise ValueError(f"max_concurrent must be >= 1, got {max_concurrent}")
-        if max_retries < 0 or retry_backoff_s < 0 or error_budget < 0:
+    def __init__(self, genable: Genable, flow: FlowConfig, *, name: str = "generation") -> None:
+        """A controller with the cap, retries, timeout and error budget of the flow config section."""
+        if flow.max_concurrent < 1:
+            raise ValueError(f"max_concurrent must be >= 1, got {flow.max_concurrent}")
+        if flow.max_retries < 0 or flow.retry_backoff_s < 0 or flow.error_budget < 0:
             raise ValueError(
-                f"max_retries ({max_retries}), retry_backoff_s ({retry_backoff_s}) and error_budget "
-                f"({error_budget}) must be >= 0"
+                f"max_retries ({flow.max_retries}), retry_backoff_s ({flow.retry_backoff_s}) and error_budget "
+                f"({flow.error_budget}) must be >= 0"
             )
-        if request_timeout_s <= 0:
-            raise ValueError(f"request_timeout_s must be > 0, got {request_timeout_s}")
+        if flow.request_timeout_s <= 0:
+            raise ValueError(f"request_timeout_s must be > 0, got {flow.request_timeout_s}")
         self.genable = genable
-        self.max_concurrent = max_concurrent
-        self.retry = RetryPolicy(max_retries, retry_backoff_s)
-        self.request_timeout_s = request_timeout_s
-        self.error_budget = error_budget
+        self.max_concurrent = flow.max_concurrent
+        self.retry = RetryPolicy(flow.max_retries, flow.retry_backoff_s)
+        self.request_timeout_s = flow.request_timeout_s
+        self.error_budget = flow.error_budget
         self.name = name
 
         self._stats = ControllerStats()
@@ -108,19 +99,6 @@ class GenerationController:
         self._loop.set_exception_handler(self._on_loop_error)
         self._thread = threading.Thread(target=self._thread_main, name=f"{name}-loop", daemon=True)
         self._thread.start()
-
-    @classmethod
-    def from_config(cls, genable: Genable, cfg: FlowConfig, *, name: str = "generation") -> GenerationController:
-        """A controller with the cap, retries, timeout and error budget of the flow config section."""
-        return cls(
-            genable,
-            max_concurrent=cfg.max_concurrent,
-            max_retries=cfg.max_retries,
-            retry_backoff_s=cfg.retry_backoff_s,
-            request_timeout_s=cfg.request_timeout_s,
-            error_budget=cfg.error_budget,
-            name=name,
-        )
 
     # -- caller-thread API ---------------------------------------------------------------------
 

@@ -41,7 +41,7 @@ class Backend:
 @pytest.mark.timeout(20)
 def test_in_flight_never_exceeds_the_cap_and_the_cap_is_used():
     backend = Backend(latency=lambda i: 0.001 * (i % 5))
-    with GenerationController(backend, max_concurrent=7) as ctl:
+    with GenerationController(backend, FlowConfig(max_concurrent=7)) as ctl:
         outs = list(ctl.generate(range(300)))
         stats = ctl.stats()
     assert sorted(o.result for o in outs) == [i * 10 for i in range(300)]
@@ -52,7 +52,7 @@ def test_in_flight_never_exceeds_the_cap_and_the_cap_is_used():
 @pytest.mark.timeout(20)
 def test_generate_yields_in_completion_order():
     delays = {0: 0.15, 1: 0.01, 2: 0.08}
-    with GenerationController(Backend(latency=delays.__getitem__), max_concurrent=3) as ctl:
+    with GenerationController(Backend(latency=delays.__getitem__), FlowConfig(max_concurrent=3)) as ctl:
         assert [o.item for o in ctl.generate([0, 1, 2])] == [1, 2, 0]
 
 
@@ -60,7 +60,7 @@ def test_generate_yields_in_completion_order():
 def test_submit_callbacks_run_in_the_loop_thread_and_poll_gets_callbackless_outcomes():
     seen = []
     done = threading.Event()
-    with GenerationController(Backend(), max_concurrent=2, name="gen") as ctl:
+    with GenerationController(Backend(), FlowConfig(max_concurrent=2), name="gen") as ctl:
 
         def callback(out):
             seen.append((out.item, out.result, threading.current_thread().name))
@@ -85,7 +85,7 @@ def test_transient_errors_are_retried_with_exponential_backoff():
         return "ok"
 
     t0 = time.monotonic()
-    with GenerationController(flaky, max_retries=3, retry_backoff_s=0.05) as ctl:
+    with GenerationController(flaky, FlowConfig(max_retries=3, retry_backoff_s=0.05)) as ctl:
         (out,) = list(ctl.generate(["x"]))
         stats = ctl.stats()
     elapsed = time.monotonic() - t0
@@ -99,7 +99,7 @@ def test_a_non_transient_error_is_not_retried_and_is_reported_within_the_budget(
     async def broken(item):
         raise ValueError(f"bad prompt {item}")
 
-    with GenerationController(broken, max_retries=3, error_budget=5) as ctl:
+    with GenerationController(broken, FlowConfig(max_retries=3, error_budget=5)) as ctl:
         outs = list(ctl.generate([1, 2]))
         stats = ctl.stats()
     assert [type(o.error) for o in outs] == [ValueError, ValueError]
@@ -112,7 +112,7 @@ def test_a_genable_that_raises_synchronously_does_not_kill_the_loop():
     def not_async(item):
         raise KeyError(item)
 
-    with GenerationController(not_async, error_budget=10) as ctl:
+    with GenerationController(not_async, FlowConfig(error_budget=10)) as ctl:
         (out,) = list(ctl.generate([3]))
         assert isinstance(out.error, KeyError)
         ctl.genable = Backend()
@@ -124,7 +124,7 @@ def test_past_the_error_budget_the_error_is_raised_in_the_callers_thread():
     async def broken(item):
         raise ValueError("backend is down")
 
-    ctl = GenerationController(broken, error_budget=2)
+    ctl = GenerationController(broken, FlowConfig(error_budget=2))
     with pytest.raises(ErrorBudgetExceeded, match="error budget of 2") as info:
         list(ctl.generate(range(10)))
     assert isinstance(info.value.__cause__, ValueError)
@@ -135,7 +135,7 @@ def test_past_the_error_budget_the_error_is_raised_in_the_callers_thread():
 def test_a_genable_that_hangs_past_its_timeout_is_retried_then_reported():
     backend = Backend(latency=lambda item: 3600.0)
     t0 = time.monotonic()
-    with GenerationController(backend, request_timeout_s=0.05, max_retries=2, retry_backoff_s=0.01) as ctl:
+    with GenerationController(backend, FlowConfig(request_timeout_s=0.05, max_retries=2, retry_backoff_s=0.01)) as ctl:
         (out,) = list(ctl.generate(["slow"]))
         stats = ctl.stats()
     assert isinstance(out.error, TimeoutError) and "request_timeout_s=0.05" in str(out.error)
@@ -149,7 +149,7 @@ def test_a_raising_callback_is_raised_in_the_caller_and_close_does_not_hang():
     def callback(out):
         raise RuntimeError("bug in the consumer")
 
-    ctl = GenerationController(Backend(), max_concurrent=2)
+    ctl = GenerationController(Backend(), FlowConfig(max_concurrent=2))
     ctl.submit(1, callback)
     with pytest.raises(CallbackError, match="bug in the consumer"):
         ctl.poll(timeout=5)  # woken by the error, not by the timeout
@@ -163,7 +163,7 @@ def test_an_unseen_fatal_error_is_raised_by_close():
     def callback(out):
         raise RuntimeError("unseen")
 
-    ctl = GenerationController(Backend())
+    ctl = GenerationController(Backend(), FlowConfig())
     done = threading.Event()
     ctl.submit(1, callback)
     ctl.submit(2, lambda out: done.set())
@@ -175,7 +175,7 @@ def test_an_unseen_fatal_error_is_raised_by_close():
 @pytest.mark.timeout(20)
 def test_close_cancels_in_flight_requests_and_joins_quickly():
     backend = Backend(latency=lambda item: 3600.0)
-    ctl = GenerationController(backend, max_concurrent=4)
+    ctl = GenerationController(backend, FlowConfig(max_concurrent=4))
     for i in range(10):
         ctl.submit(i)
     while backend.running < 4:
@@ -191,7 +191,7 @@ def test_close_cancels_in_flight_requests_and_joins_quickly():
 @pytest.mark.timeout(20)
 def test_cancel_removes_an_item_and_frees_its_slot():
     backend = Backend(latency=lambda item: 3600.0 if item == "hang" else 0.0)
-    with GenerationController(backend, max_concurrent=1) as ctl:
+    with GenerationController(backend, FlowConfig(max_concurrent=1)) as ctl:
         ticket = ctl.submit("hang")
         ctl.submit("quick")
         ctl.cancel(ticket)
@@ -202,7 +202,7 @@ def test_cancel_removes_an_item_and_frees_its_slot():
 @pytest.mark.timeout(20)
 def test_leaving_generate_early_cancels_the_rest():
     backend = Backend(latency=lambda item: 0.0 if item == 0 else 3600.0)
-    with GenerationController(backend, max_concurrent=4) as ctl:
+    with GenerationController(backend, FlowConfig(max_concurrent=4)) as ctl:
         for out in ctl.generate(range(4)):
             assert out.item == 0
             break
@@ -214,7 +214,7 @@ def test_leaving_generate_early_cancels_the_rest():
 
 @pytest.mark.timeout(20)
 def test_call_soon_runs_in_the_loop_and_its_errors_are_fatal():
-    with GenerationController(Backend(), name="gen") as ctl:
+    with GenerationController(Backend(), FlowConfig(), name="gen") as ctl:
         assert ctl.call_soon(lambda: threading.current_thread().name).result(5) == "gen-loop"
         fut = ctl.call_soon(lambda: 1 / 0)
         with pytest.raises(ZeroDivisionError):
@@ -233,9 +233,9 @@ def test_transient_classification():
 
 
 @pytest.mark.timeout(20)
-def test_from_config_takes_the_flow_knobs_and_tqdm_counts_items():
+def test_the_controller_takes_the_flow_sections_knobs_and_tqdm_counts_items():
     cfg = FlowConfig(max_concurrent=3, max_retries=1, retry_backoff_s=0.2, request_timeout_s=9.0, error_budget=4)
-    with GenerationController.from_config(Backend(), cfg) as ctl:
+    with GenerationController(Backend(), cfg) as ctl:
         assert (ctl.max_concurrent, ctl.retry.max_retries, ctl.retry.backoff_s) == (3, 1, 0.2)
         assert (ctl.request_timeout_s, ctl.error_budget) == (9.0, 4)
         ctl.set_tqdm(disabled=False, total=5, desc="gen")

@@ -13,7 +13,16 @@ import pytest
 from common.config import ConfigError, FlowConfig, load_config
 from rollout.flow.events import Abort, Dispatch, Finish, FlowError, Publish, SampleDone, Train
 from rollout.flow.policy import FlowPolicy
-from rollout.flow.strategies import FullyAsync, OneStepOff, OnPolicy, policy_from_config
+from rollout.flow.strategies import OneStepOff, OnPolicy, policy_from_config
+
+
+def policy(strategy: str, *, num_prompts: int | None = None, max_steps: int | None = None, **knobs) -> FlowPolicy:
+    """The policy of a strategy on a flow section of these knobs (the rest at their defaults), as a run builds it."""
+    return policy_from_config(FlowConfig(strategy=strategy, **knobs), num_prompts=num_prompts, max_steps=max_steps)
+
+
+# Fully-async batches of one prompt of one sample, two prompts admitted and in flight at most.
+ONE_BY_TWO = {"prompts_per_step": 1, "samples_per_prompt": 1, "max_concurrent": 2, "max_untrained_prompts": 2}
 
 
 def done(p: int, s: int = 0, oldest: int = 0, newest: int | None = None, reward: float | None = None) -> SampleDone:
@@ -26,7 +35,7 @@ def done(p: int, s: int = 0, oldest: int = 0, newest: int | None = None, reward:
 
 
 def test_on_policy_generates_batch_t_with_version_t_then_trains_then_publishes():
-    pol = OnPolicy(prompts_per_step=2, samples_per_prompt=1, max_concurrent=4, num_prompts=4)
+    pol = policy("on_policy", prompts_per_step=2, samples_per_prompt=1, max_concurrent=4, num_prompts=4)
     assert pol.start() == [Dispatch(0, (0,), 0), Dispatch(1, (0,), 0)]
     assert pol.on_sample_done(done(1)) == []
     assert pol.on_sample_done(done(0)) == [Train(0, (0, 1))]
@@ -40,7 +49,7 @@ def test_on_policy_generates_batch_t_with_version_t_then_trains_then_publishes()
 
 
 def test_one_step_off_versions_are_0_0_1_and_training_overlaps_generation():
-    pol = OneStepOff(prompts_per_step=1, samples_per_prompt=1, max_concurrent=4, num_prompts=3)
+    pol = policy("one_step_off", prompts_per_step=1, samples_per_prompt=1, max_concurrent=4, num_prompts=3)
     assert pol.start() == [Dispatch(0, (0,), 0)]
     # Batch 1 starts on version 0 while batch 0 trains.
     assert pol.on_sample_done(done(0)) == [Train(0, (0,)), Dispatch(1, (0,), 0)]
@@ -57,7 +66,7 @@ def test_one_step_off_versions_are_0_0_1_and_training_overlaps_generation():
 
 
 def test_sync_policy_rejects_a_sample_made_by_the_wrong_version():
-    pol = OnPolicy(prompts_per_step=1, samples_per_prompt=1, num_prompts=2)
+    pol = policy("on_policy", prompts_per_step=1, samples_per_prompt=1, num_prompts=2)
     pol.start()
     pol.on_sample_done(done(0))
     pol.on_train_done(0)
@@ -67,7 +76,7 @@ def test_sync_policy_rejects_a_sample_made_by_the_wrong_version():
 
 
 def test_max_concurrent_caps_requests_and_waves_refill_freed_slots():
-    pol = OnPolicy(prompts_per_step=2, samples_per_prompt=3, max_concurrent=4, num_prompts=2)
+    pol = policy("on_policy", prompts_per_step=2, samples_per_prompt=3, max_concurrent=4, num_prompts=2)
     assert pol.start() == [Dispatch(0, (0, 1, 2), 0), Dispatch(1, (0,), 0)]
     assert pol.on_sample_done(done(0, 1)) == [Dispatch(1, (1,), 0)]
     assert pol.on_sample_done(done(1, 0)) == [Dispatch(1, (2,), 0)]
@@ -75,9 +84,7 @@ def test_max_concurrent_caps_requests_and_waves_refill_freed_slots():
 
 
 def test_fully_async_requeues_a_sample_stale_at_consumption():
-    pol = FullyAsync(
-        prompts_per_step=1, samples_per_prompt=1, max_concurrent=2, max_untrained_prompts=2, max_staleness=0
-    )
+    pol = policy("fully_async", **ONE_BY_TWO, max_staleness=0)
     assert pol.start() == [Dispatch(0, (0,), 0), Dispatch(1, (0,), 0)]
     # Prompt 0 is consumed, which frees an admission slot for prompt 2.
     assert pol.on_sample_done(done(0)) == [Train(0, (0,)), Dispatch(2, (0,), 0)]
@@ -93,14 +100,7 @@ def test_fully_async_requeues_a_sample_stale_at_consumption():
 
 
 def test_fully_async_drop_policy_drops_the_stale_prompt_and_admits_another():
-    pol = FullyAsync(
-        prompts_per_step=1,
-        samples_per_prompt=1,
-        max_concurrent=2,
-        max_untrained_prompts=2,
-        max_staleness=0,
-        stale_policy="drop",
-    )
+    pol = policy("fully_async", **ONE_BY_TWO, max_staleness=0, stale_policy="drop")
     pol.start()
     pol.on_sample_done(done(0))
     pol.on_train_done(0)
@@ -111,9 +111,7 @@ def test_fully_async_drop_policy_drops_the_stale_prompt_and_admits_another():
 
 
 def test_fully_async_without_partial_rollout_aborts_in_flight_and_reissues_after_publish():
-    pol = FullyAsync(
-        prompts_per_step=1, samples_per_prompt=1, max_concurrent=2, max_untrained_prompts=2, partial_rollout=False
-    )
+    pol = policy("fully_async", **ONE_BY_TWO, partial_rollout=False)
     pol.start()
     pol.on_sample_done(done(0))
     assert pol.on_train_done(0) == [Abort(((1, 0), (2, 0))), Publish(1)]
@@ -122,7 +120,14 @@ def test_fully_async_without_partial_rollout_aborts_in_flight_and_reissues_after
 
 
 def test_fully_async_trains_the_partial_last_batch_at_end_of_data():
-    pol = FullyAsync(prompts_per_step=2, samples_per_prompt=1, max_concurrent=4, max_untrained_prompts=4, num_prompts=3)
+    pol = policy(
+        "fully_async",
+        prompts_per_step=2,
+        samples_per_prompt=1,
+        max_concurrent=4,
+        max_untrained_prompts=4,
+        num_prompts=3,
+    )
     assert pol.start() == [Dispatch(0, (0,), 0), Dispatch(1, (0,), 0), Dispatch(2, (0,), 0)]
     pol.on_sample_done(done(2))
     assert pol.on_sample_done(done(0)) == [Train(0, (2, 0))]  # completion order, not prompt order
@@ -134,7 +139,7 @@ def test_fully_async_trains_the_partial_last_batch_at_end_of_data():
 
 
 def test_end_of_data_drop_discards_the_partial_last_batch():
-    pol = OnPolicy(prompts_per_step=2, samples_per_prompt=1, num_prompts=3, end_of_data="drop")
+    pol = policy("on_policy", prompts_per_step=2, samples_per_prompt=1, num_prompts=3, end_of_data="drop")
     pol.start()
     pol.on_sample_done(done(0))
     pol.on_sample_done(done(1))
@@ -145,7 +150,7 @@ def test_end_of_data_drop_discards_the_partial_last_batch():
 
 
 def test_data_exhausted_event_voids_prompts_past_the_end():
-    pol = OnPolicy(prompts_per_step=2, samples_per_prompt=1)
+    pol = policy("on_policy", prompts_per_step=2, samples_per_prompt=1)
     pol.start()
     pol.on_sample_done(done(0))
     pol.on_sample_done(done(1))
@@ -159,7 +164,9 @@ def test_data_exhausted_event_voids_prompts_past_the_end():
 
 
 def test_max_steps_finishes_after_the_last_publish():
-    pol = FullyAsync(prompts_per_step=1, samples_per_prompt=1, max_concurrent=1, max_untrained_prompts=2, max_steps=1)
+    pol = policy(
+        "fully_async", prompts_per_step=1, samples_per_prompt=1, max_concurrent=1, max_untrained_prompts=2, max_steps=1
+    )
     assert pol.start() == [Dispatch(0, (0,), 0)]
     assert pol.on_sample_done(done(0)) == [Train(0, (0,))]  # one step needs one prompt: no more admitted
     assert pol.on_train_done(0) == [Publish(1)]
@@ -167,7 +174,7 @@ def test_max_steps_finishes_after_the_last_publish():
 
 
 def test_events_that_break_the_contract_name_the_problem():
-    pol = OnPolicy(prompts_per_step=1, samples_per_prompt=1, num_prompts=1)
+    pol = policy("on_policy", prompts_per_step=1, samples_per_prompt=1, num_prompts=1)
     pol.start()
     with pytest.raises(FlowError, match=r"\(5, 0\).*not in flight"):
         pol.on_sample_done(done(5))
@@ -177,7 +184,7 @@ def test_events_that_break_the_contract_name_the_problem():
 
 def test_from_config_builds_the_configured_strategy_and_rejects_bad_knobs():
     pol = policy_from_config(FlowConfig(strategy="one_step_off", prompts_per_step=3), num_prompts=9)
-    assert isinstance(pol, OneStepOff) and pol.prompts_per_step == 3 and pol.data_end == 9
+    assert isinstance(pol, OneStepOff) and pol.flow.prompts_per_step == 3 and pol.data_end == 9
     with pytest.raises(ConfigError, match="max_untrained_prompts"):
         policy_from_config(FlowConfig(prompts_per_step=8, max_untrained_prompts=4))
     with pytest.raises(ConfigError, match="stale_policy"):
@@ -227,7 +234,7 @@ class Driver:
                 if isinstance(a, Train):
                     self.trains.append(a)
                     self.dropped_at_train.append(pol.counters.dropped_groups)
-                    spp = pol.samples_per_prompt
+                    spp = pol.flow.samples_per_prompt
                     self.batch_oldest[a.step] = [self.finished_meta[(p, s)] for p in a.prompt_ids for s in range(spp)]
             elif isinstance(a, Finish):
                 self.finish = a
@@ -263,11 +270,9 @@ class Driver:
 
 
 def make(strategy: str, **knobs) -> FlowPolicy:
-    num_prompts = knobs.pop("num_prompts", None)
-    max_steps = knobs.pop("max_steps", None)
+    """The random drivers' policy: three prompts of two samples a step, five in flight, then `knobs`."""
     base = dict(prompts_per_step=3, samples_per_prompt=2, max_concurrent=5, max_untrained_prompts=7, max_staleness=1)
-    base.update(knobs)
-    return policy_from_config(FlowConfig(strategy=strategy, **base), num_prompts=num_prompts, max_steps=max_steps)
+    return policy(strategy, **(base | knobs))
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -398,7 +403,7 @@ SAVED_MID_PUBLISH = {
 
 
 def tiny_on_policy() -> OnPolicy:
-    return OnPolicy(prompts_per_step=2, samples_per_prompt=1, max_concurrent=4, num_prompts=4)
+    return policy("on_policy", prompts_per_step=2, samples_per_prompt=1, max_concurrent=4, num_prompts=4)
 
 
 def test_the_trainer_job_is_saved_as_a_kind_and_a_number_as_checkpoints_always_held_it():
@@ -438,7 +443,9 @@ def test_load_state_refuses_a_trainer_job_that_is_neither_train_nor_publish():
 
 
 def test_on_policy_drops_a_uniform_group_and_generates_a_new_prompt_for_the_same_batch():
-    pol = OnPolicy(prompts_per_step=2, samples_per_prompt=2, max_concurrent=4, num_prompts=4, dynamic_sampling=True)
+    pol = policy(
+        "on_policy", prompts_per_step=2, samples_per_prompt=2, max_concurrent=4, num_prompts=4, dynamic_sampling=True
+    )
     assert pol.start() == [Dispatch(0, (0, 1), 0), Dispatch(1, (0, 1), 0)]
     assert pol.on_sample_done(done(0, 0, reward=1.0)) == []
     # Prompt 0's rewards are all 1: no signal. Prompt 2 replaces it in batch 0, on version 0.
@@ -457,7 +464,9 @@ def test_on_policy_drops_a_uniform_group_and_generates_a_new_prompt_for_the_same
 
 
 def test_one_step_off_replaces_a_uniform_group_on_the_batchs_own_version_while_the_previous_batch_trains():
-    pol = OneStepOff(prompts_per_step=1, samples_per_prompt=2, max_concurrent=4, num_prompts=4, dynamic_sampling=True)
+    pol = policy(
+        "one_step_off", prompts_per_step=1, samples_per_prompt=2, max_concurrent=4, num_prompts=4, dynamic_sampling=True
+    )
     assert pol.start() == [Dispatch(0, (0, 1), 0)]
     pol.on_sample_done(done(0, 0, reward=0.0))
     assert pol.on_sample_done(done(0, 1, reward=1.0)) == [Train(0, (0,)), Dispatch(1, (0, 1), 0)]
@@ -472,8 +481,13 @@ def test_one_step_off_replaces_a_uniform_group_on_the_batchs_own_version_while_t
 
 
 def test_fully_async_admits_the_replacement_through_admission_control():
-    pol = FullyAsync(
-        prompts_per_step=1, samples_per_prompt=2, max_concurrent=4, max_untrained_prompts=2, dynamic_sampling=True
+    pol = policy(
+        "fully_async",
+        prompts_per_step=1,
+        samples_per_prompt=2,
+        max_concurrent=4,
+        max_untrained_prompts=2,
+        dynamic_sampling=True,
     )
     assert pol.start() == [Dispatch(0, (0, 1), 0), Dispatch(1, (0, 1), 0)]
     pol.on_sample_done(done(0, 0, reward=1.0))
@@ -487,7 +501,7 @@ def test_fully_async_admits_the_replacement_through_admission_control():
 
 
 def test_dynamic_sampling_needs_rewards_and_groups_of_two_or_more():
-    pol = OnPolicy(prompts_per_step=1, samples_per_prompt=2, num_prompts=1, dynamic_sampling=True)
+    pol = policy("on_policy", prompts_per_step=1, samples_per_prompt=2, num_prompts=1, dynamic_sampling=True)
     pol.start()
     with pytest.raises(FlowError, match="without a reward"):
         pol.on_sample_done(done(0, 0))

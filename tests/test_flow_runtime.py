@@ -21,7 +21,7 @@ from common.config import FlowConfig
 from rollout.controller import GenerationController
 from rollout.flow.events import FlowError
 from rollout.flow.runtime import FlowRuntime, SampleRequest, token_versions
-from rollout.flow.simulator import Costs, GeneratorPool, ThroughputModel, Workload, simulate
+from rollout.flow.sim.simulator import Costs, GeneratorPool, ThroughputModel, Workload, simulate
 from rollout.flow.strategies import policy_from_config
 from rollout.outcomes import CallbackError, ErrorBudgetExceeded, TransientError
 
@@ -142,7 +142,7 @@ def schedule_mismatch(strategy: str, scale: float) -> str | None:
     sim = simulate(policy_from_config(cfg, num_prompts=workload.num_prompts, max_steps=steps), workload, MODEL, COSTS)
 
     backend = RealTimePool(MODEL, workload, scale)
-    with GenerationController.from_config(backend, cfg) as ctl:
+    with GenerationController(backend, cfg) as ctl:
         trainer = FakeTrainer(backend, ctl, COSTS, workload.prompt_tokens)
         policy = policy_from_config(cfg, num_prompts=workload.num_prompts, max_steps=steps)
         runtime = FlowRuntime(policy, ctl, list(range(workload.num_prompts)), trainer.train_step, trainer.publish)
@@ -218,7 +218,7 @@ def run_simple(
         state["version"] = version
 
     n = len(prompts) if isinstance(prompts, list) else None
-    with GenerationController.from_config(genable, cfg) as ctl:
+    with GenerationController(genable, cfg) as ctl:
         rt = FlowRuntime(
             policy_from_config(cfg, num_prompts=n),
             ctl,
@@ -299,7 +299,7 @@ def test_a_raising_train_step_propagates_and_closes_cleanly():
     def train_step(step, groups, dropped_groups):
         raise RuntimeError("CUDA out of memory")
 
-    with GenerationController.from_config(genable, cfg) as ctl:
+    with GenerationController(genable, cfg) as ctl:
         rt = FlowRuntime(policy_from_config(cfg, num_prompts=4), ctl, list(range(4)), train_step, lambda v: None)
         with pytest.raises(RuntimeError, match="out of memory"):
             rt.run()
@@ -312,7 +312,7 @@ def test_results_without_versions_are_an_error_not_zeros():
 
     cfg = flow("on_policy")
     with pytest.raises(CallbackError) as info:
-        with GenerationController.from_config(genable, cfg) as ctl:
+        with GenerationController(genable, cfg) as ctl:
             FlowRuntime(policy_from_config(cfg, num_prompts=2), ctl, [0, 1], lambda s, g, d: None, lambda v: None).run()
     assert isinstance(info.value.__cause__, ValueError) and "weight_versions" in str(info.value.__cause__)
 

@@ -26,7 +26,8 @@ from rollout.controller import GenerationController
 from rollout.flow.runtime import FlowRuntime, Group
 from rollout.flow.strategies import policy_from_config
 from rollout.generator import GenTiming, Rollout, SampleGenerator
-from rollout.tasks import Problem, load_task
+from rollout.tasks import Problem
+from rollout.tasks.load import load_task
 from tests.rl_routes import start_app
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -120,7 +121,9 @@ def generate_one_step(
         begun.append(time.monotonic())
         trained.extend(r for g in groups for r in g.samples)
 
-    with GenerationController(generator, max_concurrent=cap, retry_backoff_s=0.01, name="rollout") as controller:
+    with GenerationController(
+        generator, FlowConfig(max_concurrent=cap, retry_backoff_s=0.01), name="rollout"
+    ) as controller:
         runtime: FlowRuntime[Problem, Rollout] = FlowRuntime(
             policy_from_config(flow, num_prompts=len(task), max_steps=1),
             controller,

@@ -15,7 +15,8 @@ import pytest
 
 from common.config import ConfigError, identity_diff, load_config, render, to_toml
 from rollout.flow.runtime import Group
-from rollout.tasks import Problem, load_task
+from rollout.tasks import Problem
+from rollout.tasks.load import load_task
 from rollout.tasks.mixture import MixtureTask, interleave, shuffled_order
 from rollout.tasks.sources import RecordKeys, read_problems
 from trainer.loop import ledger_record

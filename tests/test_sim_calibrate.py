@@ -14,9 +14,11 @@ import pytest
 
 from common.config import Config, FlowConfig, RolloutConfig, to_toml
 from common.metrics import MetricsWriter
-from rollout.flow.calibrate import CalibrationError, calibrate, load_model, read_run, save_model
-from rollout.flow.sim_compare import measured_result, total_variation
-from rollout.flow.simulator import Costs, SimResult, ThroughputModel, Workload, cli_main, simulate
+from rollout.flow.sim.calibrate import CalibrationError, calibrate, load_model, read_run, save_model
+from rollout.flow.sim.cli import cli_main
+from rollout.flow.sim.compare import measured_result, total_variation
+from rollout.flow.sim.report import SimResult
+from rollout.flow.sim.simulator import Costs, ThroughputModel, Workload, simulate
 from rollout.flow.strategies import policy_from_config
 
 TRUE_MODEL = ThroughputModel(peak_tokens_per_s=2000.0, half_concurrency=8.0, latency_s=0.2, workers=2)

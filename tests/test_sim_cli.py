@@ -8,11 +8,12 @@ from pathlib import Path
 import pytest
 
 from common.config import load_config
-from rollout.flow.calibrate import SimModel, save_model
 from rollout.flow.events import FlowCounters
-from rollout.flow.sim_sweep import SweepRow, recommend
-from rollout.flow.simulate_cli import build_parser, load_inputs, task_workload
-from rollout.flow.simulator import Costs, SimResult, ThroughputModel, cli_main
+from rollout.flow.sim.calibrate import SimModel, save_model
+from rollout.flow.sim.cli import build_parser, cli_main, load_inputs, task_workload
+from rollout.flow.sim.report import SimResult
+from rollout.flow.sim.simulator import Costs, ThroughputModel
+from rollout.flow.sim.sweep import SweepRow, recommend
 
 DEMO = str(Path(__file__).resolve().parents[1] / "configs" / "demo.toml")
 

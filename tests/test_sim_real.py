@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 
 from common.config import load_config
-from rollout.flow.calibrate import load_model
-from rollout.flow.sim_compare import judged, total_variation
-from rollout.flow.simulate_cli import Inputs
-from rollout.flow.simulator import Workload
+from rollout.flow.sim.calibrate import load_model
+from rollout.flow.sim.cli import Inputs
+from rollout.flow.sim.compare import judged, total_variation
+from rollout.flow.sim.simulator import Workload
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURE = REPO / "tests" / "fixtures" / "sim_demo"

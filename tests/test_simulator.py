@@ -7,18 +7,9 @@ import pytest
 
 from common.config import FlowConfig
 from rollout.flow.policy import FlowPolicy
-from rollout.flow.simulate_cli import build_parser
-from rollout.flow.simulator import (
-    Costs,
-    GeneratorPool,
-    ThroughputModel,
-    TracePoint,
-    Workload,
-    ascii_timeline,
-    cli_main,
-    save_png,
-    simulate,
-)
+from rollout.flow.sim.cli import build_parser, cli_main
+from rollout.flow.sim.report import TracePoint, ascii_timeline, save_png
+from rollout.flow.sim.simulator import Costs, GeneratorPool, ThroughputModel, Workload, simulate
 from rollout.flow.strategies import policy_from_config
 
 # One request alone runs at 200 / (1 + 1) = 100 tokens/s; every sample is exactly 100 tokens long.

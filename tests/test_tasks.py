@@ -9,8 +9,9 @@ import time
 import pytest
 
 from common.config import TaskConfig, load_config
-from rollout.tasks import Problem, load_task
+from rollout.tasks import Problem
 from rollout.tasks.arithmetic import ArithmeticTask, evaluate, verify
+from rollout.tasks.load import load_task
 from rollout.tasks.mathanswer import answers_equal, extract_answer, extract_boxed
 
 

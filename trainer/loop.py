@@ -61,7 +61,8 @@ from rollout.flow.runtime import FlowRuntime, FlowState, Group
 from rollout.flow.strategies import policy_from_config
 from rollout.generator import Rollout, SampleGenerator
 from rollout.outcomes import ControllerClosed
-from rollout.tasks import Problem, load_task
+from rollout.tasks import Problem
+from rollout.tasks.load import load_task
 from trainer.checkpoint import CheckpointSchedule, TrainState, checkpoint_steps
 from trainer.core import StepResult, TrainingCore, cross_entropy_loss
 from trainer.data.shards import data_root
@@ -580,7 +581,7 @@ class RLTrainer(TrainerRank):
         self._rewind_ledger()
         policy = policy_from_config(flow, num_prompts=len(self.task), max_steps=tc.steps)
         generator = SampleGenerator(self.cfg, self.ctx, self.task, self.tokenizer)
-        controller = self.controller = GenerationController.from_config(generator, flow, name="rollout")
+        controller = self.controller = GenerationController(generator, flow, name="rollout")
         if self.stop_requested.is_set():
             controller.close()
         controller.set_tqdm(disabled=False, total=None, desc="samples")

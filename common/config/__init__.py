@@ -8,29 +8,28 @@ variables and then `--set a.b=v`, both typed by the schema. Fields made with `id
 what a run *is* (model shape, data, seed): a run resumes after runtime changes but refuses a
 checkpoint whose identity differs (`identity_diff`).
 
-The schema (dataclasses and docstrings only) is apart from the machinery, as torchtitan keeps its
-job_config.py: schema.py (the root `Config`; trainer, evaluator and launch sections) and sections.py
-(run, rendezvous, router, rollout and flow sections; the `identity` field helper); coerce.py (reading
-the schema, typing raw values), load.py (file, environment and --set overrides, the `--set` argument), validation.py
-(combinations) and walk.py (leaves, TOML, diff, identity fingerprint). Import from here.
+The schema is dataclasses with their docstrings and each section's own `check()` (as torchtitan keeps
+its job_config.py): schema.py (the root `Config`; trainer and evaluator sections), sections.py (run,
+rendezvous, router, rollout and flow sections; the `identity` field helper) and launch.py (the launch
+section); the machinery apart: coerce.py (reading the schema, typing raw values), load.py (file,
+environment and --set overrides, the `--set` argument), validation.py (`validate`: every section's checks, then the few
+across sections) and walk.py (leaves, TOML, diff, identity fingerprint). Import from here.
 """
 
 from common.config.coerce import ENV_PREFIX, ConfigError, field_docs, parse_value
+from common.config.launch import ROLES, LaunchConfig, RoleSpec
 from common.config.load import add_set_argument, apply_override, env_overrides, from_dict, load_config
 from common.config.schema import (
-    ROLES,
     CheckpointConfig,
     Config,
     DataConfig,
     DataSourceConfig,
     EvaluatorConfig,
     ExpertsConfig,
-    LaunchConfig,
     ModelConfig,
     OptimConfig,
     ParallelConfig,
     RLConfig,
-    RoleSpec,
     TrainerConfig,
     WarmupConfig,
 )
@@ -43,8 +42,9 @@ from common.config.sections import (
     RunConfig,
     TaskConfig,
     identity,
+    source_format,
 )
-from common.config.validation import source_format, validate, validate_flow
+from common.config.validation import validate
 from common.config.walk import Leaf, diff, identity_diff, identity_fingerprint, leaves, render, to_toml
 
 __all__ = [
@@ -89,5 +89,4 @@ __all__ = [
     "source_format",
     "to_toml",
     "validate",
-    "validate_flow",
 ]

@@ -18,14 +18,18 @@ import typing
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
-from common.config.schema import Config
-
 ENV_PREFIX = "SLIPSTREAM__"
 """Environment variables `SLIPSTREAM__a__b=v` override key a.b (load.py; validation.py reads a role's own)."""
 
 
 class ConfigError(ValueError):
     """A config value is unknown, mistyped or inconsistent; the message names the key and the fix."""
+
+
+def require(ok: bool, message: str) -> None:
+    """A section's check: ConfigError(message) unless ok; the message names the key and the fix."""
+    if not ok:
+        raise ConfigError(message)
 
 
 @functools.cache
@@ -140,9 +144,9 @@ def _build(cls: type, data: Mapping[str, Any], path: str) -> Any:
     return cls(**kwargs)
 
 
-def _schema_type(path: Sequence[str]) -> Any:
-    """The schema type at a dotted key path (dict keys included), or ConfigError naming the path."""
-    tp: Any = Config
+def _schema_type(root: type, path: Sequence[str]) -> Any:
+    """The schema type at a dotted key path below `root` (dict keys included), or ConfigError naming the path."""
+    tp: Any = root
     walked: list[str] = []
     for part in path:
         walked.append(part)

@@ -34,7 +34,7 @@ def apply_override(data: dict[str, Any], assignment: str, source: str) -> None:
         raise ConfigError(f"{source}: expected KEY=VALUE, for example trainer.optim.lr=3e-4")
     parts = key.split(".")
     try:
-        tp = _schema_type(parts)
+        tp = _schema_type(Config, parts)
         if _is_dataclass_type(tp):
             raise ConfigError(f"{key}: is a section; set one of its keys, e.g. {key}.<field>=...")
         _set_path(data, parts, parse_value(raw.strip(), tp, key))

@@ -1,7 +1,7 @@
 """The schema, second half: the trainer's sections (model, experts, optimizer, parallelism, data,
-checkpoints, the RL objective, the warm start), the evaluator's, the launcher's (`RoleSpec` entries) and
-the root `Config` that holds every section. Only dataclasses and their field docstrings; the run,
-rendezvous, router, rollout and flow sections are in sections.py.
+checkpoints, the RL objective, the warm start), the evaluator's and the root `Config` that holds every
+section. Dataclasses, their field docstrings and each section's own `check()`; the run, rendezvous,
+router, rollout and flow sections are in sections.py, the launcher's in launch.py.
 """
 
 from __future__ import annotations
@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from common.config.coerce import require
+from common.config.launch import LaunchConfig
 from common.config.sections import (
     FlowConfig,
     RendezvousConfig,
@@ -75,6 +77,24 @@ class ModelConfig:
     tie_word_embeddings: bool = identity(False)
     """Share the input embedding with the output head."""
 
+    def check(self) -> None:
+        require(
+            0 <= self.first_k_dense <= self.num_layers, "trainer.model.first_k_dense must be within [0, num_layers]"
+        )
+        require(
+            1 <= self.num_experts_per_tok <= self.n_routed_experts,
+            f"trainer.model.num_experts_per_tok ({self.num_experts_per_tok}) must be within [1, n_routed_experts "
+            f"({self.n_routed_experts})]",
+        )
+        require(
+            self.n_routed_experts % self.n_group == 0 and 1 <= self.topk_group <= self.n_group,
+            "trainer.model.n_group must divide n_routed_experts and topk_group must be within [1, n_group]",
+        )
+        if self.arch == "qwen3_moe":
+            require(
+                self.num_heads % self.num_kv_heads == 0, "trainer.model.num_heads must be a multiple of num_kv_heads"
+            )
+
 
 @dataclass
 class ExpertsConfig:
@@ -85,6 +105,14 @@ class ExpertsConfig:
     precision: Literal["bf16", "fp8"] = "bf16"
     """fp8: the forward and dgrad expert GEMMs in FP8 e4m3 with DeepSeek-V3 block scales (1x128 tokens, 128x128
     weights), wgrad in bf16; runs on the cutedsl backend only (auto picks it), needs trainer.dtype = bfloat16."""
+
+    def check(self) -> None:
+        if self.precision == "fp8":
+            require(
+                self.backend in ("auto", "cutedsl"),
+                f"trainer.experts.precision = 'fp8' runs on the cutedsl backend only, not {self.backend!r}: set "
+                "trainer.experts.backend = 'cutedsl' (or 'auto'), or precision = 'bf16'",
+            )
 
 
 @dataclass
@@ -125,6 +153,10 @@ class OptimConfig:
     muon_momentum: float = 0.95
     """Muon's momentum (Nesterov)."""
 
+    def check(self) -> None:
+        require(self.grad_accum >= 1, "trainer.optim.grad_accum must be >= 1")
+        require(len(self.betas) == 2, "trainer.optim.betas must hold two numbers, e.g. [0.9, 0.95]")
+
 
 @dataclass
 class ParallelConfig:
@@ -140,6 +172,9 @@ class ParallelConfig:
     TCPStore listens on every interface, so there is no bind host to set. torchrun-style starts use
     MASTER_ADDR/MASTER_PORT instead."""
 
+    def check(self) -> None:
+        require(self.ep >= 1, f"trainer.parallel.ep must be >= 1, got {self.ep}")
+
 
 @dataclass
 class DataSourceConfig:
@@ -153,6 +188,16 @@ class DataSourceConfig:
     """Sampling temperature: the source's probability is proportional to weight ** (1 / temperature)."""
     text_key: str = "text"
     """JSONL field / parquet or arrow column that holds the text."""
+
+    def check(self, key: str) -> None:
+        """This source's own knobs; `key` names it in errors (the names' uniqueness is DataConfig's check)."""
+        require(
+            bool(self.name) and all(c.isalnum() or c in "_.-" for c in self.name) and self.name not in (".", ".."),
+            f"{key}.name = {self.name!r}: give a name of letters, digits, '_', '.' or '-' (it names a directory)",
+        )
+        require(bool(self.path), f"{key} ({self.name!r}) has no path; set it to a .jsonl/.parquet file or directory")
+        require(self.weight > 0, f"{key}.weight = {self.weight} must be > 0 (drop the source to leave it out)")
+        require(self.temperature > 0, f"{key}.temperature = {self.temperature} must be > 0 (1 = weights as given)")
 
 
 @dataclass
@@ -178,6 +223,28 @@ class DataConfig:
     """Tokens per training row."""
     batch_size: int = identity(8)
     """Rows per micro-batch over all ranks (each of W ranks takes batch_size / W); times grad_accum per step."""
+
+    def check(self) -> None:
+        require(
+            self.seq_len >= 1 and self.batch_size >= 1, "trainer.data.seq_len and trainer.data.batch_size must be >= 1"
+        )
+        require(
+            not (self.path and self.sources),
+            "trainer.data.path and trainer.data.sources are both set: keep one (a path is a mixture of one source)",
+        )
+        require(self.shard_mb > 0, f"trainer.data.shard_mb must be > 0 (MB of input per shard), got {self.shard_mb}")
+        require(
+            self.prep_processes >= 0,
+            f"trainer.data.prep_processes must be >= 0 (0 = one per core): {self.prep_processes}",
+        )
+        seen: set[str] = set()
+        for i, src in enumerate(self.sources):
+            key = f"trainer.data.sources[{i}]"
+            src.check(key)
+            require(
+                src.name not in seen, f"{key}.name = {src.name!r} is used by an earlier source; names must be unique"
+            )
+            seen.add(src.name)
 
 
 @dataclass
@@ -226,6 +293,26 @@ class RLConfig:
     """[low, high]: a sample whose geometric-mean importance weight (exp of the mean per-token log ratio)
     falls outside the band is left out of the loss entirely (sequence-level masking). Empty = off."""
 
+    def check(self) -> None:
+        require(
+            0 <= self.clip_low < 1 and self.clip_high >= 0, "trainer.rl.clip_low must be in [0, 1) and clip_high >= 0"
+        )
+        require(self.tis_cap >= 1.0, f"trainer.rl.tis_cap ({self.tis_cap}) must be >= 1 (1 = weights capped at one)")
+        require(self.micro_batch_samples >= 1, "trainer.rl.micro_batch_samples must be >= 1")
+        for name in ("token_mask_band", "seq_mask_band"):
+            band = getattr(self, name)
+            require(
+                not band or (len(band) == 2 and 0 <= band[0] < 1 < band[1]),
+                f"trainer.rl.{name} = {band}: give [low, high] with 0 <= low < 1 < high (e.g. [0.5, 2.0]), or [] "
+                "for none",
+            )
+        require(
+            self.kl_coef == 0,
+            f"trainer.rl.kl_coef = {self.kl_coef}: a KL penalty needs a frozen reference policy, which the trainer "
+            "does not keep; set trainer.rl.kl_coef = 0 (the PPO clip against the proximal policy and TIS bound each "
+            "update)",
+        )
+
 
 @dataclass
 class WarmupConfig:
@@ -271,6 +358,32 @@ class TrainerConfig:
     final_eval_wait_s: float = 300.0
     """At the end, how long the trainer waits for the evaluator's result of the last version (for its report)."""
 
+    def check(self) -> None:
+        """Every trainer section's own checks, then those that tie two of them together."""
+        for section in (self.model, self.optim, self.rl, self.experts, self.parallel, self.data):
+            section.check()
+        m = self.model
+        if self.experts.precision == "fp8":
+            require(
+                self.dtype == "bfloat16",
+                f"trainer.experts.precision = 'fp8' quantizes bf16 tokens: set trainer.dtype = 'bfloat16' (is "
+                f"{self.dtype!r})",
+            )
+            require(
+                m.hidden_size % 16 == 0 and m.moe_intermediate_size % 16 == 0,
+                f"trainer.experts.precision = 'fp8' needs trainer.model.hidden_size ({m.hidden_size}) and "
+                f"moe_intermediate_size ({m.moe_intermediate_size}) divisible by 16 (16-byte e4m3 rows for TMA)",
+            )
+        require(
+            m.n_routed_experts % self.parallel.ep == 0,
+            f"trainer.parallel.ep = {self.parallel.ep} does not divide trainer.model.n_routed_experts = "
+            f"{m.n_routed_experts}; pick an expert-parallel size that divides the expert count",
+        )
+        require(
+            self.mode != "pretrain" or bool(self.data.path) or bool(self.data.sources),
+            'trainer.mode = "pretrain" needs trainer.data.path (one file) or [[trainer.data.sources]] (a mixture)',
+        )
+
 
 @dataclass
 class EvaluatorConfig:
@@ -297,69 +410,9 @@ class EvaluatorConfig:
     pin: Literal["auto", "always", "never"] = "auto"
     """always: pin an eval-pool worker to each version; never: verify through the router; auto: pin if one exists."""
 
-
-ROLES = ("trainer", "vllm", "router", "evaluator")
-
-
-@dataclass
-class RoleSpec:
-    role: str = ""
-    """Role run by this entry (trainer, vllm, router, evaluator); empty means the entry's name."""
-    replicas: int = 1
-    """Processes started for this entry."""
-    critical: bool = False
-    """The run ends when every critical entry has exited successfully."""
-    env: dict[str, str] = field(default_factory=dict)
-    """Extra environment variables of these processes."""
-    command: str = ""
-    """Command template; empty runs `slipstream run`. Fields: {python} {config} {role} {replica}."""
-    restart: Literal["auto", "never", "on-failure"] = "auto"
-    """on-failure: restart a replica that exits non-zero (up to max_restarts, after restart_backoff_s,
-    doubling) instead of failing the run. auto: on-failure for every role (the router, vLLM workers and the
-    evaluator rejoin a running experiment by themselves; the trainer resumes from its newest checkpoint, all
-    of its ranks together); never for entries with their own command."""
-    max_restarts: int = 3
-    """Restarts allowed per replica when it restarts on failure."""
-    restart_backoff_s: float = 1.0
-    """Wait before a replica's first restart; each further restart of it waits twice as long."""
-    node_group: str = ""
-    """Entries with the same node group share nodes in `slipstream scripts` output (one Slurm hetjob component
-    per group, pod affinity on Kubernetes); empty means the entry is a group of its own."""
-    cpus: str = ""
-    """CPUs this entry's processes run on when `slipstream launch` starts them, written as taskset writes them
-    ("1", "0,2-3"); empty: any. Each replica and every process it starts is bound to them, OMP_NUM_THREADS
-    defaults to their number, and a vLLM worker binds its OpenMP threads to them (VLLM_CPU_OMP_THREADS_BIND).
-    Giving the trainer and the workers of one host disjoint CPUs is what separate GPUs are on a GPU host:
-    they stop competing for cores (unbound, the demo's fully-async train steps took 2.75x as long,
-    bench/RESULTS.md). `slipstream scripts` leaves binding to the scheduler."""
-    gpus_per_replica: int = 0
-    """GPUs one replica uses on its node: 1 for a trainer rank, rollout.tensor_parallel_size for a vLLM
-    worker, 0 for a process without GPUs. `slipstream scripts` packs replicas onto nodes by this count."""
-
-
-@dataclass
-class LaunchConfig:
-    roles: dict[str, RoleSpec] = field(default_factory=dict)
-    """Process entries started by `slipstream launch` / written by `slipstream scripts`."""
-    stop_timeout_s: float = 10.0
-    """Grace period between SIGTERM and SIGKILL when the launcher tears the run down."""
-    gpus_per_node: int = 8
-    """GPUs of one node of the cluster that `slipstream scripts` writes for; a node group takes as many
-    nodes as its replicas need when packed by gpus_per_replica (a group without GPUs takes one)."""
-    master_port: int = 29500
-    """Port trainer rank 0 listens on for the process group when `slipstream scripts` starts the ranks
-    torchrun-style (MASTER_PORT under Slurm and Kubernetes)."""
-    image: str = "slipstream:latest"
-    """Container image of every pod in the Kubernetes manifest; it must hold this checkout at the path
-    `slipstream scripts` ran from, with the same Python."""
-    shared_volume_size: str = "100Gi"
-    """Size requested by the manifest's ReadWriteMany volume, mounted at the run dir in every pod (meet
-    dir, published weights and checkpoints live there)."""
-    dash: bool = False
-    """Serve the run dashboard (`slipstream dash`) from the launcher on loopback while the run goes on, and
-    print its URL; for a bind beyond loopback run `slipstream dash --host H --token T` instead."""
-    dash_port: int = 0
-    """Port of the launcher's dashboard; 0 picks a free one (printed)."""
+    def check(self) -> None:
+        require(self.every_n_versions >= 1, "evaluator.every_n_versions must be >= 1")
+        require(self.chunk_cases >= 1, "evaluator.chunk_cases must be >= 1")
 
 
 @dataclass

@@ -1,14 +1,21 @@
 """The schema, first half: the field helpers every section uses (`identity`, `_list`) and the sections of
 the run, the rendezvous, the router, the rollout workers (with their task and prompt sources) and flow
-control. Only dataclasses and their field docstrings (`slipstream show` prints them); the root `Config`
-and the other sections are in schema.py, loading and validation in the modules beside them.
+control. Dataclasses, their field docstrings (`slipstream show` prints them) and each section's own
+`check()`, naming the key and the fix; the root `Config` and the other sections are in schema.py and
+launch.py, loading in load.py, the checks that tie sections together in validation.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
+
+from common.config.coerce import _coerce, _hints, require
+from common.net import is_loopback
 
 
 def identity(default: Any = dataclasses.MISSING, *, factory: Any = dataclasses.MISSING, added: bool = False) -> Any:
@@ -69,6 +76,14 @@ class RendezvousConfig:
     to disconnect before stopping the server (torchrun-started trainer ranks end together, and the rank
     that won the election must not take Redis from a peer still writing its last state)."""
 
+    def check(self) -> None:
+        require(
+            self.heartbeat_ttl_s >= 2 * self.heartbeat_period_s > 0,
+            f"rendezvous.heartbeat_ttl_s ({self.heartbeat_ttl_s}) must be at least twice "
+            f"rendezvous.heartbeat_period_s ({self.heartbeat_period_s}) so one late beat is not a death",
+        )
+        require(0 <= self.redis_port < 65536, f"rendezvous.redis_port {self.redis_port} is not a port (0 = any free)")
+
 
 @dataclass
 class RouterConfig:
@@ -97,6 +112,14 @@ class RouterConfig:
     """Bearer token required from clients; empty disables auth (allowed only on loopback)."""
     max_body_bytes: int = 16 * 1024 * 1024
     """Largest accepted request body; larger requests get 413."""
+
+    def check(self) -> None:
+        require(
+            is_loopback(self.bind_host) or bool(self.auth_token),
+            f"router.bind_host = {self.bind_host!r} is not loopback: set router.auth_token (or bind 127.0.0.1)",
+        )
+        require(self.max_retries >= 0, f"router.max_retries must be >= 0, got {self.max_retries}")
+        require(self.affinity_overload_factor >= 1.0, "router.affinity_overload_factor must be >= 1.0")
 
 
 @dataclass
@@ -140,6 +163,65 @@ class PromptSourceConfig:
     operators: str = identity("+-")
     """Operators an arithmetic problem may use (a subset of "+-*")."""
 
+    def check(self, key: str) -> None:
+        """This source's own knobs; `key` names it in errors (the list's uniqueness is TaskConfig's check)."""
+        require(
+            math.isfinite(self.weight) and self.weight > 0,
+            f"{key}.weight = {self.weight} must be a number > 0 (drop the source to leave it out)",
+        )
+        require(
+            self.verifier != "import" or ":" in self.verifier_import,
+            f"{key}.verifier = 'import' needs verifier_import = 'package.module:factory'",
+        )
+        if self.format == "arithmetic":
+            require(not self.path, f"{key} is the arithmetic generator and reads no file: drop path = {self.path!r}")
+            require(not self.repeat, f"{key}: an arithmetic source does not repeat; raise its num_problems instead")
+            require(self.num_problems >= 1, f"{key}.num_problems must be >= 1, got {self.num_problems}")
+            _check_arithmetic(key, self)
+            return
+        require(
+            bool(self.path),
+            f"{key} has no path: give a .jsonl/.parquet file or a datasets directory, or "
+            "format = 'arithmetic' for the generator",
+        )
+        path = Path(self.path)
+        require(path.exists(), f"{key}.path {self.path!r} does not exist (relative paths are from {os.getcwd()})")
+        fmt = source_format(self)
+        require(
+            bool(fmt),
+            f"{key}.path {self.path!r}: cannot tell the format from its name; set format = 'jsonl', "
+            "'parquet' or 'datasets'",
+        )
+        require(
+            (fmt == "datasets") == path.is_dir(),
+            f"{key}.path {self.path!r} is {'a directory' if path.is_dir() else 'a file'}, but format {fmt!r} "
+            f"reads {'a Dataset.save_to_disk directory' if fmt == 'datasets' else 'a file'}",
+        )
+
+
+_SOURCE_SUFFIXES = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
+
+
+def source_format(src: PromptSourceConfig) -> str:
+    """The format a prompt source is read as: its `format`, or for auto the one its path implies ("" if none)."""
+    if src.format != "auto":
+        return src.format
+    if Path(src.path).is_dir():
+        return "datasets"
+    return _SOURCE_SUFFIXES.get(Path(src.path).suffix.lower(), "")
+
+
+def _check_arithmetic(key: str, t: TaskConfig | PromptSourceConfig) -> None:
+    """The arithmetic generator's knobs, of the task or of a mixture's arithmetic source at `key`."""
+    require(
+        bool(t.operators) and set(t.operators) <= set("+-*"),
+        f'{key}.operators {t.operators!r} must be a non-empty subset of "+-*"',
+    )
+    require(
+        1 <= t.min_operands <= t.max_operands,
+        f"{key}.min_operands ({t.min_operands}) must be within [1, max_operands ({t.max_operands})]",
+    )
+
 
 @dataclass
 class TaskConfig:
@@ -169,6 +251,45 @@ class TaskConfig:
     sources: list[PromptSourceConfig] = identity(factory=list, added=True)
     """Prompt sources of kind = mixture ([[rollout.task.sources]] tables, or on the command line
     --set 'rollout.task.sources=[{name = "a", ...}, ...]'); interleaved by weight, see rollout/tasks/mixture.py."""
+
+    def check(self) -> None:
+        _check_arithmetic("rollout.task", self)
+        require(
+            self.kind != "jsonl_math" or bool(self.path), "rollout.task.kind = 'jsonl_math' needs rollout.task.path"
+        )
+        require(
+            self.kind != "import" or ":" in self.import_path,
+            "rollout.task.kind = 'import' needs rollout.task.import_path = 'package.module:factory'",
+        )
+        if self.kind != "mixture":
+            require(
+                not self.sources,
+                f"rollout.task.sources is read only by kind = 'mixture' (kind is {self.kind!r}): "
+                "set rollout.task.kind = 'mixture' or drop the sources",
+            )
+            return
+        require(
+            bool(self.sources),
+            "rollout.task.kind = 'mixture' needs [[rollout.task.sources]] tables (name, path, "
+            "weight, verifier), or format = 'arithmetic' sources",
+        )
+        seen: set[str] = set()
+        for i, src in enumerate(self.sources):
+            key = f"rollout.task.sources[{i}]"
+            require(
+                bool(src.name) and all(c.isalnum() or c in "_.-" for c in src.name),
+                f"{key}.name = {src.name!r}: give a name of letters, digits, '_', '.' or '-' (it prefixes problem ids)",
+            )
+            require(
+                src.name not in seen, f"{key}.name = {src.name!r} is used by an earlier source; names must be unique"
+            )
+            seen.add(src.name)
+            src.check(f"{key} ({src.name!r})")
+        require(
+            not all(src.repeat for src in self.sources),
+            "rollout.task.sources: every source repeats, so the mixture would never end; set repeat = false on one "
+            "(the mixture ends when it runs out)",
+        )
 
 
 @dataclass
@@ -230,6 +351,21 @@ class RolloutConfig:
     task: TaskConfig = field(default_factory=TaskConfig)
     """The task: where prompts come from and how completions are rewarded."""
 
+    def check(self) -> None:
+        require(
+            is_loopback(self.bind_host) or bool(self.api_key),
+            f"rollout.bind_host = {self.bind_host!r} is not loopback: set rollout.api_key (vLLM then refuses "
+            "requests without it), or bind 127.0.0.1",
+        )
+        require(self.keep_versions >= 1, f"rollout.keep_versions must be >= 1, got {self.keep_versions}")
+        require(self.weight_shard_mb >= 1, f"rollout.weight_shard_mb must be >= 1 (MB), got {self.weight_shard_mb}")
+        require(
+            0 < self.max_tokens < self.max_model_len,
+            f"rollout.max_tokens ({self.max_tokens}) must be positive and below rollout.max_model_len "
+            f"({self.max_model_len})",
+        )
+        self.task.check()
+
 
 @dataclass
 class FlowConfig:
@@ -263,3 +399,29 @@ class FlowConfig:
     """Failed requests (after retries) tolerated in a run before the trainer stops with the last error."""
     request_timeout_s: float = 600.0
     """Longest a single generation request may take before it counts as failed."""
+
+    def check(self) -> None:
+        """The knobs every policy needs (policy_from_config calls it too). A FlowConfig built in code (the
+        simulator's, tests') skipped the loader's typing, so each field is typed here as well."""
+        for name, tp in _hints(FlowConfig).items():
+            _coerce(getattr(self, name), tp, f"flow.{name}")
+        for name in (
+            "prompts_per_step",
+            "samples_per_prompt",
+            "max_concurrent",
+            "max_untrained_prompts",
+            "max_dynamic_refills_per_step",
+        ):
+            require(getattr(self, name) >= 1, f"flow.{name} must be >= 1, got {getattr(self, name)}")
+        require(
+            not self.dynamic_sampling or self.samples_per_prompt >= 2,
+            "flow.dynamic_sampling drops groups whose rewards are all equal, which a group of one sample always is "
+            f"(flow.samples_per_prompt = {self.samples_per_prompt}): set flow.samples_per_prompt >= 2",
+        )
+        require(self.max_staleness >= 0, f"flow.max_staleness must be >= 0, got {self.max_staleness}")
+        if self.strategy == "fully_async":
+            require(
+                self.max_untrained_prompts >= self.prompts_per_step,
+                f"flow.max_untrained_prompts ({self.max_untrained_prompts}) is below flow.prompts_per_step "
+                f"({self.prompts_per_step}): a batch could never fill; raise max_untrained_prompts",
+            )

@@ -14,7 +14,7 @@ from common.config import ROLES, ConfigError, add_set_argument, diff, load_confi
 # subcommand -> "module:function" taking the remaining argv and returning an exit code; imported
 # only when used, so `slipstream --help` stays fast and needs none of their dependencies.
 DELEGATED = {
-    "simulate": ("rollout.flow.simulator:cli_main", "run the flow-control simulator"),
+    "simulate": ("rollout.flow.sim.cli:cli_main", "run the flow-control simulator"),
     "eval": ("evaluator.cli:cli_main", "run benchmarks against an OpenAI-compatible URL"),
     "prep": ("trainer.data.prep:cli_main", "tokenize trainer.data.sources into token shards under trainer.data.root"),
 }

@@ -12,13 +12,14 @@ knob and the index (`case_id`), so two different prompts never share an id, what
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from functools import cached_property
 
 from common.config import PromptSourceConfig, TaskConfig
 from evaluator.benchmark import Benchmark, BenchmarkError, Case, SampleScore, Sampling
-from rollout.tasks.arithmetic import ArithmeticTask, verify
+from rollout.tasks.arithmetic import GENERATOR_KNOBS, ArithmeticTask, verify
 
 DATA_FILE = "arithmetic/heldout.json"
 # Operators spelled as letters in case ids ("2+3-1" style ids would be unreadable).
@@ -79,21 +80,12 @@ class HeldOutArithmetic(Benchmark):
             )
         if gen.seed == spec.seed:
             raise BenchmarkError(f"held-out seed {spec.seed} ({path}) equals rollout.task.seed; change one of them")
-        return HeldOutSpec(
-            spec.seed, spec.count, gen.min_operands, gen.max_operands, gen.max_value, gen.operators, spec.max_tokens
-        )
+        return dataclasses.replace(spec, **{k: getattr(gen, k) for k in GENERATOR_KNOBS})
 
     @cached_property
     def _cases(self) -> list[Case]:
         s = self.spec
-        task = ArithmeticTask(
-            seed=s.seed,
-            num_problems=s.count,
-            min_operands=s.min_operands,
-            max_operands=s.max_operands,
-            max_value=s.max_value,
-            operators=s.operators,
-        )
+        task = ArithmeticTask(seed=s.seed, num_problems=s.count, **{k: getattr(s, k) for k in GENERATOR_KNOBS})
         sampling = Sampling(temperature=0.0, max_tokens=s.max_tokens)
         problems = [task.problem(i) for i in range(len(task))]
         return [Case(case_id(s, i), p.prompt, sampling, 1, {"answer": p.answer}) for i, p in enumerate(problems)]

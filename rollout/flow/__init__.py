@@ -2,6 +2,5 @@
 state machines of the three strategies (on-policy, one-step-off, fully-async) that decide which prompt is
 generated when, which complete groups form a train batch and when weights are published (`events`: what
 they exchange with a driver); `runtime` drives a policy for real with the GenerationController and the
-trainer's callbacks, with a checkpointable state; `simulator` drives the very same policy objects in
-simulated time to predict the schedule, utilisation and staleness of a run before spending hardware on it,
-with a timing model learnt from a real run (`calibrate`, `sim_compare`) and sweeps for studies (`sim_sweep`)."""
+trainer's callbacks, with a checkpointable state. `sim/` is the simulator lab, which drives the very same
+policy objects in simulated time."""

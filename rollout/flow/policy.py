@@ -26,6 +26,7 @@ from collections import deque
 from collections.abc import Iterable
 from typing import Any, ClassVar
 
+from common.config import FlowConfig
 from rollout.flow.events import (
     Action,
     Dispatch,
@@ -49,36 +50,29 @@ class FlowPolicy:
 
     strategy: ClassVar[str] = ""
 
-    def __init__(
-        self,
-        *,
-        prompts_per_step: int = 8,
-        samples_per_prompt: int = 4,
-        max_concurrent: int = 64,
-        max_untrained_prompts: int = 32,
-        max_staleness: int = 2,
-        stale_policy: str = "requeue",
-        partial_rollout: bool = True,
-        end_of_data: str = "train_partial",
-        dynamic_sampling: bool = False,
-        max_dynamic_refills_per_step: int = 32,
-        num_prompts: int | None = None,
-        max_steps: int | None = None,
-    ) -> None:
+    KNOBS: ClassVar[tuple[str, ...]] = (
+        "prompts_per_step",
+        "samples_per_prompt",
+        "max_concurrent",
+        "max_untrained_prompts",
+        "max_staleness",
+        "stale_policy",
+        "partial_rollout",
+        "end_of_data",
+        "dynamic_sampling",
+        "max_dynamic_refills_per_step",
+    )
+    """The fields of the flow section a policy reads (besides `strategy`, which picks the class); the rest are
+    the GenerationController's."""
+
+    def __init__(self, flow: FlowConfig, *, num_prompts: int | None = None, max_steps: int | None = None) -> None:
+        """A policy with the knobs of `flow` (trusted: `policy_from_config` checks them first). `num_prompts`:
+        the data's size (None: unknown until `on_data_exhausted`); `max_steps`: train steps before it finishes."""
         if num_prompts is not None and num_prompts < 0:
             raise ValueError(f"num_prompts must be >= 0 or None (unknown), got {num_prompts}")
         if max_steps is not None and max_steps < 0:
             raise ValueError(f"max_steps must be >= 0 or None (until the data ends), got {max_steps}")
-        self.prompts_per_step = prompts_per_step
-        self.samples_per_prompt = samples_per_prompt
-        self.max_concurrent = max_concurrent
-        self.max_untrained_prompts = max_untrained_prompts
-        self.max_staleness = max_staleness
-        self.stale_policy = stale_policy
-        self.partial_rollout = partial_rollout
-        self.end_of_data = end_of_data
-        self.dynamic_sampling = dynamic_sampling
-        self.max_dynamic_refills_per_step = max_dynamic_refills_per_step
+        self.flow = flow
         self.max_steps = max_steps
 
         self.step = 0  # optimizer steps done = the trainer's weight version
@@ -137,7 +131,7 @@ class FlowPolicy:
                 f"sample {key} reports versions {sample.oldest_version}..{sample.newest_version} but the "
                 f"generators run version {self.published}; report the oldest and newest token versions"
             )
-        if self.dynamic_sampling and sample.reward is None:
+        if self.flow.dynamic_sampling and sample.reward is None:
             raise FlowError(
                 f"sample {key} finished without a reward; flow.dynamic_sampling needs every sample's reward "
                 "in SampleDone (the genable's result must carry it)"
@@ -146,16 +140,16 @@ class FlowPolicy:
         self._check_sample(sample)
         group = self.done.setdefault(sample.prompt_id, {})
         group[sample.index] = (sample.oldest_version, sample.newest_version)
-        if self.dynamic_sampling and sample.reward is not None:  # never None here: checked above
+        if self.flow.dynamic_sampling and sample.reward is not None:  # never None here: checked above
             self.rewards.setdefault(sample.prompt_id, {})[sample.index] = float(sample.reward)
         self.counters.completed_samples += 1
-        if len(group) == self.samples_per_prompt:
+        if len(group) == self.flow.samples_per_prompt:
             self._group_complete(sample.prompt_id)
         return self._run()
 
     def _group_complete(self, pid: int) -> None:
         """A group is judged whenever it becomes complete (again, after re-generated samples)."""
-        uniform = self.dynamic_sampling and len(set(self.rewards[pid].values())) == 1
+        uniform = self.flow.dynamic_sampling and len(set(self.rewards[pid].values())) == 1
         if uniform and self._refills_left():
             self._filter(pid)
         else:
@@ -230,9 +224,9 @@ class FlowPolicy:
         """The policy state as plain JSON-able data (ints, strings, lists, dicts with string keys)."""
         return {
             "strategy": self.strategy,
-            "prompts_per_step": self.prompts_per_step,
-            "samples_per_prompt": self.samples_per_prompt,
-            "dynamic_sampling": self.dynamic_sampling,
+            "prompts_per_step": self.flow.prompts_per_step,
+            "samples_per_prompt": self.flow.samples_per_prompt,
+            "dynamic_sampling": self.flow.dynamic_sampling,
             "step": self.step,
             "published": self.published,
             "job": job_state(self.job),
@@ -264,9 +258,9 @@ class FlowPolicy:
             )
         for name in self.IDENTITY:
             saved = state.get(name, False)  # checkpoints from before dynamic sampling existed ran without it
-            if saved != getattr(self, name):
+            if saved != getattr(self.flow, name):
                 raise FlowError(
-                    f"checkpoint flow.{name} = {saved} differs from the config's {getattr(self, name)}; "
+                    f"checkpoint flow.{name} = {saved} differs from the config's {getattr(self.flow, name)}; "
                     "it defines the run, so resume with the checkpoint's value"
                 )
         self.step = state["step"]
@@ -396,7 +390,7 @@ class FlowPolicy:
         pid = self.next_prompt
         self.next_prompt += 1
         self.untrained[pid] = None
-        self.pending.extend((pid, s) for s in range(self.samples_per_prompt))
+        self.pending.extend((pid, s) for s in range(self.flow.samples_per_prompt))
         return pid
 
     def _dispatch(self, actions: list[Action]) -> bool:
@@ -405,10 +399,10 @@ class FlowPolicy:
         if isinstance(self.job, PublishJob):
             return False
         started = False
-        while self.pending and len(self.in_flight) < self.max_concurrent:
+        while self.pending and len(self.in_flight) < self.flow.max_concurrent:
             pid = self.pending[0][0]
             samples: list[int] = []
-            while self.pending and self.pending[0][0] == pid and len(self.in_flight) < self.max_concurrent:
+            while self.pending and self.pending[0][0] == pid and len(self.in_flight) < self.flow.max_concurrent:
                 _, s = self.pending.popleft()
                 self.in_flight[(pid, s)] = self.published
                 samples.append(s)

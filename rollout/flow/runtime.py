@@ -309,7 +309,7 @@ class FlowRuntime(Generic[P, R]):
                 f"prompt {pid} is in a train batch but the data has no prompt {pid}; resume with the data "
                 "the checkpoint was made with"
             )
-        spp = self.policy.samples_per_prompt
+        spp = self.policy.flow.samples_per_prompt
         return Group(pid, prompt, [self._s.results[(pid, i)] for i in range(spp)])
 
     def _on_outcome(self, out: Outcome[SampleRequest[P], R]) -> None:

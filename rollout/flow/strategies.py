@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from common.config import FlowConfig, validate_flow
+from common.config import FlowConfig
 from rollout.flow.events import Abort, Action, FlowError, PublishJob, SampleDone, SampleKey
 from rollout.flow.policy import FlowPolicy
 
@@ -25,8 +25,8 @@ class _SyncPolicy(FlowPolicy):
 
     lag: ClassVar[int] = 0
 
-    def __init__(self, **knobs: Any) -> None:
-        super().__init__(**knobs)
+    def __init__(self, flow: FlowConfig, *, num_prompts: int | None = None, max_steps: int | None = None) -> None:
+        super().__init__(flow, num_prompts=num_prompts, max_steps=max_steps)
         self.batches: list[list[int]] = []  # prompt ids of batch b
         self.batch_versions: list[int] = []  # the version batch b is generated with
         self.batch_dropped: list[int] = []  # groups of batch b dropped by dynamic sampling
@@ -46,7 +46,7 @@ class _SyncPolicy(FlowPolicy):
         self.batch_of = {p: b for b, batch in enumerate(self.batches) for p in batch}
 
     def _refills_left(self) -> bool:
-        return self.batch_dropped[-1] < self.max_dynamic_refills_per_step
+        return self.batch_dropped[-1] < self.flow.max_dynamic_refills_per_step
 
     def _replace(self, pid: int) -> None:
         b = self.batch_of.pop(pid)
@@ -93,7 +93,7 @@ class _SyncPolicy(FlowPolicy):
             self._pop_batch()
 
     def _batch_complete(self, b: int) -> bool:
-        return all(len(self.done.get(p, ())) == self.samples_per_prompt for p in self.batches[b])
+        return all(len(self.done.get(p, ())) == self.flow.samples_per_prompt for p in self.batches[b])
 
     def _advance(self, actions: list[Action]) -> None:
         while True:
@@ -104,7 +104,7 @@ class _SyncPolicy(FlowPolicy):
                     progressed = True
                 elif self._steps_left() and self.step < len(self.batches) and self._batch_complete(self.step):
                     batch = self.batches[self.step]
-                    if len(batch) < self.prompts_per_step and self.end_of_data == "drop":
+                    if len(batch) < self.flow.prompts_per_step and self.flow.end_of_data == "drop":
                         self._drop(batch)
                         for p in batch:
                             self.batch_of.pop(p, None)
@@ -120,7 +120,7 @@ class _SyncPolicy(FlowPolicy):
                 and (self.max_steps is None or b < self.max_steps)
                 and self.published == max(0, b - self.lag)
             ):
-                n = self.prompts_per_step
+                n = self.flow.prompts_per_step
                 if self.data_end is not None:
                     n = min(n, self.data_end - self.next_prompt)
                 batch = [self._admit() for _ in range(n)]
@@ -168,8 +168,8 @@ class FullyAsync(FlowPolicy):
 
     strategy = "fully_async"
 
-    def __init__(self, **knobs: Any) -> None:
-        super().__init__(**knobs)
+    def __init__(self, flow: FlowConfig, *, num_prompts: int | None = None, max_steps: int | None = None) -> None:
+        super().__init__(flow, num_prompts=num_prompts, max_steps=max_steps)
         self.dropped_since_train = 0
 
     def _extra_state(self) -> dict[str, Any]:
@@ -179,7 +179,7 @@ class FullyAsync(FlowPolicy):
         self.dropped_since_train = state.get("dropped_since_train", 0)
 
     def _refills_left(self) -> bool:
-        return self.dropped_since_train < self.max_dynamic_refills_per_step
+        return self.dropped_since_train < self.flow.max_dynamic_refills_per_step
 
     def _replace(self, pid: int) -> None:
         self.dropped_since_train += 1  # the freed admission slot is refilled by `_advance`
@@ -189,7 +189,7 @@ class FullyAsync(FlowPolicy):
         return dropped
 
     def _is_stale(self, oldest: int) -> bool:
-        return oldest < self.step - self.max_staleness
+        return oldest < self.step - self.flow.max_staleness
 
     def _sweep_stale(self) -> None:
         """Staleness is checked per sample by its oldest token version. Groups in the buffer are
@@ -202,7 +202,7 @@ class FullyAsync(FlowPolicy):
             if not stale:
                 continue
             self.counters.stale_samples += len(stale)
-            if self.stale_policy == "drop":
+            if self.flow.stale_policy == "drop":
                 self._drop([pid])
                 continue
             self.ready.remove(pid)
@@ -218,20 +218,20 @@ class FullyAsync(FlowPolicy):
         return not self._data_left() and self._generator_idle()
 
     def _may_admit(self) -> bool:
-        if not self._data_left() or len(self.untrained) >= self.max_untrained_prompts:
+        if not self._data_left() or len(self.untrained) >= self.flow.max_untrained_prompts:
             return False
         if self.max_steps is None:
             return True
         # Enough prompts for the remaining steps are admitted already (dropped ones get replaced).
         planned = self.counters.trained_prompts + len(self.job_groups) + len(self.untrained)
-        return planned < self.max_steps * self.prompts_per_step
+        return planned < self.max_steps * self.flow.prompts_per_step
 
     def _advance(self, actions: list[Action]) -> None:
         while True:
             progressed = False
             if self.job is None:
                 if self.step > self.published:
-                    if not self.partial_rollout and self.in_flight:
+                    if not self.flow.partial_rollout and self.in_flight:
                         keys = tuple(self.in_flight)
                         self.in_flight.clear()
                         self.pending.extendleft(reversed(keys))
@@ -241,17 +241,17 @@ class FullyAsync(FlowPolicy):
                     progressed = True
                 elif self._steps_left():
                     self._sweep_stale()
-                    if len(self.ready) >= self.prompts_per_step:
-                        self._train(self.ready[: self.prompts_per_step], actions)
+                    if len(self.ready) >= self.flow.prompts_per_step:
+                        self._train(self.ready[: self.flow.prompts_per_step], actions)
                         progressed = True
                     elif self.ready and self._drained() and len(self.ready) == len(self.untrained):
-                        if self.end_of_data == "train_partial":
+                        if self.flow.end_of_data == "train_partial":
                             self._train(list(self.ready), actions)
                         else:
                             self._drop(list(self.ready))
                         progressed = True
             if not isinstance(self.job, PublishJob):
-                while len(self.in_flight) + len(self.pending) < self.max_concurrent and self._may_admit():
+                while len(self.in_flight) + len(self.pending) < self.flow.max_concurrent and self._may_admit():
                     self._admit()
             progressed |= self._dispatch(actions)
             if not progressed:
@@ -265,21 +265,8 @@ STRATEGIES: dict[str, type[FlowPolicy]] = {cls.strategy: cls for cls in (OnPolic
 
 
 def policy_from_config(cfg: FlowConfig, *, num_prompts: int | None = None, max_steps: int | None = None) -> FlowPolicy:
-    """The policy of `cfg.strategy` with the knobs of the flow config section, checked by the config's
-    `validate_flow` (a loaded config passed it already; the simulator's and tests' flows are built in code).
-    The constructors themselves trust their knobs."""
-    validate_flow(cfg)
-    return STRATEGIES[cfg.strategy](
-        prompts_per_step=cfg.prompts_per_step,
-        samples_per_prompt=cfg.samples_per_prompt,
-        max_concurrent=cfg.max_concurrent,
-        max_untrained_prompts=cfg.max_untrained_prompts,
-        max_staleness=cfg.max_staleness,
-        stale_policy=cfg.stale_policy,
-        partial_rollout=cfg.partial_rollout,
-        end_of_data=cfg.end_of_data,
-        dynamic_sampling=cfg.dynamic_sampling,
-        max_dynamic_refills_per_step=cfg.max_dynamic_refills_per_step,
-        num_prompts=num_prompts,
-        max_steps=max_steps,
-    )
+    """The policy of `cfg.strategy` on the flow config section, checked first by `FlowConfig.check` (a loaded
+    config passed it already; the simulator's and tests' flows are built in code). The constructors
+    themselves trust their section."""
+    cfg.check()
+    return STRATEGIES[cfg.strategy](cfg, num_prompts=num_prompts, max_steps=max_steps)

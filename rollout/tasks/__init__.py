@@ -12,8 +12,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from common.config import TaskConfig
-
 
 @dataclass(frozen=True)
 class Problem:
@@ -56,26 +54,3 @@ def import_factory(spec: str, key: str) -> Callable[..., Any]:
             f"{key} {spec!r} cannot be loaded ({exc}); "
             "it must name 'package.module:factory' importable from the trainer's environment"
         ) from None
-
-
-def load_task(cfg: TaskConfig) -> Task:
-    """The task a config names."""
-    if cfg.kind == "arithmetic":
-        from rollout.tasks.arithmetic import ArithmeticTask
-
-        return ArithmeticTask.from_config(cfg)
-    if cfg.kind == "jsonl_math":
-        from rollout.tasks.jsonl_math import JsonlMathTask
-
-        return JsonlMathTask.from_config(cfg)
-    if cfg.kind == "mixture":
-        from rollout.tasks.mixture import MixtureTask
-
-        return MixtureTask.from_config(cfg)
-    task = import_factory(cfg.import_path, "rollout.task.import_path")(cfg)
-    if not isinstance(task, Task):
-        raise TypeError(
-            f"rollout.task.import_path {cfg.import_path!r} returned {type(task).__name__}, which lacks "
-            "name, __len__, problem(index) and reward(problem, completion)"
-        )
-    return task

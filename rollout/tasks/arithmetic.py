@@ -12,11 +12,16 @@ from __future__ import annotations
 import random
 import re
 from dataclasses import dataclass
+from typing import Any
 
-from common.config import TaskConfig
+from common.config import PromptSourceConfig, TaskConfig
 from rollout.tasks import Problem
 
 _LEADING_INT = re.compile(r"\s*(-?\d{1,32})(?!\d)")
+
+GENERATOR_KNOBS = ("min_operands", "max_operands", "max_value", "operators")
+"""What shapes a problem besides its seed and index, named alike in TaskConfig, PromptSourceConfig and the
+evaluator's held-out spec."""
 
 
 def render_prompt(expression: str) -> str:
@@ -70,16 +75,13 @@ class ArithmeticTask:
     name: str = "arithmetic"
 
     @classmethod
-    def from_config(cls, cfg: TaskConfig) -> ArithmeticTask:
-        return cls(
-            seed=cfg.seed,
-            num_problems=cfg.num_problems,
-            min_operands=cfg.min_operands,
-            max_operands=cfg.max_operands,
-            max_value=cfg.max_value,
-            operators=cfg.operators,
-            max_completion_chars=cfg.max_completion_chars,
-        )
+    def from_config(cls, cfg: TaskConfig | PromptSourceConfig, **changes: Any) -> ArithmeticTask:
+        """The generator a task section (kind = arithmetic) or a mixture's arithmetic source describes: its
+        seed, size and knobs, then `changes` (a mixture source's name, the task's completion bound)."""
+        knobs = {k: getattr(cfg, k) for k in ("seed", "num_problems", *GENERATOR_KNOBS)}
+        if isinstance(cfg, TaskConfig):
+            knobs["max_completion_chars"] = cfg.max_completion_chars
+        return cls(**(knobs | changes))
 
     def __len__(self) -> int:
         return self.num_problems

@@ -93,16 +93,7 @@ class MixtureSource:
     def from_config(cls, src: PromptSourceConfig, task: TaskConfig, config_key: str) -> MixtureSource:
         verifier = make_verifier(src, task, config_key)
         if src.format == "arithmetic":
-            generator = ArithmeticTask(
-                src.seed,
-                src.num_problems,
-                src.min_operands,
-                src.max_operands,
-                src.max_value,
-                src.operators,
-                task.max_completion_chars,
-                name=src.name,
-            )
+            generator = ArithmeticTask.from_config(src, max_completion_chars=task.max_completion_chars, name=src.name)
             return cls(src, verifier, generator)
         keys = RecordKeys(src.prompt_key, src.answer_key, src.id_key)
         problems = read_problems(src.path, source_format(src), keys, config_key, source=src.name)

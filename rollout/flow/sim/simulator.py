@@ -12,9 +12,8 @@ sample draws a new length. Rewards are modelled only as far as dynamic sampling 
 fraction `uniform_group_rate` of prompts gets the same reward on every sample (a group with no
 signal, which dynamic sampling drops and replaces), the others a spread of rewards. It reports
 makespan, utilisations, throughput, the staleness histogram, dropped samples and groups and every
-completed request (`SimResult`), rendered as ASCII and as a PNG by sim_report.py; `slipstream simulate`
-is simulate_cli.py (a model fitted to a real run: calibrate.py). Both are re-exported here, the
-simulator's one import path.
+completed request (`SimResult`), rendered as ASCII and as a PNG by report.py; `slipstream simulate`
+is cli.py (a model fitted to a real run: calibrate.py).
 """
 
 from __future__ import annotations
@@ -22,20 +21,16 @@ from __future__ import annotations
 import heapq
 import math
 import random
-import sys
 from dataclasses import dataclass
 
 from rollout.flow.events import Abort, Action, Dispatch, Finish, Publish, SampleDone, SampleKey, Train
 from rollout.flow.policy import FlowPolicy
-from rollout.flow.sim_report import (
+from rollout.flow.sim.report import (
     SampleRecord,
     SimResult,
     Span,
     StepRecord,
     TracePoint,
-    ascii_timeline,
-    compare_table,
-    save_png,
 )
 
 
@@ -249,7 +244,7 @@ def simulate(
 ) -> SimResult:
     """Run `policy` to its Finish against the model; deterministic for given inputs."""
     pool = GeneratorPool(throughput)
-    spp = policy.samples_per_prompt
+    spp = policy.flow.samples_per_prompt
     attempts: dict[SampleKey, int] = {}
     requests: dict[SampleKey, SampleRecord] = {}
     samples: list[SampleRecord] = []
@@ -336,7 +331,7 @@ def simulate(
         raise SimulationError(f"{policy.strategy}: no Finish after {max_events} events")
     return SimResult(
         strategy=policy.strategy,
-        max_concurrent=policy.max_concurrent,
+        max_concurrent=policy.flow.max_concurrent,
         makespan=pool.t,
         steps=steps,
         spans=spans,
@@ -345,38 +340,18 @@ def simulate(
         generated_tokens=pool.generated,
         trained_completion_tokens=trained_completion_tokens,
         generator_busy_s=pool.busy_s,
-        peak_tokens_per_s=throughput.pool_tokens_per_s(policy.max_concurrent),
+        peak_tokens_per_s=throughput.pool_tokens_per_s(policy.flow.max_concurrent),
         finish_reason=finish.reason,
         samples=samples,
     )
 
 
-def cli_main(argv: list[str]) -> int:
-    """`slipstream simulate` (common/runs/cli.py delegates here); the command line is simulate_cli.py, which imports
-    this module, so it is imported when called."""
-    from rollout.flow.simulate_cli import cli_main as main
-
-    return main(argv)
-
-
 __all__ = [
     "Costs",
     "InFlight",
-    "SampleRecord",
-    "SimResult",
     "SimulationError",
-    "Span",
-    "StepRecord",
     "GeneratorPool",
     "ThroughputModel",
-    "TracePoint",
     "Workload",
-    "ascii_timeline",
-    "cli_main",
-    "compare_table",
-    "save_png",
     "simulate",
 ]
-
-if __name__ == "__main__":  # pragma: no cover - `slipstream simulate` is the entry point
-    raise SystemExit(cli_main(sys.argv[1:]))

@@ -1,8 +1,8 @@
 """`slipstream simulate`: the simulator's command line. Modes: by default, simulate the config's strategy (and
 with `--strategies`, others beside it in a table) and print the schedule; `--calibrate RUN_DIR` fits the timing
 model to a run's metrics and writes it (calibrate.py); `--compare RUN_DIR` replays the run's config with that
-model and sets the prediction beside the measurement (sim_compare.py); `--sweep KEY=V1,V2,...` runs a grid of
-settings and recommends one (sim_sweep.py). Inputs are layers, each over the one before: built-in defaults; the
+model and sets the prediction beside the measurement (compare.py); `--sweep KEY=V1,V2,...` runs a grid of
+settings and recommends one (sweep.py). Inputs are layers, each over the one before: built-in defaults; the
 whole config (`--config`, or the compared run's config.toml): its [flow] section, its trainer.steps and seed, and
 the workload its rollout section implies (`task_workload`); the compared run's measurements (its completion
 lengths, prompt tokens and steps); the timing model file (`--model`); then the flags. The flow flags are
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import inspect
 import math
 import sys
 import typing
@@ -24,7 +23,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from common.config import Config, ConfigError, FlowConfig, field_docs, load_config, parse_value, validate
-from rollout.flow.calibrate import (
+from rollout.flow.policy import FlowPolicy
+from rollout.flow.sim.calibrate import (
     MODEL_FILE,
     CalibrationError,
     RunMetrics,
@@ -35,11 +35,10 @@ from rollout.flow.calibrate import (
     read_run,
     save_model,
 )
-from rollout.flow.policy import FlowPolicy
-from rollout.flow.sim_compare import comparison_table, measured_result
-from rollout.flow.sim_report import SimResult, ascii_timeline, compare_table, save_png
-from rollout.flow.sim_sweep import Setting, parse_axes, recommend, run_sweep, save_sweep_png, sweep_table
-from rollout.flow.simulator import Costs, ThroughputModel, Workload, simulate
+from rollout.flow.sim.compare import comparison_table, measured_result
+from rollout.flow.sim.report import SimResult, ascii_timeline, compare_table, save_png
+from rollout.flow.sim.simulator import Costs, ThroughputModel, Workload, simulate
+from rollout.flow.sim.sweep import Setting, parse_axes, recommend, run_sweep, save_sweep_png, sweep_table
 from rollout.flow.strategies import STRATEGIES, policy_from_config
 
 LOGNORMAL = ("median_tokens", "sigma", "prompt_sigma")
@@ -48,9 +47,8 @@ COSTS = ("train_s_per_token", "train_step_overhead_s", "sync_s", "pause_s")
 
 
 def _policy_knobs() -> list[dataclasses.Field]:
-    """The FlowConfig fields a policy reads, in schema order: its strategy and the knobs its constructor takes."""
-    takes = inspect.signature(FlowPolicy.__init__).parameters
-    return [f for f in dataclasses.fields(FlowConfig) if f.name == "strategy" or f.name in takes]
+    """The FlowConfig fields a policy reads, in schema order: its strategy and its knobs."""
+    return [f for f in dataclasses.fields(FlowConfig) if f.name == "strategy" or f.name in FlowPolicy.KNOBS]
 
 
 def _flow_args(parser: argparse.ArgumentParser) -> None:

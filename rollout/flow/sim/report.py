@@ -1,8 +1,8 @@
 """What a simulated run produced and how it is shown: the records of a run (`StepRecord`, `Span`,
 `TracePoint`, `SampleRecord`, `SimResult` with its summary and utilisations), the ASCII timeline, the PNG
 figure and the table that compares strategies. The simulator (simulator.py) makes these, and
-sim_compare.py makes one from a real run's metrics to set beside a prediction; `slipstream simulate`
-(simulate_cli.py) and bench/flow_bench.py print them.
+compare.py makes one from a real run's metrics to set beside a prediction; `slipstream simulate`
+(cli.py) and bench/flow_bench.py print them.
 """
 
 from __future__ import annotations

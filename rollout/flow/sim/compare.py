@@ -1,6 +1,6 @@
 """A real run set beside its prediction: `measured_result` turns what a run recorded (calibrate.py's
 `RunMetrics`) into the simulator's own `SimResult` (steps, trainer spans, the requests in flight and the
-pauses over time, the staleness histogram), so one table (`comparison_table`) and one figure (sim_report's
+pauses over time, the staleness histogram), so one table (`comparison_table`) and one figure (report.py's
 `save_png`) show measured and predicted alike. `slipstream simulate --compare RUN_DIR` is the command.
 Generator utilisation is measured against the timing model's capacity at max_concurrent, as it is
 predicted, so the two are comparable; the trained completion tokens of a run are its trained tokens less
@@ -14,9 +14,9 @@ from collections.abc import Callable
 from typing import Any
 
 from common.config import FlowConfig
-from rollout.flow.calibrate import CalibrationError, RunMetrics
-from rollout.flow.sim_report import SampleRecord, SimResult, Span, StepRecord, TracePoint
-from rollout.flow.simulator import ThroughputModel
+from rollout.flow.sim.calibrate import CalibrationError, RunMetrics
+from rollout.flow.sim.report import SampleRecord, SimResult, Span, StepRecord, TracePoint
+from rollout.flow.sim.simulator import ThroughputModel
 
 
 def measured_result(run: RunMetrics, flow: FlowConfig, throughput: ThroughputModel) -> SimResult:

@@ -26,7 +26,7 @@ import numpy as np
 
 from common.metrics import step_series
 from rollout.flow.events import FlowCounters
-from rollout.flow.simulator import Costs, ThroughputModel
+from rollout.flow.sim.simulator import Costs, ThroughputModel
 
 MODEL_FILE = "sim_model.json"
 FORMAT = 1
@@ -299,7 +299,7 @@ def calibrate(run: RunMetrics) -> SimModel:
     """The timing model of a run, with the quality of each of its fits."""
     pauses = [(p.start + p.duration - p.pause, p.start + p.duration) for p in run.publishes if not np.isnan(p.start)]
     # Requests sent before step 0 ended are left out of the fit (not of the load): a real run's first batch waits for its workers and meets
-    # vLLM's first (slow) batches, which is not the steady state the model describes (sim_compare judges
+    # vLLM's first (slow) batches, which is not the steady state the model describes (compare.py judges
     # predictions after step 0 for the same reason).
     warm = run.steps[0].start + run.steps[0].duration if run.steps and not np.isnan(run.steps[0].start) else -np.inf
     throughput, gen_q = fit_generation(run.samples, pauses, fit_from=warm)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from common.config import ConfigError, FlowConfig, parse_value
-from rollout.flow.sim_report import SimResult
+from rollout.flow.sim.report import SimResult
 
 Setting = dict[str, Any]
 
