@@ -14,7 +14,7 @@ from common.config import load_config
 from rollout.client import RolloutClient, Sample
 from rollout.generator import Rollout
 from trainer.hf import load_hf_state
-from trainer.loop import padded_batch, stop_within
+from trainer.rl.driver import padded_batch, stop_within
 from trainer.model.transformer import build_model
 from trainer.tinykit import resolve_model
 
@@ -117,7 +117,7 @@ def test_a_stop_that_blocks_does_not_hold_the_trainer_role_on_sigterm(caplog):
     left behind in its daemon thread after the bound, with an error, and a quick stop returns True."""
     never = threading.Event()
     t0 = time.monotonic()
-    with caplog.at_level("ERROR", logger="trainer.loop"):
+    with caplog.at_level("ERROR", logger="trainer.rl.driver"):
         assert stop_within(never.wait, 0.3) is False
     assert 0.3 <= time.monotonic() - t0 < 2.0
     assert "stopping the trainer did not return within 0s" in caplog.text
