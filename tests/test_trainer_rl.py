@@ -14,8 +14,8 @@ from common.config import load_config
 from rollout.client import RolloutClient, Sample
 from rollout.generator import Rollout
 from trainer.hf import load_hf_state
-from trainer.rl.driver import padded_batch, stop_within
 from trainer.model.transformer import build_model
+from trainer.rl.driver import padded_batch, stop_within
 from trainer.tinykit import resolve_model
 
 

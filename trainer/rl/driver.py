@@ -71,7 +71,7 @@ from trainer.core import StepResult, TrainingCore, cross_entropy_loss
 from trainer.data.shards import data_root
 from trainer.data.tokenizer import data_tokenizer
 from trainer.optim import RouterStats, router_figures
-from trainer.pretrain import PretrainData, Pretrainer, initial_model, resolve_device
+from trainer.pretrain import PretrainData, Pretrainer
 from trainer.ranks import (
     BOOTSTRAP_TIMEOUT_S,
     RankInfo,
@@ -86,6 +86,7 @@ from trainer.report import build_rows, format_table, held_out_scores, save_png, 
 from trainer.rl.advantages import group_advantages, zero_variance_groups
 from trainer.rl.replay import routing_batch
 from trainer.rl.update import gap_quantile, mini_batch_rows, proximal_fn, rl_updates
+from trainer.setup import initial_model, resolve_device
 from trainer.tinykit import resolve_model
 from trainer.versions import Lineage
 

@@ -15,9 +15,9 @@ from collections.abc import Sequence
 import torch
 
 from common.config import RLConfig
-from trainer.core import Batch, LossFn, PrepareFn, Update, split_rows
+from trainer.core import Batch, LossFn, LossOutput, PrepareFn, Update, split_rows
 from trainer.model.transformer import Transformer
-from trainer.rl.loss import LossOutput, ppo_loss
+from trainer.rl.loss import ppo_loss
 
 # |log-prob gap| histogram edges for the step's p99 (summable over micro-batches and ranks): 20 bins a
 # decade from 1e-9 to 1e2 nats, so the p99 is known to within a factor of 1.12.
