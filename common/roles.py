@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 
 # role -> "module:function"; the function is `async def main(ctx: RunContext) -> int`.
 ROLE_MAINS = {
-    "trainer": "trainer.rl.driver:main",
+    "trainer": "trainer.role:main",
     "vllm": "rollout.worker:main",
     "router": "router.server:main",
     "evaluator": "evaluator.watcher:main",

@@ -18,7 +18,7 @@ from rollout.flow.runtime import Group
 from rollout.tasks import Problem, load_task
 from rollout.tasks.mixture import MixtureTask, interleave, shuffled_order
 from rollout.tasks.sources import RecordKeys, read_problems
-from trainer.rl.driver import ledger_record
+from trainer.rl.batch import ledger_record
 
 ROOT = Path(__file__).resolve().parent.parent
 WORD_PROBLEMS = ROOT / "configs" / "data" / "word_problems.jsonl"
