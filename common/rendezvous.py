@@ -39,6 +39,7 @@ import redis.asyncio
 import redis.asyncio.retry
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
+from redis.typing import StreamRangeResponse
 
 from common.config import RendezvousConfig
 from common.net import AddressError, advertised, free_port, refuses
@@ -69,6 +70,11 @@ def text(reply: bytes | str) -> str:
     """A Redis reply as text: our clients decode replies (`decode_responses`), which redis-py's types cannot
     know, so they say bytes | str."""
     return reply.decode() if isinstance(reply, bytes) else reply
+
+
+def entries(reply: StreamRangeResponse | None) -> list[tuple[str, dict[str, str]]]:
+    """An XRANGE / XREVRANGE reply (or one stream's entries in an XREAD reply) as (id, fields) text."""
+    return [(text(i or ""), {text(k): text(v) for k, v in (f or {}).items()}) for i, f in reply or []]
 
 
 class RendezvousError(RuntimeError):

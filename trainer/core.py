@@ -98,7 +98,7 @@ def split_rows(n: int, parts: int) -> list[slice]:
     return [rank_rows(n, parts, i) for i in range(parts)]
 
 
-def reduce_figures(per_part: list[Mapping[str, float]]) -> dict[str, float]:
+def reduce_figures(per_part: Sequence[Mapping[str, float]]) -> dict[str, float]:
     """Sum statistics over parts (micro-batches, ranks); _max / _min names take the max / min."""
     out: dict[str, float] = {}
     for figures in per_part:

@@ -16,6 +16,7 @@ import redis
 
 from common.keys import Keys
 from common.metrics import step_series
+from common.rendezvous import entries
 from common.roles import REPORT_FILE
 from trainer.versions import Lineage
 
@@ -32,7 +33,7 @@ class ReportRow:
 def held_out_scores(client: redis.Redis, keys: Keys, benchmark: str) -> dict[int, float]:
     """version -> score of one benchmark, from the evals stream."""
     scores: dict[int, float] = {}
-    for _, fields in client.xrange(keys.evals):
+    for _, fields in entries(client.xrange(keys.evals)):
         if fields.get("benchmark") == benchmark:
             scores[int(fields["version"])] = float(fields["score"])
     return scores

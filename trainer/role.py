@@ -150,14 +150,15 @@ async def main(ctx: RunContext) -> int:
         work = _thread(lambda: follower.follow(stopping), f"rank-{ranks.rank}")
     watch = asyncio.ensure_future(_watch_ranks(ctx, ranks))
     try:
-        done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        both: set[asyncio.Future[Any]] = {work, watch}
+        done, _ = await asyncio.wait(both, return_when=asyncio.FIRST_COMPLETED)
         if work in done and work.exception() is None:
             client.hset(ctx.keys.trainer_ranks, str(ranks.rank), json.dumps({**record, "state": "done"}))
             return work.result()
         if work in done:
             # A collective with a dead rank fails at once; the watch names the rank soon after.
-            done, _ = await asyncio.wait({watch}, timeout=DEAD_RANK_GRACE_S)
-        if watch in done:
+            await asyncio.wait({watch}, timeout=DEAD_RANK_GRACE_S)
+        if watch.done():
             log.error("%s; stopping trainer rank %d", watch.result(), ranks.rank)
             return 1
         return work.result()  # raises the training thread's error
@@ -165,8 +166,8 @@ async def main(ctx: RunContext) -> int:
         stopping.set()
         if trainer is not None:
             stop_within(trainer.stop, STOP_TIMEOUT_S)
-        done, _ = await asyncio.wait({work}, timeout=STOP_TIMEOUT_S)
-        if not done:
+        stopped, _ = await asyncio.wait({work}, timeout=STOP_TIMEOUT_S)
+        if not stopped:
             log.error("the training thread did not stop within %.0fs", STOP_TIMEOUT_S)
         raise
     finally:

@@ -373,8 +373,8 @@ class RLTrainer(TrainerRank):
         return self.lineage.step_of(min(result.weight_versions)), self.lineage.step_of(max(result.weight_versions))
 
     def _serve(self, step: int) -> None:
-        """Make the generators serve the weights of `step` (the flow state's generator version) under a version
-        number no other weights ever had, before generation (re)starts.
+        """Make the generators serve the weights of `step` (those the flow state's generators had) under a
+        version number no other weights ever had, before generation (re)starts.
 
         Nothing to do when the workers serve the lineage's version of `step` and the experiment used no
         higher number. Otherwise the run this one continues went further (or died mid-publish): the weights
@@ -383,19 +383,19 @@ class RLTrainer(TrainerRank):
         client, root = self.publisher.client, self.publisher.root
         newest = self._io(newest_version(client, self.ctx.keys, root))
         self.lineage.floor = 0 if newest is None else newest + 1
-        served = self.lineage.version_of(step)
-        if served is not None and newest == served == self._io(current_version(client, self.ctx.keys)):
+        served_version = self.lineage.version_of(step)
+        if served_version is not None and newest == served_version == self._io(current_version(client, self.ctx.keys)):
             return
         for tmp in unfinished_versions(root):  # a publisher that died mid-write; this trainer is the only one
             shutil.rmtree(tmp, ignore_errors=True)
         if step == self.state.step:
             self.publish(step)
             return
-        if served is None or not (root / f"v{served}").is_dir():
+        if served_version is None or not (root / f"v{served_version}").is_dir():
             raise RuntimeError(
                 f"resuming at step {self.state.step}: the checkpoint's generators served the weights of step {step} "
-                f"(version {served}), whose files are gone from {root}; resume from an older checkpoint or start a "
-                "new run directory"
+                f"(version {served_version}), whose files are gone from {root}; resume from an older checkpoint or "
+                "start a new run directory"
             )
         version = self.lineage.next_version()
         self.lineage.record(step, version)
@@ -404,11 +404,11 @@ class RLTrainer(TrainerRank):
             "(the lost run had reached version %s)",
             self.state.step,
             step,
-            served,
+            served_version,
             version,
             newest,
         )
-        self._io(self.publisher.republish(version, served))
+        self._io(self.publisher.republish(version, served_version))
 
     # -- the end -------------------------------------------------------------------------------
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 
@@ -119,7 +120,9 @@ def rl_step_figures(result: StepResult) -> dict[str, float]:
     abs_sum, fresh_tokens = figures.pop("fresh_abs_diff_sum", 0.0), figures.pop("fresh_tokens", 0.0)
     if fresh_tokens > 0:
         figures["fresh_logprob_mismatch"] = abs_sum / fresh_tokens
-    figures["behaviour_proximal_abs_logp_diff_p99"] = gap_quantile(figures.pop("gap_hist"), 0.99)
+    # The histogram rides among the float statistics (summed over micro-batches and ranks like them).
+    gap_hist = cast(torch.Tensor, figures.pop("gap_hist"))
+    figures["behaviour_proximal_abs_logp_diff_p99"] = gap_quantile(gap_hist, 0.99)
     differ, compared = figures.pop("routing_differ", 0.0), figures.pop("routing_compared", 0.0)
     if compared > 0:
         figures["routing_disagreement"] = differ / compared

@@ -12,6 +12,7 @@ import redis
 
 from common.config import EvaluatorConfig
 from common.keys import Keys
+from common.rendezvous import entries
 
 log = logging.getLogger(__name__)
 
@@ -73,16 +74,17 @@ def _wait_stream(
     if needed <= 0:
         return 0
     last_id = "0-0"
-    for entry_id, fields in client.xrange(keys.evals):
+    for entry_id, fields in entries(client.xrange(keys.evals)):
         needed -= answers(fields)
         if needed <= 0:
             return 0
         last_id = entry_id
     deadline = time.monotonic() + timeout_s
     while (left_ms := int((deadline - time.monotonic()) * 1000)) > 0:
-        got = client.xread({keys.evals: last_id}, block=min(left_ms, 1000), count=100)
-        for _, entries in got or []:
-            for entry_id, fields in entries:
+        reply = client.xread({keys.evals: last_id}, block=min(left_ms, 1000), count=100)
+        assert not isinstance(reply, dict), "our clients speak RESP2: [[stream, [(id, fields), ...]], ...] or None"
+        for _, got in reply or []:
+            for entry_id, fields in entries(got):
                 needed -= answers(fields)
                 if needed <= 0:
                     return 0
