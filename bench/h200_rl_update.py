@@ -1,6 +1,6 @@
 """The RL update through the training core on synthetic rollouts: tokens/s and MFU.
 
-Runs exactly what every trainer rank executes for op "rl" (trainer.loop.TrainerRank.execute): the
+Runs exactly what every trainer rank executes for an RLStep command (trainer.commands.TrainerRank.rl_step): the
 decoupled PPO loss of trainer.rl.update through trainer.core.TrainingCore.step_updates, i.e. a no-grad
 proximal log-prob forward over every micro-batch (eval mode), then forward + backward per micro-batch,
 then the optimizer step (clipping, router-bias update, WSD). One rank (Ranks.single), no role path.

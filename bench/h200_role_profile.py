@@ -36,8 +36,9 @@ from common.config import load_config  # noqa: E402
 from common.metrics import MetricsWriter  # noqa: E402
 from trainer.core import cross_entropy_loss, reduce_figures  # noqa: E402
 from trainer.optim import autocast  # noqa: E402
-from trainer.pretrain import PretrainData, Pretrainer, resolve_device  # noqa: E402
+from trainer.pretrain import PretrainData, Pretrainer  # noqa: E402
 from trainer.ranks import RankInfo, form_group  # noqa: E402
+from trainer.setup import resolve_device  # noqa: E402
 
 
 def sync(device: torch.device) -> None:

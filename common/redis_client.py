@@ -20,6 +20,7 @@ import redis.asyncio
 import redis.asyncio.retry
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
+from redis.typing import StreamRangeResponse
 
 # The meet dir may be a shared filesystem where inotify sees nothing, so waiting for another
 # process's file is a short poll; this is its period.
@@ -41,6 +42,11 @@ def text(reply: bytes | str) -> str:
     """A Redis reply as text: our clients decode replies (`decode_responses`), which redis-py's types cannot
     know, so they say bytes | str."""
     return reply.decode() if isinstance(reply, bytes) else reply
+
+
+def entries(reply: StreamRangeResponse | None) -> list[tuple[str, dict[str, str]]]:
+    """An XRANGE / XREVRANGE reply (or one stream's entries in an XREAD reply) as (id, fields) text."""
+    return [(text(i or ""), {text(k): text(v) for k, v in (f or {}).items()}) for i, f in reply or []]
 
 
 class RendezvousError(RuntimeError):

@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 
 # role -> "module:function"; the function is `async def main(ctx: RunContext) -> int`.
 ROLE_MAINS = {
-    "trainer": "trainer.loop:main",
+    "trainer": "trainer.role:main",
     "vllm": "rollout.worker:main",
     "router": "router.server:main",
     "evaluator": "evaluator.role:main",

@@ -17,10 +17,10 @@ from dataclasses import dataclass
 
 import aiohttp
 import redis.asyncio
-from redis.typing import KeyT, StreamIdT, StreamRangeResponse
+from redis.typing import KeyT, StreamIdT
 
 from common.keys import Keys
-from common.redis_client import text
+from common.redis_client import entries, text
 from common.weights.fleet import current_version, live_workers
 from evaluator.runner import Snapshot
 
@@ -36,11 +36,6 @@ BLOCK_S = 2.0
 
 class EvaluatorError(RuntimeError):
     """The evaluator cannot run: no router, served model or eval worker within the wait; the message says which."""
-
-
-def entries(reply: StreamRangeResponse | None) -> list[tuple[str, dict[str, str]]]:
-    """An XRANGE / XREVRANGE reply as (id, fields) text."""
-    return [(text(i or ""), {text(k): text(v) for k, v in (f or {}).items()}) for i, f in reply or []]
 
 
 class StreamWait:

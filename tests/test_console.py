@@ -80,14 +80,14 @@ def test_off_a_terminal_a_progress_line_is_printed_when_its_figures_changed_and_
 def test_the_figures_of_an_rl_run_come_from_its_trainer_and_evaluator_metrics(tmp_path):
     run_dir = Path(tmp_path)
     with MetricsWriter(run_dir, "demo", "trainer") as trainer:
-        for step in range(120):  # as trainer/loop.py logs it: 0-based
+        for step in range(120):  # as trainer/rl/driver.py logs it: 0-based
             trainer.log("warmup/loss", step, 5.0 / (step + 1))
         assert read_figures(run_dir, 50, 120).warm_step is None  # nothing flushed yet
         trainer.flush()
         warm = read_figures(run_dir, 50, 120)
         assert (warm.warm_step, warm.loss, warm.step) == (120, 5.0 / 120, None)
         assert progress_text(warm) == "warm start 120/120 | loss 0.04167"
-        for step in (0, 1, 2):  # 0-based, as trainer/loop.py logs RL steps
+        for step in (0, 1, 2):  # 0-based, as trainer/rl/driver.py logs RL steps
             trainer.log_many(step, {"rl/reward_mean": (4 + step) / 10, "perf/samples_per_s": 101.0 + step})
     with MetricsWriter(run_dir, "demo", "evaluator") as evaluator:
         for version, score in ((0, 0.595), (1, 0.6), (2, 0.71)):

@@ -59,7 +59,7 @@ def start_run(root: Path, exp: str, overrides: tuple[str, ...] = ()) -> Path:
 
 
 def trainer_step(w: MetricsWriter, step: int, ts_ms: int) -> None:
-    """The figures trainer/loop.py logs for one RL step (its tags; values shaped like a run's), and the
+    """The figures trainer/rl/driver.py logs for one RL step (its tags; values shaped like a run's), and the
     per-layer router figures trainer/pretrain.py logs."""
     reward = 0.4 + 0.3 * step / STEPS
     figures = {

@@ -219,8 +219,8 @@ def trainer_world(rz: Rendezvous) -> Iterator[tuple[asyncio.AbstractEventLoop, F
 
 @pytest.mark.timeout(180)
 def test_the_rl_trainer_logs_every_timing_figure_and_numbers_samples_on_across_a_resume(rendezvous, tmp_path):
-    from trainer.loop import RLTrainer
     from trainer.ranks import Ranks
+    from trainer.rl.driver import RLTrainer
 
     class Crash(RuntimeError):
         pass
@@ -294,8 +294,8 @@ def test_a_finished_rl_run_resumed_with_more_steps_trains_on_from_its_last_step(
     and publishes versions 3 and 4. Started once more with 4 steps, it finishes at once: nothing trained or
     published again. (It used to fail: the final checkpoint held the flow state from before the last publish
     beside the lineage after it, and a finished policy stayed finished whatever trainer.steps said.)"""
-    from trainer.loop import RLTrainer
     from trainer.ranks import Ranks
+    from trainer.rl.driver import RLTrainer
 
     run_dir = tmp_path / "run"
     with trainer_world(rendezvous) as (io_loop, router, served):

@@ -19,7 +19,7 @@ from rollout.tasks import Problem
 from rollout.tasks.load import load_task
 from rollout.tasks.mixture import MixtureTask, interleave, shuffled_order
 from rollout.tasks.sources import RecordKeys, read_problems
-from trainer.loop import ledger_record
+from trainer.rl.batch import ledger_record
 
 ROOT = Path(__file__).resolve().parent.parent
 WORD_PROBLEMS = ROOT / "configs" / "data" / "word_problems.jsonl"

@@ -263,8 +263,8 @@ def assert_checkpoint_is_the_last_version_and_trains_on_one_rank(run_dir: Path) 
     from rollout.vllm_plugin.file_engine import FileUpdateInfo
     from trainer.core import TrainingCore, cross_entropy_loss
     from trainer.hf import hf_tensors
-    from trainer.pretrain import initial_model
     from trainer.ranks import Ranks
+    from trainer.setup import initial_model
 
     # Both ranks wrote shards of the version: rank 1's experts are in files after rank 0's.
     version = run_dir / "weights" / f"v{STEPS}"

@@ -14,8 +14,9 @@ from common.config import load_config
 from rollout.client import RolloutClient, Sample
 from rollout.generator import Rollout
 from trainer.hf import load_hf_state
-from trainer.loop import padded_batch, stop_within
 from trainer.model.transformer import build_model
+from trainer.rl.batch import padded_batch
+from trainer.role import stop_within
 from trainer.tinykit import resolve_model
 
 
@@ -79,7 +80,8 @@ def test_waits_for_eval_see_results_before_and_during_the_wait_and_time_out(tmp_
 
     from common.keys import Keys
     from common.rendezvous import Rendezvous
-    from trainer.report import held_out_scores, wait_for_eval, wait_for_evals
+    from trainer.report import held_out_scores
+    from trainer.rl.verdict import wait_for_eval, wait_for_evals
 
     rz = Rendezvous(tmp_path / "meet")
     try:
@@ -117,7 +119,7 @@ def test_a_stop_that_blocks_does_not_hold_the_trainer_role_on_sigterm(caplog):
     left behind in its daemon thread after the bound, with an error, and a quick stop returns True."""
     never = threading.Event()
     t0 = time.monotonic()
-    with caplog.at_level("ERROR", logger="trainer.loop"):
+    with caplog.at_level("ERROR", logger="trainer.role"):
         assert stop_within(never.wait, 0.3) is False
     assert 0.3 <= time.monotonic() - t0 < 2.0
     assert "stopping the trainer did not return within 0s" in caplog.text

@@ -40,11 +40,20 @@ from trainer.hf import hf_tensors
 from trainer.model import Transformer, compile_blocks
 from trainer.optim import Optimizer, StepStats, autocast
 from trainer.ranks import Ranks
-from trainer.rl.loss import LossOutput
 
 log = logging.getLogger(__name__)
 
 Batch = dict[str, torch.Tensor]
+
+
+@dataclass
+class LossOutput:
+    """What a loss gives the core for one micro-batch: the scalar to minimise and its float statistics."""
+
+    loss: torch.Tensor
+    stats: dict[str, float]
+
+
 LossFn = Callable[[Transformer, Batch], LossOutput]
 """(model, micro-batch) -> the micro-batch's loss, normalised by the step's global count, and its stats.
 Stats are summed over micro-batches and ranks, except names ending in _max / _min (max / min)."""

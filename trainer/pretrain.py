@@ -2,7 +2,7 @@
 tokenizer, or pre-tokenized arrays, or a mixture of sources prepped into token shards by `slipstream prep`
 (trainer/data/), packed into fixed-length rows; the core does the rest (ranks,
 optimizer, schedule, checkpoints). `ROLE=trainer` with `trainer.mode = "pretrain"` runs it on every
-trainer rank (trainer/loop.py); `python -m trainer.pretrain` runs one rank without the rendezvous. Loss, gradient norm, throughput and per-MoE-layer router telemetry
+trainer rank (trainer/role.py); `python -m trainer.pretrain` runs one rank without the rendezvous. Loss, gradient norm, throughput and per-MoE-layer router telemetry
 go to a metrics writer (anything with `log(tag, step, value)`, e.g. common.metrics.MetricsWriter).
 
     python -m trainer.pretrain CONFIG --data text.jsonl --tokenizer TOKENIZER_DIR --seq-len 256 \\
@@ -24,16 +24,14 @@ import numpy as np
 import torch
 
 from common.config import Config, DataSourceConfig, add_set_argument, load_config
-from trainer.checkpoint import CheckpointSchedule, TrainState, load_model_weights
+from trainer.checkpoint import CheckpointSchedule, TrainState
 from trainer.core import TrainingCore, cross_entropy_loss
 from trainer.data.mixture import Mixture, effective_probabilities
 from trainer.data.shards import open_prepped
 from trainer.data.tokenizer import TokenizerIdentity, load_tokenizer
-from trainer.experts import select_backend
-from trainer.hf import load_hf_state
-from trainer.model import Transformer, build_model
 from trainer.optim import StepStats, router_figures
 from trainer.ranks import Ranks
+from trainer.setup import initial_model, resolve_device
 
 log = logging.getLogger(__name__)
 
@@ -120,30 +118,6 @@ def token_rows(data: PretrainData, encode: Callable[[str], list[int]] | None = N
     # Rows overlap by one token so every token except the very first is a target exactly once.
     idx = np.arange(n_rows)[:, None] * data.seq_len + np.arange(width)[None, :]
     return stream[idx]
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def initial_model(cfg: Config, device: torch.device, default_init: Path | None = None) -> Transformer:
-    """The model of `trainer.init` (an HF directory or one of our checkpoints); without one, `default_init`
-    (an HF directory: the RL trainer passes the checkpoint its workers serve), else fresh from run.seed."""
-    tc = cfg.trainer
-    dtype = torch.bfloat16 if tc.dtype == "bfloat16" else torch.float32
-    backend = select_backend(tc.experts.backend, device, dtype, tc.experts.precision)
-    init = Path(tc.init) if tc.init else default_init
-    model = build_model(tc.model, backend, seed=cfg.run.seed if init is None else None)
-    if init is not None:
-        if (init / "config.json").is_file():
-            load_hf_state(model, init)
-        elif (init / ".metadata").is_file():
-            load_model_weights(init, model)
-        else:
-            raise FileNotFoundError(f"trainer.init = {str(init)!r} is neither an HF directory nor a checkpoint")
-    return model.to(device)
 
 
 class Pretrainer:

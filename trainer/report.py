@@ -1,15 +1,14 @@
-"""The end-of-run report of an RL run: a table of reward and held-out accuracy per step, and a PNG.
+"""The end-of-run report of an RL run: a table of reward and held-out accuracy per step, a PNG, and a few
+summary lines, printed and written to the run dir's report.txt.
 
-Training figures come from the trainer's DuckDB metrics; held-out accuracy comes from the
-evaluator's results on the experiment's `evals` stream (one entry per evaluated version; version v
-is the policy after step v - 1, so it is drawn at step v).
+Built from what is recorded only: training figures from the trainer's DuckDB metrics, held-out accuracy
+from the evaluator's results on the experiment's `evals` stream (one entry per evaluated version, drawn at
+the step whose weights the version holds). It never waits for another role: the RL driver's bounded wait
+for the evaluator's verdict (trainer/rl/verdict.py) comes before it.
 """
 
 from __future__ import annotations
 
-import logging
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,8 +16,9 @@ import redis
 
 from common.keys import Keys
 from common.metrics import step_series
-
-log = logging.getLogger(__name__)
+from common.redis_client import entries
+from common.roles import REPORT_FILE
+from common.weights.lineage import Lineage
 
 
 @dataclass(frozen=True)
@@ -33,70 +33,21 @@ class ReportRow:
 def held_out_scores(client: redis.Redis, keys: Keys, benchmark: str) -> dict[int, float]:
     """version -> score of one benchmark, from the evals stream."""
     scores: dict[int, float] = {}
-    for _, fields in client.xrange(keys.evals):
+    for _, fields in entries(client.xrange(keys.evals)):
         if fields.get("benchmark") == benchmark:
             scores[int(fields["version"])] = float(fields["score"])
     return scores
 
 
-def wait_for_eval(client: redis.Redis, keys: Keys, version: int, benchmark: str, timeout_s: float) -> bool:
-    """Block (on the stream, no polling) until `benchmark` has a result for `version` or a newer one,
-    or the timeout. The blocking read continues from the last entry already seen, so a result that
-    lands between the first read and the blocking one is not missed."""
-    return not _wait_stream(
-        client, keys, lambda f: f.get("benchmark") == benchmark and int(f["version"]) >= version, timeout_s, 1
-    )
-
-
-def wait_for_evals(client: redis.Redis, keys: Keys, versions: set[int], benchmark: str, timeout_s: float) -> set[int]:
-    """Block until `benchmark` has a result for every one of `versions`, or the timeout; the versions
-    still without one (an evaluator that pins each version backfills older ones after the newest)."""
-    pending = set(versions)
-
-    def answers(fields: dict[str, str]) -> bool:
-        if fields.get("benchmark") == benchmark and int(fields["version"]) in pending:
-            pending.discard(int(fields["version"]))
-            return True
-        return False
-
-    _wait_stream(client, keys, answers, timeout_s, len(pending))
-    return pending
-
-
-def _wait_stream(
-    client: redis.Redis, keys: Keys, answers: Callable[[dict[str, str]], bool], timeout_s: float, needed: int
-) -> int:
-    """Read the evals stream from its start, then block on it, until `needed` entries answered or the
-    timeout; how many are still needed."""
-    if needed <= 0:
-        return 0
-    last_id = "0-0"
-    for entry_id, fields in client.xrange(keys.evals):
-        needed -= answers(fields)
-        if needed <= 0:
-            return 0
-        last_id = entry_id
-    deadline = time.monotonic() + timeout_s
-    while (left_ms := int((deadline - time.monotonic()) * 1000)) > 0:
-        got = client.xread({keys.evals: last_id}, block=min(left_ms, 1000), count=100)
-        for _, entries in got or []:
-            for entry_id, fields in entries:
-                needed -= answers(fields)
-                if needed <= 0:
-                    return 0
-                last_id = entry_id
-    return needed
-
-
-def build_rows(run_dir: Path, heldout: dict[int, float]) -> list[ReportRow]:
+def build_rows(run_dir: Path, heldout_by_step: dict[int, float]) -> list[ReportRow]:
     series = step_series(run_dir, ["rl/reward_mean", "rl/accuracy", "rl/staleness_max"], role="trainer")
-    steps = sorted(set(series.get("rl/reward_mean", {})) | {v for v in heldout})
+    steps = sorted(set(series.get("rl/reward_mean", {})) | set(heldout_by_step))
     return [
         ReportRow(
             step,
             series.get("rl/reward_mean", {}).get(step),
             series.get("rl/accuracy", {}).get(step),
-            heldout.get(step),
+            heldout_by_step.get(step),
             series.get("rl/staleness_max", {}).get(step),
         )
         for step in steps
@@ -132,7 +83,7 @@ def save_png(rows: list[ReportRow], path: Path, title: str) -> Path:
         ax.plot(*zip(*train, strict=True), label="mean reward (train samples)", color="tab:blue", alpha=0.8)
     if held:
         ax.plot(*zip(*held, strict=True), label="held-out accuracy (greedy)", color="tab:red", marker="o")
-    ax.set_xlabel("step (held-out: weight version)")
+    ax.set_xlabel("step (held-out: the step whose weights the version holds)")
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
@@ -141,3 +92,40 @@ def save_png(rows: list[ReportRow], path: Path, title: str) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def write_report(
+    client: redis.Redis,
+    keys: Keys,
+    run_dir: Path,
+    title: str,
+    benchmark: str | None,
+    lineage: Lineage,
+    mismatch: list[float],
+) -> str:
+    """Print the run's report and write it to `run_dir`/report.txt (the table by step, the held-out change of
+    `benchmark` from its first to its last evaluated version, the trainer-vs-vLLM log-prob `mismatch` per
+    step) and draw report.png; returns the text."""
+    heldout = held_out_scores(client, keys, benchmark) if benchmark else {}
+    # The table is by step: a version holds the weights of one step (several, after a resume).
+    by_step = {lineage.step_of(v): score for v, score in sorted(heldout.items()) if v in lineage}
+    rows = build_rows(run_dir, by_step)
+    lines = [format_table(rows, every=max(1, len(rows) // 20))]
+    png = save_png(rows, run_dir / "report.png", title)
+    if heldout:
+        first, final = min(heldout), max(heldout)
+        lines.append(
+            f"held-out {benchmark}: {heldout[first]:.3f} at version {first} -> {heldout[final]:.3f} at "
+            f"version {final} ({100 * (heldout[final] - heldout[first]):+.1f} points)"
+        )
+    if mismatch:
+        lines.append(
+            f"trainer-vs-vLLM log-prob mismatch on fresh samples: mean "
+            f"{sum(mismatch) / len(mismatch):.3g}, max {max(mismatch):.3g} nats per "
+            f"token ({len(mismatch)} steps)"
+        )
+    lines.append(f"report: {png}; metrics: {run_dir / 'metrics'}")
+    text = "\n".join(lines)
+    print(text, flush=True)
+    (run_dir / REPORT_FILE).write_text(text + "\n")
+    return text

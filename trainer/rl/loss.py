@@ -19,17 +19,11 @@ proximal)).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
 from common.config import RLConfig
-
-
-@dataclass
-class LossOutput:
-    loss: torch.Tensor
-    stats: dict[str, float]
+from trainer.core import LossOutput
 
 
 def _aggregate(values: torch.Tensor, mask: torch.Tensor, how: str, total: float | None) -> torch.Tensor:

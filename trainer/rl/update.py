@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 
 from common.config import RLConfig
-from trainer.core import Batch, LossFn, PrepareFn, Update, split_rows
+from trainer.core import Batch, LossFn, LossOutput, PrepareFn, StepResult, Update, split_rows
 from trainer.model.transformer import Transformer
-from trainer.rl.loss import LossOutput, ppo_loss
+from trainer.rl.loss import ppo_loss
 
 # |log-prob gap| histogram edges for the step's p99 (summable over micro-batches and ranks): 20 bins a
 # decade from 1e-9 to 1e2 nats, so the p99 is known to within a factor of 1.12.
@@ -109,3 +110,21 @@ def rl_updates(batch: Batch, rows: Sequence[slice], rl: RLConfig) -> list[Update
         loss_fn = rl_loss_fn(rl, count(r), step_total)
         updates.append(Update({k: v[r] for k, v in batch.items()}, loss_fn, int(mask[r].sum())))
     return updates
+
+
+def rl_step_figures(result: StepResult) -> dict[str, float]:
+    """The loss/* figures of an RL step from its reduced statistics: the sums `rl_loss_fn` adds become the
+    trainer-vs-vLLM mismatch on fresh samples, the p99 log-prob gap and the routing disagreement."""
+    figures = dict(result.figures)
+    figures["updates"] = len(result.updates)
+    abs_sum, fresh_tokens = figures.pop("fresh_abs_diff_sum", 0.0), figures.pop("fresh_tokens", 0.0)
+    if fresh_tokens > 0:
+        figures["fresh_logprob_mismatch"] = abs_sum / fresh_tokens
+    # The histogram rides among the float statistics (summed over micro-batches and ranks like them).
+    gap_hist = cast(torch.Tensor, figures.pop("gap_hist"))
+    figures["behaviour_proximal_abs_logp_diff_p99"] = gap_quantile(gap_hist, 0.99)
+    differ, compared = figures.pop("routing_differ", 0.0), figures.pop("routing_compared", 0.0)
+    if compared > 0:
+        figures["routing_disagreement"] = differ / compared
+    figures["grad_norm"] = sum(u.grad_norm for u in result.updates) / len(result.updates)
+    return figures

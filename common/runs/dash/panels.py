@@ -1,5 +1,5 @@
 """The run page's panels: which metric tags each one reads and how it draws them. Pure: series in,
-SVG out (common/runs/dash/charts.py). The tags are the ones the roles write: trainer/loop.py (rl/*, perf/*,
+SVG out (common/runs/dash/charts.py). The tags are the ones the roles write: trainer/rl/driver.py (rl/*, perf/*,
 loss/*, weights/*, flow/*), trainer/pretrain.py (router/layer<i>/*, train/*) and evaluator/watch_loop.py
 (eval/<benchmark>/<metric>, logged at the policy version).
 

@@ -1,0 +1,183 @@
+"""The rank command protocol of the trainer: what rank 0 tells every rank to do next, and each rank's share.
+
+Rank 0 (the RL driver, trainer/rl/driver.py) decides; it broadcasts one command record over the control
+group and every rank (`TrainerRank`) executes it through one handler per command: a supervised step of the
+warm start, the end of the warm start (the optimizer's moments reset), an RL step (each rank trains its
+share of the global batch), its part of a publish (its experts into the version's files), a sharded
+checkpoint, or the end. Commands are plain records: they travel pickled, so they hold tensors and numbers,
+never behaviour.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from common.roles import RunContext
+from common.weights.index import PartReport
+from common.weights.writer import VersionPart, count_shards
+from trainer.checkpoint import TrainState
+from trainer.core import StepResult, TrainingCore, cross_entropy_loss
+from trainer.ranks import Ranks
+from trainer.rl.update import proximal_fn, rl_updates
+from trainer.setup import initial_model
+from trainer.tinykit import resolve_model
+
+
+class StopRequested(RuntimeError):
+    """The role was told to stop (SIGTERM) while training."""
+
+
+@dataclass
+class SupervisedStep:
+    """A supervised step (the warm start) on the core."""
+
+    batch: dict[str, torch.Tensor]
+    """The step's global batch (the same rows on every rank; each trains its share)."""
+    target_tokens: int
+    """Global normaliser of the loss: the batch's target tokens."""
+    schedule_tokens: int
+    """Trained tokens over all ranks that advance the learning-rate schedule (0: the warm start's own rate)."""
+    lr: float | None
+
+
+@dataclass
+class ResetMoments:
+    """The warm start ended: the optimizer forgets its moments."""
+
+
+@dataclass
+class RLStep:
+    """RL step `step`: its optimizer updates (the PPO mini-batches) on the decoupled PPO loss."""
+
+    batch: dict[str, torch.Tensor]
+    """The step's global batch (the same rows on every rank; each trains its share)."""
+    mini_batches: list[slice]
+    """The rows of each optimizer update (whole groups)."""
+    step: int
+    """The RL step (its samples made entirely by the weights of `step` are fresh)."""
+
+
+@dataclass
+class WritePart:
+    """Write this rank's part (its experts) of weight version `version`; rank 0 writes the dense part and
+    drives the workers (trainer/rl/driver.py `publish`)."""
+
+    version: int
+
+
+@dataclass
+class Save:
+    """A sharded checkpoint of `state`."""
+
+    state: TrainState
+
+
+@dataclass
+class Stop:
+    """The run is over: the ranks that follow rank 0 return."""
+
+
+Command = SupervisedStep | ResetMoments | RLStep | WritePart | Save | Stop
+
+
+class RankPeers:
+    """Rank 0's side of a publish the other ranks write parts of (common.weights.writer.PeerWriters)."""
+
+    def __init__(self, ranks: Ranks, shard_counts: list[int]) -> None:
+        self.ranks, self.shard_counts = ranks, shard_counts
+        self.called = False
+
+    def write(self, tmp: Path, first_shard: list[int], total_shards: int) -> list[PartReport]:
+        self.called = True
+        self.ranks.broadcast({"tmp": str(tmp), "first": first_shard, "total": total_shards})
+        reports = self.ranks.all_gather(None)[1:]
+        failed = [r for r in reports if isinstance(r, str)]
+        if failed:
+            raise RuntimeError("; ".join(failed))
+        return reports
+
+    def cancel(self) -> None:
+        """The publish ended before the parts were asked for: release the ranks waiting for a place."""
+        self.ranks.broadcast(None)
+
+
+class TrainerRank:
+    """One rank of the trainer: its share of every command. Rank 0 (`RLTrainer`) decides the commands."""
+
+    def __init__(self, ctx: RunContext, ranks: Ranks) -> None:
+        self.ctx, self.cfg, self.ranks = ctx, ctx.cfg, ranks
+        self.device = ranks.device
+        self.model_dir = resolve_model(self.cfg, ctx.run_dir)
+        # Version 0 must be the function the workers serve: start from their checkpoint unless told otherwise.
+        self.core = TrainingCore(self.cfg, ranks, initial_model(self.cfg, self.device, self.model_dir))
+        self.ckpt_root = ctx.run_dir / "checkpoints"
+        self.shard_bytes = self.cfg.rollout.weight_shard_mb << 20
+        self.handlers: dict[type[Command], Callable[[Any], StepResult | None]] = {
+            SupervisedStep: self.supervised_step,
+            ResetMoments: self.reset_moments,
+            RLStep: self.rl_step,
+            WritePart: self.write_part,
+            Save: self.save_shard,
+            Stop: lambda _: None,
+        }
+
+    def execute(self, cmd: Command) -> StepResult | None:
+        """This rank's share of `cmd`: a step's result, or None."""
+        handler = self.handlers.get(type(cmd))
+        if handler is None:
+            raise ValueError(f"unknown trainer command {cmd!r}")
+        return handler(cmd)
+
+    def supervised_step(self, cmd: SupervisedStep) -> StepResult:
+        loss = cross_entropy_loss(cmd.target_tokens)
+        return self.core.step(
+            cmd.batch, loss, self.cfg.trainer.warmup.batch_size, tokens=cmd.schedule_tokens, lr=cmd.lr
+        )
+
+    def reset_moments(self, cmd: ResetMoments) -> None:
+        self.core.optimizer.reset_moments()
+
+    def rl_step(self, cmd: RLStep) -> StepResult:
+        rl = self.cfg.trainer.rl
+        updates = rl_updates(cmd.batch, cmd.mini_batches, rl)
+        return self.core.step_updates(updates, rl.micro_batch_samples, prepare=proximal_fn(rl))
+
+    def write_part(self, cmd: WritePart) -> None:
+        """A rank other than 0 in a publish: write this rank's experts where rank 0 says (rank 0's half of a
+        publish is RLTrainer.publish: it drives the workers too)."""
+        part = self.core.hf_part()
+        self.ranks.all_gather(count_shards(part, self.shard_bytes))
+        where = self.ranks.broadcast()
+        if where is None:
+            return
+        try:
+            report: PartReport | str = VersionPart(
+                Path(where["tmp"]),
+                cmd.version,
+                part,
+                self.shard_bytes,
+                where["first"][self.ranks.rank - 1],
+                where["total"],
+            ).write()
+        except Exception as exc:  # reported to rank 0, which fails the publish and says why
+            report = f"trainer rank {self.ranks.rank}: {type(exc).__name__}: {exc}"
+        self.ranks.all_gather(report)
+
+    def save_shard(self, cmd: Save) -> None:
+        self.core.save(self.ckpt_root, cmd.state)
+
+    def follow(self, stop: threading.Event) -> int:
+        """Ranks other than 0: resume like rank 0, then execute its commands until it says stop."""
+        self.core.resume(self.ckpt_root)
+        while not stop.is_set():
+            cmd: Command = self.ranks.broadcast()
+            self.execute(cmd)
+            if isinstance(cmd, Stop):
+                return 0
+        raise StopRequested("stopped while following rank 0")
