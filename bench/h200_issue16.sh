@@ -6,7 +6,7 @@
 # with only .cutedsl/cutedsl-tvmffi.tar.xz in .cutedsl (bench/cutedsl_tvmffi_bundle.sh; the bundle and the
 # tree must fit in the 64 MiB a call carries). In order, each step with its own time limit, its output in
 # $OUT/<step>.log, a failed step not stopping the next:
-#   1. launch_paths: the dlpack and TVM-FFI launches compute the same bits (tests/test_experts_cutedsl.py);
+#   1. launch_paths: the dlpack and TVM-FFI launches compute the same bits (tests/unit/test_experts_cutedsl.py);
 #   2. layer: moe_bench's raw and compiled layer rows at moonlet's expert shape and the 128-expert one, every
 #      cutedsl row launched both ways, with the host time of one launch each way;
 #   3. profile: kernel tables of the compiled layers at moonlet's shape (grouped_mm, FP8 per launch), each
@@ -30,7 +30,7 @@ step() {
   echo "== $name: exit code $rc"
 }
 
-step launch_paths 150 python3 -m pytest -q --noconftest tests/test_experts_cutedsl.py -k launch_paths
+step launch_paths 150 python3 -m pytest -q --noconftest tests/unit/test_experts_cutedsl.py -k launch_paths
 step layer 270 python3 bench/moe_bench.py --layer-only --shapes "1024,512,64,6;2048,768,128,8" \
   --variants raw,raw-cutedsl,compiled,compiled-fp8 --launch both --budget-s 230 --out "$out/moe_bench.json"
 step profile 150 python3 bench/moe_bench.py --layer-only --shapes "1024,512,64,6" --variants compiled,compiled-fp8 \
