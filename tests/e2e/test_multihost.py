@@ -15,11 +15,9 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -119,16 +117,6 @@ def http(method: str, url: str, token: str = "") -> str:
         "except urllib.error.HTTPError as e:\n"
         "    print(e.code, e.read().decode())\n"
     )
-
-
-@pytest.fixture
-def short_root(tmp_path):
-    """vLLM's IPC socket paths under <run dir>/cache/tmp must stay below 107 bytes."""
-    path = Path(tempfile.mkdtemp(prefix="ss-"))
-    yield path
-    for log in path.glob("*.log"):
-        shutil.copy(log, tmp_path / log.name)
-    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.mark.slow

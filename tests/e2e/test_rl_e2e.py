@@ -12,11 +12,9 @@ import json
 import math
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -116,17 +114,6 @@ class Launch:
         """version -> held-out accuracy, from the evaluator's lines in the log."""
         found = re.findall(r"version (\d+) arithmetic: accuracy/mean = ([0-9.]+)", self.log())
         return {int(v): float(a) for v, a in found}
-
-
-@pytest.fixture
-def short_root(tmp_path):
-    """A short run root: vLLM's IPC socket paths under <run dir>/cache/tmp must stay below 107 bytes,
-    which pytest's deep tmp_path exceeds. The launch log is kept in tmp_path for inspection."""
-    path = Path(tempfile.mkdtemp(prefix="ss-"))
-    yield path
-    if (path / "launch.log").exists():
-        shutil.copy(path / "launch.log", tmp_path / "launch.log")
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def end_of_run_rise(scores: dict[int, float], first: int, last: int) -> tuple[float, str]:

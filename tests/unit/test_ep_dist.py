@@ -29,24 +29,10 @@ from trainer.optim import Optimizer
 BATCH, SEQ = 4, 12
 
 
-def _config() -> Config:
+def _config(model: ModelConfig) -> Config:
+    """The run config of these tests: the tiny model, with a bias update the steps can see."""
     cfg = Config()
-    cfg.trainer.model = ModelConfig(
-        vocab_size=64,
-        hidden_size=32,
-        num_layers=3,
-        first_k_dense=1,
-        intermediate_size=64,
-        moe_intermediate_size=16,
-        n_routed_experts=8,
-        num_experts_per_tok=2,
-        num_heads=2,
-        kv_lora_rank=16,
-        qk_nope_head_dim=8,
-        qk_rope_head_dim=8,
-        v_head_dim=8,
-        max_seq_len=32,
-    )
+    cfg.trainer.model = model
     cfg.trainer.optim.bias_update_rate = 0.01
     return cfg
 
@@ -103,8 +89,8 @@ def _capture_expert_outputs(model: torch.nn.Module, store: list[torch.Tensor]) -
             m.backend = name
 
 
-def _train_step_worker(rank: int, world: int, out_dir: str) -> None:
-    cfg = _config()
+def _train_step_worker(rank: int, world: int, out_dir: str, tiny: ModelConfig) -> None:
+    cfg = _config(tiny)
     mc = cfg.trainer.model
     ref = build_model(mc, seed=0)
     model = build_model(mc, seed=0)
@@ -170,13 +156,13 @@ def _train_step_worker(rank: int, world: int, out_dir: str) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("world", [2, 4])
-def test_forward_backward_and_step_match_the_single_rank_run(tmp_path, world):
-    _spawn(tmp_path, world, _train_step_worker, str(tmp_path))
+def test_forward_backward_and_step_match_the_single_rank_run(tmp_path, world, tiny_model):
+    _spawn(tmp_path, world, _train_step_worker, str(tmp_path), tiny_model)
     print((tmp_path / f"world{world}.txt").read_text())
 
 
-def _skewed_routing_worker(rank: int, world: int) -> None:
-    mc = replace(_config().trainer.model, num_experts_per_tok=1)
+def _skewed_routing_worker(rank: int, world: int, tiny: ModelConfig) -> None:
+    mc = replace(tiny, num_experts_per_tok=1)
     H = mc.hidden_size
     ref, model = build_model(mc, seed=0), build_model(mc, seed=0)
     for m in ref.moe_layers() + model.moe_layers():
@@ -213,8 +199,8 @@ def _skewed_routing_worker(rank: int, world: int) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_skewed_routing_drops_nothing_and_buffers_follow_the_counts(tmp_path):
-    _spawn(tmp_path, 4, _skewed_routing_worker)
+def test_skewed_routing_drops_nothing_and_buffers_follow_the_counts(tmp_path, tiny_model):
+    _spawn(tmp_path, 4, _skewed_routing_worker, tiny_model)
 
 
 def _params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -232,8 +218,8 @@ def _step(model, opt, batch: torch.Tensor, rows: slice) -> None:
     opt.step(batch[:, 1:].numel())
 
 
-def _save_at_ep2_worker(rank: int, world: int, root: str) -> None:
-    cfg = _config()
+def _save_at_ep2_worker(rank: int, world: int, root: str, tiny: ModelConfig) -> None:
+    cfg = _config(tiny)
     model, opt = _ep_train(world, rank, cfg, seed=0)
     mine = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
     _step(model, opt, _batch(0), mine)
@@ -245,8 +231,8 @@ def _save_at_ep2_worker(rank: int, world: int, root: str) -> None:
         torch.save({"at_save": at_save, "after": after}, Path(root) / "ep2.pt")
 
 
-def _resume_worker(rank: int, world: int, root: str) -> None:
-    cfg = _config()
+def _resume_worker(rank: int, world: int, root: str, tiny: ModelConfig) -> None:
+    cfg = _config(tiny)
     model, opt = _ep_train(world, rank, cfg, seed=1)  # other weights: the load must replace them all
     state = load_checkpoint(Path(root) / "step_00000001", model, opt, cfg)
     assert state.step == 1
@@ -264,12 +250,12 @@ def _resume_worker(rank: int, world: int, root: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_checkpoint_saved_at_ep2_resumes_at_ep1_and_ep4(tmp_path):
+def test_checkpoint_saved_at_ep2_resumes_at_ep1_and_ep4(tmp_path, tiny_model):
     root = tmp_path / "ckpt"
-    _spawn(tmp_path, 2, _save_at_ep2_worker, str(root))
+    _spawn(tmp_path, 2, _save_at_ep2_worker, str(root), tiny_model)
     saved = torch.load(root / "ep2.pt")
     # EP=1: the plain single-rank model and optimizer, no process group.
-    cfg = _config()
+    cfg = _config(tiny_model)
     model = build_model(cfg.trainer.model, seed=1)
     opt = Optimizer(model, cfg.trainer.optim)
     load_checkpoint(root / "step_00000001", model, opt, cfg)
@@ -280,5 +266,5 @@ def test_checkpoint_saved_at_ep2_resumes_at_ep1_and_ep4(tmp_path):
     assert diff1 <= 1e-6, diff1
     print(f"resumed at EP=1: max param diff after one step {diff1:.3g}")
     # EP=4: every rank reads its quarter of the experts and of their AdamW moments.
-    _spawn(tmp_path, 4, _resume_worker, str(root))
+    _spawn(tmp_path, 4, _resume_worker, str(root), tiny_model)
     print((root / "resume4.txt").read_text())

@@ -22,25 +22,6 @@ from trainer.rl.update import GAP_EDGES, gap_quantile
 B, S = 3, 10
 
 
-def _model_cfg() -> ModelConfig:
-    return ModelConfig(
-        vocab_size=64,
-        hidden_size=32,
-        num_layers=3,
-        first_k_dense=1,
-        intermediate_size=64,
-        moe_intermediate_size=16,
-        n_routed_experts=8,
-        num_experts_per_tok=2,
-        num_heads=2,
-        kv_lora_rank=16,
-        qk_nope_head_dim=8,
-        qk_rope_head_dim=8,
-        v_head_dim=8,
-        max_seq_len=32,
-    )
-
-
 def _tokens(seed: int = 0) -> torch.Tensor:
     return torch.randint(0, 64, (B, S + 1), generator=torch.Generator().manual_seed(seed))
 
@@ -63,8 +44,8 @@ def _perturb_bias(model, seed: int = 1) -> None:
             m.gate.e_score_correction_bias.add_(torch.randn(8, generator=gen) * 0.05)
 
 
-def test_replaying_the_original_routing_after_a_bias_perturbation_gives_back_the_original_log_probs():
-    model = build_model(_model_cfg(), seed=3)
+def test_replaying_the_original_routing_after_a_bias_perturbation_gives_back_the_original_log_probs(tiny_model):
+    model = build_model(tiny_model, seed=3)
     tokens = _tokens()
     seen, handles = _own_routing(model)
     original = model.token_logprobs(tokens[:, :-1], tokens[:, 1:])
@@ -85,8 +66,8 @@ def test_replaying_the_original_routing_after_a_bias_perturbation_gives_back_the
     assert torch.equal(back, original)  # the bias only chooses; weights come from the unbiased scores
 
 
-def test_replay_keeps_the_router_gradient_and_leaves_replayed_tokens_out_of_the_bias_load():
-    model = build_model(_model_cfg(), seed=3)
+def test_replay_keeps_the_router_gradient_and_leaves_replayed_tokens_out_of_the_bias_load(tiny_model):
+    model = build_model(tiny_model, seed=3)
     tokens = _tokens()
     seen, handles = _own_routing(model)
     with torch.no_grad():
@@ -105,9 +86,9 @@ def test_replay_keeps_the_router_gradient_and_leaves_replayed_tokens_out_of_the_
         assert float(m.tokens_per_expert.sum()) == 6 * 2
 
 
-def _ep_replay_worker(rank: int, world: int, out: str) -> None:
+def _ep_replay_worker(rank: int, world: int, out: str, model: ModelConfig) -> None:
     cfg = Config()
-    cfg.trainer.model = _model_cfg()
+    cfg.trainer.model = model
     single = build_model(cfg.trainer.model, seed=3)
     sharded = build_model(cfg.trainer.model, seed=3)
     apply_expert_parallel(sharded, ProcessGroupTransport(dist.group.WORLD), None)
@@ -124,19 +105,19 @@ def _ep_replay_worker(rank: int, world: int, out: str) -> None:
     torch.save(float((got - expected).abs().max()), f"{out}/rank{rank}.pt")
 
 
-def _entry(rank: int, world: int, store: str, out: str) -> None:
+def _entry(rank: int, world: int, store: str, out: str, model: ModelConfig) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
-        _ep_replay_worker(rank, world, out)
+        _ep_replay_worker(rank, world, out, model)
         dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
-def test_replayed_ids_drive_the_expert_parallel_dispatch(tmp_path: Path):
+def test_replayed_ids_drive_the_expert_parallel_dispatch(tmp_path: Path, tiny_model):
     """Two real gloo ranks, EP = 2: replay through the RDEP exchange gives the single-rank log-probs."""
-    mp.spawn(_entry, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_entry, args=(2, str(tmp_path / "store"), str(tmp_path), tiny_model), nprocs=2, join=True)
     for r in range(2):
         assert torch.load(tmp_path / f"rank{r}.pt") < 1e-5
 
