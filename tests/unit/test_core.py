@@ -241,9 +241,21 @@ def _rl_step_on_ranks(rank: int, world: int, store: str, out: str) -> None:
         dist.destroy_process_group()
 
 
-def test_an_rl_step_of_several_mini_batches_on_two_expert_parallel_ranks_is_the_one_rank_step(tmp_path):
-    """Each mini-batch is split over the ranks on its own, so 2 ranks (EP = 2, real gloo processes) make
-    the same three updates as one rank: same weights (1e-5) and the same step statistics."""
+# The weights of 2 ranks and of 1 rank after the step's three Adam updates agree up to float32 summation
+# order, which Adam amplifies: an element whose gradient is near zero moves by about lr in a direction
+# that rounding decides. How far that goes, measured on this test's batch (the worst tensor's
+# |two - one| / |one - start|): 1 rank against itself in equivalent orders (micro-batches of 1, 2, 3, 4 or
+# 8 rows, 1 or 2 threads) differs by up to 4.8e-5, and 2 ranks against those by up to 4.2e-5 (7.4e-6 to
+# 1.1e-5 against the 3-row, 2-thread reference, which is why the former bound, 1e-5, failed by chance).
+# A real fault moves it by far more: one sample of 24 left out gives 0.35, two mini-batches swapped 1.4.
+# The bound sits 20 times above that noise and 350 times below the smallest fault.
+EP_STEP_BOUND = 1e-3
+
+
+def test_an_rl_step_on_two_expert_parallel_ranks_is_the_one_rank_step(tmp_path):
+    """An RL step of several mini-batches: each mini-batch is split over the ranks on its own, so 2 ranks
+    (EP = 2, real gloo processes) make the same three updates as one rank: the same weights (up to
+    EP_STEP_BOUND, derived above) and the same step statistics."""
     import torch.multiprocessing as mp
 
     from trainer.hf import hf_tensors
@@ -260,8 +272,14 @@ def test_an_rl_step_of_several_mini_batches_on_two_expert_parallel_ranks_is_the_
     two = parts[0]["part"] | parts[1]["part"]
     mine = dict(hf_tensors(core.model))
     assert two.keys() == mine.keys()
+    differences = {}
     for name, t in mine.items():
         moved = float((t - start[name]).norm())
-        assert moved > 0 and float((two[name] - t).norm()) <= 1e-5 * moved, name
+        assert moved > 0, name
+        differences[name] = float((two[name] - t).norm()) / moved
+    worst = max(differences, key=differences.__getitem__)
+    print(f"worst relative difference {differences[worst]:.3g} ({worst}), bound {EP_STEP_BOUND:g}")
+    assert differences[worst] <= EP_STEP_BOUND, worst
+    # The step statistics are sums over the step's tokens taken before each update: 2e-8 apart, measured.
     for k in ("loss", "tokens", "clip_fraction", "ratio_mean", "fresh_tokens"):
         assert abs(parts[0]["figures"][k] - one.figures[k]) <= 1e-5 * max(1.0, abs(one.figures[k])), k
