@@ -302,9 +302,8 @@ async def test_pinned_evaluator_records_each_version_once_while_publishes_outpac
 
 
 @pytest.mark.timeout(300)
-async def test_eval_of_a_run_version_starts_a_server_loads_the_version_and_reproduces_the_recorded_row(
-    tmp_path, tmp_path_factory, capsys, monkeypatch
-):
+async def test_eval_of_a_run_version_reproduces_the_recorded_row(tmp_path, tmp_path_factory, capsys, monkeypatch):
+    """Eval of a run's version starts a server, loads the version and reproduces the recorded row."""
     # A finished demo run: its config, its base model, two published versions (v0: the model's own weights, v1:
     # other weights of the same shapes). A short path: vLLM's IPC sockets live under it.
     run_dir = tmp_path_factory.mktemp("evrun")

@@ -325,8 +325,9 @@ def ledger(run_dir: Path, name: str = "trained_prompts.jsonl") -> list[dict]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
-def test_a_killed_trainer_resumes_exactly_and_a_relaunch_after_the_launchers_death_finishes_the_run(short_root):
-    """One-step-off with checkpoints every 4 steps, no evaluator (no score is asserted here). SIGKILL of the
+def test_a_killed_trainer_resumes_exactly_and_a_relaunch_finishes_the_run(short_root):
+    """A killed trainer resumes exactly, and a relaunch after the launcher's death finishes the run.
+    One-step-off with checkpoints every 4 steps, no evaluator (no score is asserted here). SIGKILL of the
     trainer after step 6: the launcher restarts it, it resumes from step 4's checkpoint (its generators then
     served step 3's weights: those files are published again under a new number) and the ledger drops what
     the lost steps trained. Then SIGKILL of the launcher: every process of the run goes with it. The same

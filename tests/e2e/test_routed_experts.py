@@ -126,7 +126,8 @@ async def prefix_cache_hits(http: aiohttp.ClientSession, url: str) -> float:
 
 
 @pytest.mark.timeout(400)
-async def test_across_a_keep_mode_publish_each_row_comes_from_the_weights_that_sampled_the_next_token(deepseek_run):
+async def test_across_a_keep_mode_publish_rows_come_from_the_sampling_weights(deepseek_run):
+    """Across a keep-mode publish, each row comes from the weights that sampled the next token."""
     run = deepseek_run
     old_model = import_hf(model_dir(run)).eval()
     r = run.rz.async_client()

@@ -394,7 +394,8 @@ def test_eval_of_a_version_it_cannot_load_fails_naming_the_path_and_the_fix(tmp_
     assert "--weight-version x labels a server without /weight_info" in err
 
 
-def test_a_server_started_for_a_run_takes_the_config_and_environment_of_the_worker_its_evaluator_used(tmp_path):
+def test_a_server_started_for_a_run_is_set_up_as_its_evaluators_worker(tmp_path):
+    """A server started for a run takes the config and environment of the worker its evaluator used."""
     run_dir = demo_run_dir(tmp_path / "run")
     path = run_dir / "config.toml"
     # The demo's evaluator pins its eval-pool worker (launch.roles.vllm_eval): that role's overrides and variables.

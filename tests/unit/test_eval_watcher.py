@@ -114,9 +114,8 @@ def pin_watcher(client, keys: Keys, tmp_path) -> PinWatcher:
 
 
 @pytest.mark.timeout(30)
-async def test_pin_mode_takes_the_newest_due_version_first_then_older_ones_and_skips_pruned_ones_once(
-    redis_client, tmp_path, caplog
-):
+async def test_pin_mode_takes_the_newest_due_version_first_and_skips_pruned_ones(redis_client, tmp_path, caplog):
+    """Pin mode takes the newest due version first, then older ones, and skips pruned ones once."""
     keys = Keys("t-pin")
     for version in range(1, 6):
         location = tmp_path / "weights" / f"v{version}"

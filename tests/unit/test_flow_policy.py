@@ -456,7 +456,8 @@ def test_on_policy_drops_a_uniform_group_and_generates_a_new_prompt_for_the_same
     assert pol.counters.trained_prompts == 2 and pol.counters.dropped_prompts == 0
 
 
-def test_one_step_off_replaces_a_uniform_group_on_the_batchs_own_version_while_the_previous_batch_trains():
+def test_one_step_off_replaces_a_uniform_group_on_its_batchs_version():
+    """One-step-off replaces a uniform group on the batch's own version while the previous batch trains."""
     pol = OneStepOff(prompts_per_step=1, samples_per_prompt=2, max_concurrent=4, num_prompts=4, dynamic_sampling=True)
     assert pol.start() == [Dispatch(0, (0, 1), 0)]
     pol.on_sample_done(done(0, 0, reward=0.0))

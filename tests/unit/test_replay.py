@@ -44,7 +44,8 @@ def _perturb_bias(model, seed: int = 1) -> None:
             m.gate.e_score_correction_bias.add_(torch.randn(8, generator=gen) * 0.05)
 
 
-def test_replaying_the_original_routing_after_a_bias_perturbation_gives_back_the_original_log_probs(tiny_model):
+def test_replaying_the_original_routing_gives_back_the_original_log_probs(tiny_model):
+    """Replaying the original routing after a bias perturbation gives back the original log-probs."""
     model = build_model(tiny_model, seed=3)
     tokens = _tokens()
     seen, handles = _own_routing(model)

@@ -172,9 +172,10 @@ def assert_same(got: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Te
     assert all(torch.equal(got[k], v) for k, v in expected.items())
 
 
-def test_a_part_writes_only_its_own_shard_numbers_into_the_existing_directory_and_reports_their_checksums(
+def test_a_part_writes_only_its_own_shards(
     tmp_path: Path,
 ):
+    """A part writes only its own shard numbers into the existing directory and reports their checksums."""
     tensors = build(expert_spec(4, 4))  # three 0.4 MB tensors: two shards of <= 1 MB
     assert count_shards(tensors, MB) == 2
     report = VersionPart(tmp_path, 3, tensors, MB, first_shard=2, total_shards=5).write()
@@ -236,9 +237,8 @@ async def test_three_ranks_publish_one_version_that_streaming_and_complete_reade
 
 
 @pytest.mark.timeout(120)
-async def test_a_rank_failing_mid_write_publishes_nothing_evicts_the_streaming_worker_and_leaves_no_files(
-    tmp_path: Path, redis_client
-):
+async def test_a_rank_failing_mid_write_publishes_nothing_and_leaves_no_files(tmp_path: Path, redis_client):
+    """A rank failing mid-write publishes nothing, evicts the streaming worker and leaves no files."""
     keys, got, seen, loading = Keys("wx"), {}, [], threading.Event()
     # Rank 2 writes one of its six shards, then its disk is full.
     peers = await asyncio.to_thread(ProcessPeers, [expert_spec(2, 3), expert_spec(4, 7)], MB, 1, {2: 1})

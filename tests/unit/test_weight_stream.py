@@ -98,9 +98,10 @@ async def test_a_streamed_publish_is_loaded_shard_by_shard_and_committed_whole(t
 
 
 @pytest.mark.timeout(60)
-async def test_a_write_failing_mid_stream_publishes_nothing_evicts_the_loading_worker_and_leaves_no_files(
+async def test_a_write_failing_mid_stream_publishes_nothing_and_leaves_no_files(
     tmp_path: Path, redis_client, monkeypatch: pytest.MonkeyPatch
 ):
+    """A write failing mid-stream publishes nothing, evicts the loading worker and leaves no files."""
     import safetensors.torch
 
     real_save = safetensors.torch.save

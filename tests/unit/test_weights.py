@@ -311,10 +311,11 @@ asyncio.run(main())
 
 
 @pytest.mark.timeout(60)
-async def test_the_weight_lock_outlives_its_ttl_while_held_and_lapses_within_it_when_the_holder_is_killed(
+async def test_the_weight_lock_outlives_its_ttl_while_held_and_lapses_after_a_kill(
     redis_client,
 ):
-    """A trainer SIGKILLed mid-publish held its worker's weight lock: the next trainer (or the worker's own
+    """The weight lock outlives its TTL while held and lapses within it when the holder is killed.
+    A trainer SIGKILLed mid-publish held its worker's weight lock: the next trainer (or the worker's own
     catch-up) must get it within the lock's TTL, not after the 600 s an update may take. The holder here is
     a real process holding the lock through a real Redis, killed with SIGKILL."""
     r, keys = redis_client, Keys("dl")
