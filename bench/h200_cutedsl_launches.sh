@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Issue 16's pending H200 measurements in one device call (about 9 minutes):
+# The cutedsl experts' two launch paths (dlpack and TVM-FFI) on the H200 in one device call (about 9 minutes):
 #
-#   run(command="bash bench/h200_issue16.sh", carry=[".cutedsl"], timeout_s=600)
+#   run(command="bash bench/h200_cutedsl_launches.sh", carry=[".cutedsl"], timeout_s=600)
 #
 # with only .cutedsl/cutedsl-tvmffi.tar.xz in .cutedsl (bench/cutedsl_tvmffi_bundle.sh; the bundle and the
 # tree must fit in the 64 MiB a call carries). In order, each step with its own time limit, its output in
