@@ -5,7 +5,8 @@ in-process, and runs its shard of the batch through the expert-parallel copy. Wh
 the owners' grouped GEMMs see exactly the single-rank matrices (same rows, same order), so expert
 outputs, the combine and the expert weight gradients are bitwise. Dense (replicated) gradients are sums
 over tokens that EP splits into per-rank partial sums plus an all-reduce, a different floating-point
-summation order: they agree within 1e-6, not bitwise."""
+summation order: they agree within 1e-6, not bitwise. On a GPU one more test runs the CUDA transports
+(symmetric memory, NCCL point-to-point) in an NCCL group of one."""
 
 import os
 import sys
@@ -268,3 +269,137 @@ def test_checkpoint_saved_at_ep2_resumes_at_ep1_and_ep4(tmp_path, tiny_model):
     # EP=4: every rank reads its quarter of the experts and of their AdamW moments.
     _spawn(tmp_path, 4, _resume_worker, str(root), tiny_model)
     print((root / "resume4.txt").read_text())
+
+
+# One GPU, an NCCL group of one: rank 0 puts into its own symmetric buffers, so the symmetric-memory transport's
+# real code path runs (allocation and rendezvous, one-sided puts through `get_buffer`, device barriers, the two
+# alternating buffers, regrowth) without a second GPU. The gloo tests above cover the same checks for the
+# point-to-point transport on CPU; this one is for the CUDA transports (run with `pytest --noconftest
+# tests/unit/test_ep_dist.py -k one_gpu` on a GPU machine; it is skipped elsewhere).
+GPU_CFG = {"hidden_size": 256, "moe_intermediate_size": 128, "n_routed_experts": 16}
+
+
+def _gpu_roundtrip(transport, device: torch.device, rows: int) -> None:
+    from trainer.ep import make_plan
+
+    gen = torch.Generator().manual_seed(rows)
+    counts = torch.multinomial(torch.rand(8, generator=gen), rows, replacement=True, generator=gen).bincount(
+        minlength=8
+    )
+    plan = make_plan(transport.exchange_counts(counts.to(device)), transport.rank, device)
+    x = torch.randn(rows, 64, device=device, dtype=torch.bfloat16)
+    placed = transport.dispatch(x, plan)
+    assert torch.equal(placed, torch.empty_like(placed).index_copy_(0, plan.recv_index, x)), rows
+    assert torch.equal(transport.combine(placed, plan), x), rows
+
+
+def _gpu_layer(transport, device: torch.device, dtype: torch.dtype, backend: str) -> None:
+    import copy
+
+    cfg = ModelConfig(**GPU_CFG, num_experts_per_tok=4)
+    ref = build_model(cfg, backend, seed=0, device=device).moe_layers()[0]
+    ep_layer = copy.deepcopy(ref)
+    apply_expert_parallel(ep_layer, transport)
+    gen = torch.Generator(device=device).manual_seed(1)
+    x = torch.randn(8, 512, cfg.hidden_size, device=device, generator=gen).to(dtype)
+    g = torch.randn(8, 512, cfg.hidden_size, device=device, generator=gen)
+    outs, grads = [], []
+    for layer in (ref, ep_layer):
+        xi = x.clone().requires_grad_(True)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+            out = layer(xi)
+        (out.float() * g).sum().backward()
+        outs.append(out.detach())
+        ex = layer.experts
+        grads.append([xi.grad, layer.gate.weight.grad, _local(ex.gate_up_proj.grad), _local(ex.down_proj.grad)])
+    assert torch.equal(outs[0], outs[1]), (type(transport).__name__, backend)
+    for a, b in zip(grads[0], grads[1], strict=True):
+        assert torch.equal(a, b), (type(transport).__name__, backend)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _gpu_skew(transport, device: torch.device) -> None:
+    import copy
+
+    cfg = ModelConfig(**GPU_CFG, num_experts_per_tok=1)
+    ref = build_model(cfg, "reference", seed=0, device=device).moe_layers()[0]
+    ref.gate.e_score_correction_bias[0] = 100.0  # every token to expert 0
+    ep_layer = copy.deepcopy(ref)
+    apply_expert_parallel(ep_layer, transport)
+    before = transport.allocated_bytes
+    x = torch.randn(4, 8192, cfg.hidden_size, device=device)  # 32768 rows: more than any earlier check
+    assert torch.equal(ref(x), ep_layer(x))  # nothing dropped
+    assert ep_layer.experts.last_plan.rows_in == 32768
+    # Two data buffers of exactly the rows, plus the counts: grown to the need, no more.
+    expected = 2 * 32768 * cfg.hidden_size * 4 + transport.world * cfg.n_routed_experts * 8
+    assert transport.allocated_bytes == expected > before
+
+
+def _gpu_model_step_and_checkpoint(transport, device: torch.device, backend: str, root: Path) -> None:
+    from trainer.optim import autocast
+
+    cfg = Config()
+    cfg.trainer.dtype = "bfloat16"
+    cfg.trainer.model = ModelConfig(
+        **GPU_CFG, num_layers=3, intermediate_size=512, num_experts_per_tok=4, kv_lora_rank=64, max_seq_len=256
+    )
+    mc, oc = cfg.trainer.model, cfg.trainer.optim
+    ref, model = build_model(mc, backend, seed=0, device=device), build_model(mc, backend, seed=0, device=device)
+    ep = apply_expert_parallel(model, transport)
+    ref_opt, opt = Optimizer(ref, oc), Optimizer(model, oc, ep)
+    tokens = torch.randint(0, mc.vocab_size, (4, 257), device=device, generator=torch.Generator(device).manual_seed(0))
+    logits, norms = [], []
+    for m, o in ((ref, ref_opt), (model, opt)):
+        with autocast(device, "bfloat16"):
+            out = m(tokens[:, :-1])
+        F.cross_entropy(out.float().reshape(-1, mc.vocab_size), tokens[:, 1:].reshape(-1)).backward()
+        logits.append(out.detach())
+        norms.append(o.step(tokens[:, 1:].numel()).grad_norm)
+    assert torch.equal(logits[0], logits[1])
+    assert abs(norms[0] - norms[1]) <= 1e-5 * norms[0]
+    full = {n: _full(p.detach()) for n, p in model.named_parameters()}
+    assert max(float((p.detach() - full[n]).abs().max()) for n, p in ref.named_parameters()) <= 1e-4
+    # The EP model's DCP checkpoint (DTensor experts) loads into a plain model: weights and AdamW moments bitwise.
+    path = save_checkpoint(root, model, opt, TrainState(step=1), cfg)
+    fresh = build_model(mc, backend, seed=1, device=device)
+    fresh_opt = Optimizer(fresh, oc)
+    load_checkpoint(path, fresh, fresh_opt, cfg)
+    named = dict(model.named_parameters())
+    for n, p in fresh.named_parameters():
+        assert torch.equal(p.detach(), full[n]), n
+        assert torch.equal(fresh_opt.adamw.state[p]["exp_avg_sq"], _full(opt.adamw.state[named[n]]["exp_avg_sq"])), n
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA transports need a GPU")
+@pytest.mark.timeout(300)
+def test_cuda_transports_on_one_gpu_give_the_plain_model_bitwise(tmp_path, monkeypatch):
+    """Symmetric-memory and NCCL point-to-point transports on one GPU: round trips on random counts place rows at
+    the plan's offsets and give them back (the symmetric buffers grow, then are reused); an MoE layer's output and
+    input, router and expert gradients equal the plain layer's bit for bit (reference fp32, grouped_mm bf16); a
+    skewed routing drops nothing and grows the buffers to exactly the counts; a whole model's logits and optimizer
+    step match the plain model, and its checkpoint loads into the plain model."""
+    from trainer.ep import SymmetricMemoryTransport
+    from trainer.experts import select_backend
+
+    for key in ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "NCCL_NVLS_ENABLE", "NVSHMEM_DISABLE_NVLS"):
+        monkeypatch.setenv(key, "0" if key == "NCCL_NVLS_ENABLE" else "1")  # NVLink multicast stays off
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1, device_id=device)
+    try:
+        symm, p2p = SymmetricMemoryTransport(), ProcessGroupTransport()
+        for transport in (symm, p2p):
+            for rows in (1000, 5000, 300):  # growth, then reuse
+                _gpu_roundtrip(transport, device, rows)
+        grouped = select_backend("grouped_mm", device, torch.bfloat16)
+        _gpu_layer(symm, device, torch.float32, "reference")
+        _gpu_layer(symm, device, torch.bfloat16, grouped)
+        _gpu_layer(p2p, device, torch.bfloat16, grouped)
+        _gpu_skew(symm, device)
+        for name, transport in (("symm", symm), ("p2p", p2p)):
+            _gpu_model_step_and_checkpoint(transport, device, grouped, tmp_path / name)
+    finally:
+        dist.destroy_process_group()
