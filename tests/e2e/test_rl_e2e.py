@@ -158,7 +158,7 @@ def test_two_ep_ranks_with_routing_replay_learn_fully_async_through_faults(short
     former check (the mean of versions 13-15 against version 0, bar 10 points) had an error of ~3.7 points
     against rises measured at +7.0 (the CI run that failed) to +20.7 (the demo with replay, bench/RESULTS.md).
     On 800 problems one score's error is 1.6 points and the rise's at most 2.3 (version 0, the seeded warm
-    start, scores the same in every run): a run that does not learn clears 7 points about once in a
+    start, scores the same in every run on one machine): a run that does not learn clears 7 points about once in a
     thousand (3 sd), and a rise of +14 clears it by 3 sd. Measuring versions 0, 5, 10 and 15 on 800 problems
     generates as many answers as all 16 versions on 200 (and loads 4 versions into the eval worker, not 16),
     so the check costs no CI time."""
