@@ -66,7 +66,7 @@ def test_triton_kernels_equal_the_torch_gathers_in_the_interpreter():
     """The three kernels, run on CPU tensors by Triton's interpreter (in a fresh process: the interpreter must
     be on before triton.language is imported), against index_select."""
     root = Path(__file__).resolve().parents[2]
-    code = f"import sys; sys.path[:0] = [{str(root)!r}, {str(root / 'tests')!r}]; import test_permute; test_permute._check_kernels()"
+    code = f"import sys; sys.path[:0] = [{str(root)!r}, {str(root / 'tests' / 'unit')!r}]; import test_permute; test_permute._check_kernels()"
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

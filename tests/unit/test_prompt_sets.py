@@ -1,7 +1,7 @@
 """Prompt mixtures (rollout.task.kind = "mixture"): JSONL, parquet and `datasets` sources read alike, a
 weighted deterministic interleave, per-source verifiers, the ledger's sources, config errors, and the
 demo's second prompt source (configs/data/word_problems.jsonl, written by this module:
-`.venv/bin/python -m tests.test_prompt_sets`)."""
+`.venv/bin/python -m tests.unit.test_prompt_sets`)."""
 
 from __future__ import annotations
 
@@ -250,7 +250,7 @@ def test_an_imported_verifier_is_built_from_its_source_config(tmp_path):
     path = write_jsonl(tmp_path / "len.jsonl", [{"prompt": "three letters", "answer": "3"}])
     task = mixture(
         f'name = "len", path = "{path}", verifier = "import", '
-        'verifier_import = "tests.test_prompt_sets:make_length_verifier"'
+        'verifier_import = "tests.unit.test_prompt_sets:make_length_verifier"'
     )
     assert task.reward(task.problem(0), "abc") == 1.0 and task.reward(task.problem(0), "ab") == 0.0
 

@@ -142,9 +142,9 @@ def make_reverse_task(cfg: TaskConfig) -> _Reverse:
 
 
 def test_user_task_is_loaded_from_an_import_path():
-    task = load_task(TaskConfig(kind="import", import_path="tests.test_tasks:make_reverse_task"))
+    task = load_task(TaskConfig(kind="import", import_path="tests.unit.test_tasks:make_reverse_task"))
     assert task.reward(task.problem(0), "cba") == 1.0
     with pytest.raises(ValueError, match="cannot be loaded"):
-        load_task(TaskConfig(kind="import", import_path="tests.test_tasks:missing"))
+        load_task(TaskConfig(kind="import", import_path="tests.unit.test_tasks:missing"))
     with pytest.raises(TypeError, match="lacks"):
-        load_task(TaskConfig(kind="import", import_path="tests.test_tasks:TaskConfig"))
+        load_task(TaskConfig(kind="import", import_path="tests.unit.test_tasks:TaskConfig"))
