@@ -8,9 +8,9 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 $(STAMP): pyproject.toml
 	command -v redis-server >/dev/null || ($(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq redis-server)
-	# `ip netns` for tests/test_multihost.py (three hosts as network namespaces).
+	# `ip netns` for tests/e2e/test_multihost.py (three hosts as network namespaces).
 	command -v ip >/dev/null || ($(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq iproute2)
-	# Debian's chromium and its driver for tests/test_dash.py (the dashboard in a real browser, no downloads).
+	# Debian's chromium and its driver for tests/unit/test_dash.py (the dashboard in a real browser, no downloads).
 	command -v chromium >/dev/null && command -v chromedriver >/dev/null || ($(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq chromium chromium-driver)
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip

@@ -7,7 +7,7 @@ redis-server the leader's restart line); `next_step_s`, seconds from the kill un
 next step; prompts lost (admitted but neither trained nor left in the saved flow state) and prompts trained
 twice (from the ledger, trained_prompts.jsonl); the held-out accuracy (evaluator lines) of the last version
 and the mean over the last LAST versions (one version's score on the 200 held-out problems moves by 4-6
-points between neighbours, tests/test_rl_e2e.py), against the no-fault run's; and the processes of the
+points between neighbours, tests/e2e/test_rl_e2e.py), against the no-fault run's; and the processes of the
 run still alive 10 s after the launcher exited
 (every process carries SLIPSTREAM_EXP). Roles cycle through trainer, router, vllm (the rollout worker),
 evaluator and redis, so 10 trials cover each twice.

@@ -1,6 +1,6 @@
 """Router benchmark (issue 3): the latency the router adds and the throughput it sustains, side by
 side with the Rust vLLM router (PyPI `vllm-router`) in the same run. Two fake OpenAI backends
-(tests/fake_openai.py) listen on loopback and register in a private Redis; the Slipstream router
+(tests/support/fake_openai.py) listen on loopback and register in a private Redis; the Slipstream router
 runs as its role process (`ROLE=router python -m common.runs.cli run`), vllm-router with
 `--policy round_robin` over the same two URLs, and ours with the same policy. The load generator is
 a lean keep-alive HTTP/1.1 client on uvloop in this process, so that it, not the routers, costs as
@@ -32,12 +32,11 @@ import psutil
 import uvloop
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
-
-from fake_openai import Backend, start_backends, start_router_process, wait_published  # noqa: E402
+sys.path.insert(0, str(ROOT))
 
 from common.keys import Keys  # noqa: E402
 from common.rendezvous import Rendezvous  # noqa: E402
+from tests.support.fake_openai import Backend, start_backends, start_router_process, wait_published  # noqa: E402
 
 EXP = "bench"
 BODY = json.dumps({"model": "policy", "prompt": "Say hello.", "max_tokens": 1}).encode()

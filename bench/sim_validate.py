@@ -5,7 +5,7 @@ is fitted on the on-policy run (`slipstream simulate --calibrate`) and each othe
 
     python bench/sim_validate.py [--steps 20] [--keep] [--set KEY=VALUE ...] [--fixture DIR]
 
-`--fixture DIR` also writes what tests/test_sim_real.py checks the simulator against: the calibration
+`--fixture DIR` also writes what tests/unit/test_sim_real.py checks the simulator against: the calibration
 (DIR/sim_model.json, as --calibrate wrote it) and each run's measured figures and completion lengths
 (DIR/runs.json, with this command).
 
@@ -84,7 +84,7 @@ def simulate(*args: str) -> str:
 
 
 def write_fixture(out: Path, runs: dict[str, Path], shared: list[str], command: str) -> None:
-    """The calibration and each run's measured figures and completion lengths, for tests/test_sim_real.py."""
+    """The calibration and each run's measured figures and completion lengths, for tests/unit/test_sim_real.py."""
     from collections import Counter
 
     from common.config import load_config
@@ -113,7 +113,9 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--keep", action="store_true", help="keep the run dirs (printed)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config override of every run")
-    ap.add_argument("--fixture", type=Path, help="write the calibration and measured figures here (tests/fixtures/…)")
+    ap.add_argument(
+        "--fixture", type=Path, help="write the calibration and measured figures here (tests/support/fixtures/…)"
+    )
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="ss-sv-"))
     try:

@@ -1,7 +1,7 @@
 """Stopping an asyncio task for good.
 
 On Python 3.11 a task cancelled while it is inside a redis-py command (our clients have socket timeouts) can
-lose the CancelledError and run on, "cancelling", for good: in tests/test_task_stop.py's loop about one cancel in
+lose the CancelledError and run on, "cancelling", for good: in tests/unit/test_task_stop.py's loop about one cancel in
 three on this machine, with redis-py 5 to 8 (not on Python 3.12). The cancel is lost in `asyncio.wait_for`,
 which redis-py wraps around writing a command when the client has a socket timeout: on 3.11, a cancel that
 arrives when the inner write has just finished is dropped and the result returned (CPython gh-86296; 3.12

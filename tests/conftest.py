@@ -1,5 +1,6 @@
 """Shared fixtures: `redis_client` (an async client of a fresh experiment Redis under the test's tmp
-dir). vLLM servers are expensive (30-60 s and 2 GiB each on CPU), so each tiny
+dir), `tiny_model` (the small DeepSeek-V3 shape of the multi-rank CPU tests), `short_root` (a run root
+short enough for vLLM's socket paths). vLLM servers are expensive (30-60 s and 2 GiB each on CPU), so each tiny
 architecture gets ONE session-scoped run (Redis, a worker role process serving vLLM, and for
 DeepSeek a router role process) that every slow rollout test reuses. Tests that change the served
 weights publish the original weights back before they end, so the order of tests does not matter.
@@ -9,9 +10,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -21,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from common import log
-from common.config import RendezvousConfig, load_config
+from common.config import ModelConfig, RendezvousConfig, load_config
 from common.keys import Keys
 from common.rendezvous import Rendezvous
 
@@ -173,3 +176,36 @@ async def redis_client(tmp_path: Path):
     yield client
     await client.aclose()
     rz.close()
+
+
+@pytest.fixture
+def tiny_model() -> ModelConfig:
+    """A DeepSeek-V3 shape small enough for tests that run it on several CPU ranks: 3 layers (the first
+    dense), 8 routed experts of which 2 per token, MLA with a 16-wide KV latent, a 64-token vocabulary."""
+    return ModelConfig(
+        vocab_size=64,
+        hidden_size=32,
+        num_layers=3,
+        first_k_dense=1,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        num_heads=2,
+        kv_lora_rank=16,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=8,
+        v_head_dim=8,
+        max_seq_len=32,
+    )
+
+
+@pytest.fixture
+def short_root(tmp_path: Path) -> Iterator[Path]:
+    """A short run root: vLLM's IPC socket paths under <run dir>/cache/tmp must stay below 107 bytes,
+    which pytest's deep tmp_path exceeds. The logs written at its top are kept in tmp_path for inspection."""
+    path = Path(tempfile.mkdtemp(prefix="ss-"))
+    yield path
+    for kept in path.glob("*.log"):
+        shutil.copy(kept, tmp_path / kept.name)
+    shutil.rmtree(path, ignore_errors=True)

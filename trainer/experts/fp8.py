@@ -12,7 +12,7 @@ error stays within 2^-10 of the block maximum, small against the sum. In a dot p
 roundings add in quadrature alike in the sum and in its error, so a result relative error is about
 sqrt(n) x 3.6% for n quantized roundings on its path: the SwiGLU output y goes through four (x, gate_up,
 the activation, down: 7.2%), the deepest gradient, grad x, through six (8.8%). The bound is 10% for the
-output and all three gradients; on random data they measure 5-7% (tests/test_experts_cutedsl.py)."""
+output and all three gradients; on random data they measure 5-7% (tests/unit/test_experts_cutedsl.py)."""
 
 from __future__ import annotations
 

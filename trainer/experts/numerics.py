@@ -1,6 +1,6 @@
 """How close an expert backend is to the float64 truth: output and the three gradients of the SwiGLU experts
 on fresh random bf16 inputs, as relative errors ||fast - ref|| / ||ref||. Shared by the GPU tests
-(tests/test_experts_cutedsl.py) and the H200 check (bench/cutedsl_check.py)."""
+(tests/unit/test_experts_cutedsl.py) and the H200 check (bench/cutedsl_check.py)."""
 
 from __future__ import annotations
 

@@ -124,7 +124,7 @@ def steady_samples_s(r: SimResult) -> float:
 
 def judged(r: SimResult) -> dict[str, Any]:
     """What a prediction is judged on, as JSON values: time per step and samples/s after step 0, and the
-    staleness histogram (bench/sim_validate.py records a real run's; tests/test_sim_real.py checks against them)."""
+    staleness histogram (bench/sim_validate.py records a real run's; tests/unit/test_sim_real.py checks against them)."""
     return {
         "steps": len(r.steps),
         "step_s": steady_step_s(r),

@@ -42,7 +42,7 @@ write shows up in the error instead of hiding behind stale data."""
 # expert shapes). "tvm-ffi": the function is compiled with TVM-FFI and takes the torch tensors themselves,
 # checked against its compiled layout in C++, on the stream torch reports (apache-tvm-ffi, in the `gpu` extra).
 # dlpack stays the default until tvm-ffi has run on the H200: bench/moe_bench.py --launch both times the two,
-# tests/test_experts_cutedsl.py compares their results bit for bit (issue 16's closing note).
+# tests/unit/test_experts_cutedsl.py compares their results bit for bit (issue 16's closing note).
 LAUNCH = "dlpack"
 LAUNCHES = ("dlpack", "tvm-ffi")
 

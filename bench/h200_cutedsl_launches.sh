@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The cutedsl experts' two launch paths (dlpack and TVM-FFI) on the H200 in one device call (about 9 minutes):
+#
+#   run(command="bash bench/h200_cutedsl_launches.sh", carry=[".cutedsl"], timeout_s=600)
+#
+# with only .cutedsl/cutedsl-tvmffi.tar.xz in .cutedsl (bench/cutedsl_tvmffi_bundle.sh; the bundle and the
+# tree must fit in the 64 MiB a call carries). In order, each step with its own time limit, its output in
+# $OUT/<step>.log, a failed step not stopping the next:
+#   1. launch_paths: the dlpack and TVM-FFI launches compute the same bits (tests/unit/test_experts_cutedsl.py);
+#   2. layer: moe_bench's raw and compiled layer rows at moonlet's expert shape and the 128-expert one, every
+#      cutedsl row launched both ways, with the host time of one launch each way;
+#   3. profile: kernel tables of the compiled layers at moonlet's shape (grouped_mm, FP8 per launch), each
+#      headed by the GPU's busy share of a step (far below 100%: the host's launches set the pace).
+set -uo pipefail
+out=${OUT:?run this on the device machine, which sets OUT}
+bundle=.cutedsl/cutedsl-tvmffi.tar.xz
+[ -f "$bundle" ] || { echo "no $bundle: build it with bash bench/cutedsl_tvmffi_bundle.sh and carry .cutedsl" >&2; exit 2; }
+site=$(mktemp -d) && tar -C "$site" -xJf "$bundle" || exit 2
+export PYTHONPATH="$site:$site/nvidia_cutlass_dsl/dsl_packages:$PWD:${PYTHONPATH:-}"
+mkdir -p "$out/profile"
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv,noheader
+
+step() {
+  local name=$1 limit=$2
+  shift 2
+  echo "== $name ($(date -u +%H:%M:%S), limit ${limit}s): $*"
+  timeout "$limit" "$@" >"$out/$name.log" 2>&1
+  local rc=$?
+  tail -n 60 "$out/$name.log"
+  echo "== $name: exit code $rc"
+}
+
+step launch_paths 150 python3 -m pytest -q --noconftest tests/unit/test_experts_cutedsl.py -k launch_paths
+step layer 270 python3 bench/moe_bench.py --layer-only --shapes "1024,512,64,6;2048,768,128,8" \
+  --variants raw,raw-cutedsl,compiled,compiled-fp8 --launch both --budget-s 230 --out "$out/moe_bench.json"
+step profile 150 python3 bench/moe_bench.py --layer-only --shapes "1024,512,64,6" --variants compiled,compiled-fp8 \
+  --launch both --profile --budget-s 110 --out "$out/profile/moe_bench.json"
