@@ -20,8 +20,8 @@ from common.keys import Keys
 from common.metrics import read_metrics
 from common.redis_client import RedisInfo
 from common.roles import RUN_FILE
-from common.weights.fleet import WorkerRecord
 from common.runs.registry import Registry, RunRecord
+from common.weights.fleet import WorkerRecord
 
 # redis.json: the name the rendezvous writes.
 REDIS_FILE = "redis.json"
