@@ -135,7 +135,7 @@ class RLTrainer(TrainerRank):
             self.state = resumed
         elif self.cfg.trainer.warmup.steps > 0:
             self.warm_start()
-        self.lineage = Lineage.from_state(self.state.versions)
+        self.lineage = Lineage.from_state(self.state.lineage)
         rewind_ledger(self.audit, self.state.step)
         return resumed is not None
 
@@ -355,7 +355,7 @@ class RLTrainer(TrainerRank):
 
     def save(self, flow_state: FlowState) -> None:
         self.state.flow_state = flow_state
-        self.state.versions = self.lineage.state()
+        self.state.lineage = self.lineage.state()
         self.command(Save(self.state))
         self.metrics.flush()  # the checkpoint's steps are never retrained: their figures go to disk with it
         self.schedule.saved()
