@@ -6,9 +6,9 @@ behaviour.
 
 The flow counts in trainer steps, never in weight versions. `step` is an optimizer step: `Train(step)` runs
 optimizer step `step`. The weights of step s (weights step s, for short) are the weights after s optimizer
-steps (step 0: the initial model): optimizer step s trains on them and produces those of step s + 1. Every field that names
-weights holds such a step (`Dispatch.weights_step`, `SampleDone.oldest_step` and `newest_step`,
-`Publish.step`, the policy's `served_step`), and staleness is a difference of steps. The published weight
+steps (step 0: the initial model): optimizer step s trains on them and produces those of step s + 1. Every
+field that names weights holds such a step (`Dispatch.weights_step`, `SampleDone.oldest_step` and
+`newest_step`, `Publish.step`, the policy's `served_step`), and staleness is a difference of steps. The published weight
 version that carries a step's weights to the generators is the trainer's business
 (common/weights/lineage.py): versions are never reused, so after a resume a version is not its step."""
 
