@@ -5,18 +5,19 @@ new weights are published. A driver (the runtime, or the simulator) feeds events
 executes the actions that come out (`Dispatch`, `Abort`, `Train`, `Publish`, `Finish`) in order.
 Weights are named by the step they belong to (rollout/flow/events.py): the weights of step 0 are the
 initial model and optimizer step t produces those of step t+1. A prompt is a group of
-`samples_per_prompt` samples; a batch is `prompts_per_step` complete groups. The trainer is one serial resource: at most one `Train` or `Publish` is outstanding
-at a time, and the driver reports its end before the policy issues the next. Staleness of a sample is
-`step - oldest`, where `step` is the trainer's step when the sample is consumed and `oldest` the
-oldest weights step among its tokens. With dynamic sampling on (DAPO-style), a group whose samples
-all got the same reward carries no GRPO signal: it is dropped when it completes (`filtered`, never
-trained) and a new prompt from the data cursor takes its place, admitted like any other prompt, so a
-batch still holds `prompts_per_step` groups with signal. At most `max_dynamic_refills_per_step` groups
-are dropped per train step; past that, uniform groups are kept (trained with zero advantage), so a
-step always fills and a saturated task cannot burn the data in an endless refill loop. At the end of
-the data a dropped group is not replaced and the last batch is partial (`end_of_data` decides). The
-whole state is a plain dict (`state_dict`) for checkpoints; `start()` on a restored policy re-issues
-whatever was in flight. The events and actions are rollout/flow/events.py; the strategies, and
+`samples_per_prompt` samples; a batch is `prompts_per_step` complete groups. The trainer is one
+serial resource: at most one `Train` or `Publish` is outstanding at a time, and the driver reports
+its end before the policy issues the next. Staleness of a sample is `step - oldest`, where `step` is
+the trainer's step when the sample is consumed and `oldest` the oldest weights step among its
+tokens. With dynamic sampling on (DAPO-style), a group whose samples all got the same reward carries
+no GRPO signal: it is dropped when it completes (`filtered`, never trained) and a new prompt from
+the data cursor takes its place, admitted like any other prompt, so a batch still holds
+`prompts_per_step` groups with signal. At most `max_dynamic_refills_per_step` groups are dropped per
+train step; past that, uniform groups are kept (trained with zero advantage), so a step always fills
+and a saturated task cannot burn the data in an endless refill loop. At the end of the data a
+dropped group is not replaced and the last batch is partial (`end_of_data` decides). The whole state
+is a plain dict (`state_dict`) for checkpoints; `start()` on a restored policy re-issues whatever
+was in flight. The events and actions are rollout/flow/events.py; the strategies, and
 `policy_from_config`, rollout/flow/strategies.py.
 """
 

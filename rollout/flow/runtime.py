@@ -4,9 +4,9 @@ while the trainer computes); the trainer's work (train steps, weight publishes, 
 the caller's thread, the trainer's main thread, through plain callables. Prompts come from a sequence
 or a `prompt_at(index)` function (prompt ids are data indices); each sample is one controller item,
 a `SampleRequest`, and its result must be a `Trajectory`: it tells the weights steps of its tokens
-(`token_steps`, or the caller's `steps_of`) and, for dynamic sampling, its reward (`sample_reward`). The runtime, its requests and
-its groups are generic over the prompt type P and the result type R (the RL trainer's are `Problem` and
-`Rollout`).
+(`token_steps`, or the caller's `steps_of`) and, for dynamic sampling, its reward (`sample_reward`).
+The runtime, its requests and its groups are generic over the prompt type P and the result type R (the
+RL trainer's are `Problem` and `Rollout`).
 The runtime's state (policy state, results of finished samples, attempt numbers) is a snapshot taken
 right after every train step and handed to the checkpoint callback; a runtime restored from it
 re-issues what was in flight, so every prompt is trained exactly once across a resume.

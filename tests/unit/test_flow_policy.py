@@ -92,7 +92,8 @@ def test_fully_async_requeues_a_sample_stale_at_consumption():
     assert pol.on_sample_done(done(1)) == []  # nothing starts while weights change
     # At step 1 with max_staleness 0, prompt 1 (oldest token from step 0) is stale: re-generated.
     assert pol.on_published(1) == [Dispatch(1, (0,), 1)]
-    # Prompt 2 started on the weights of step 0 and finished on step 1's (partial rollout): its oldest token makes it stale.
+    # Prompt 2 started on the weights of step 0 and finished on step 1's (partial rollout): its oldest token
+    # makes it stale.
     assert pol.on_sample_done(done(2, oldest=0, newest=1)) == [Dispatch(2, (0,), 1)]
     assert pol.on_sample_done(done(1, oldest=1)) == [Train(1, (1,)), Dispatch(3, (0,), 1)]
     assert pol.counters.stale_samples == 2 and pol.counters.requeued_samples == 2
