@@ -17,7 +17,7 @@ target:
 Generation dominates (as in most RLVR runs), so the strategies differ mainly in how well they keep the
 pool busy through the long tail: a synchronous batch ends with a handful of long samples decoding
 alone, while fully-async keeps the pool full with the next prompts. The price is staleness: samples
-that span more than `max_staleness` versions are re-generated, which is reported as wasted tokens.
+that span more than `max_staleness` steps are re-generated, which is reported as wasted tokens.
 
 Run: .venv/bin/python bench/flow_bench.py [--png bench/flow_timeline.png] [--steps 40]
 """

@@ -50,7 +50,7 @@ class TrainState:
     """Position of the data source (opaque to the checkpoint; the source reads it back)."""
     flow_state: dict[str, Any] = field(default_factory=dict)
     """Queued / in-flight / buffered prompts of the flow runtime (opaque)."""
-    versions: list[list[int]] = field(default_factory=list)
+    lineage: list[list[int]] = field(default_factory=list)
     """The RL run's lineage: [step, version] of every weight publication (common/weights/lineage.py)."""
 
 

@@ -380,7 +380,8 @@ class FlowConfig:
     max_untrained_prompts: int = 32
     """Fully-async admission control: in-flight plus buffered prompts never exceed this."""
     max_staleness: int = identity(2)
-    """A sample whose oldest token was made by version < current - max_staleness is stale at consumption."""
+    """A sample whose oldest token came from the weights of a step < the trainer's step - max_staleness is stale
+    at consumption."""
     stale_policy: Literal["drop", "requeue"] = "requeue"
     """What happens to a stale sample's prompt: dropped (counted) or generated again."""
     partial_rollout: bool = True

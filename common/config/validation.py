@@ -17,7 +17,7 @@ def validate(cfg: Config) -> None:
     # at max_staleness 0), so FlowConfig.check allows it; a config that asks for it contradicts itself.
     require(
         f.strategy != "one_step_off" or f.max_staleness >= 1,
-        "flow.strategy = 'one_step_off' trains on samples one version old: set flow.max_staleness >= 1",
+        "flow.strategy = 'one_step_off' trains on samples one step old: set flow.max_staleness >= 1",
     )
     require(
         not f.partial_rollout or ro.pause_mode == "keep",

@@ -2,7 +2,15 @@
 simulator): the events a driver feeds in (`SampleDone`), the actions that come out (`Dispatch`, `Abort`,
 `Train`, `Publish`, `Finish`), the trainer job a policy waits on (`TrainJob`, `PublishJob`), the counters of
 what happened to the samples, and `FlowError` for a driver that breaks the contract. Plain frozen records, no
-behaviour."""
+behaviour.
+
+The flow counts in trainer steps, never in weight versions. `step` is an optimizer step: `Train(step)` runs
+optimizer step `step`. The weights of step s (weights step s, for short) are the weights after s optimizer
+steps (step 0: the initial model): optimizer step s trains on them and produces those of step s + 1. Every
+field that names weights holds such a step (`Dispatch.weights_step`, `SampleDone.oldest_step` and
+`newest_step`, `Publish.step`, the policy's `served_step`), and staleness is a difference of steps. The published weight
+version that carries a step's weights to the generators is the trainer's business
+(common/weights/lineage.py): versions are never reused, so after a resume a version is not its step."""
 
 from __future__ import annotations
 
@@ -15,28 +23,29 @@ SampleKey = tuple[int, int]
 
 
 class FlowError(RuntimeError):
-    """The driver broke the policy's contract (an unknown sample, an unexpected event or version)."""
+    """The driver broke the policy's contract (an unknown sample, an unexpected event or weights step)."""
 
 
 @dataclass(frozen=True)
 class SampleDone:
-    """One sample finished generating; versions are the oldest and newest weight version of its tokens,
-    `reward` the task's reward of it (required with dynamic sampling, which filters on it)."""
+    """One sample finished generating; `oldest_step` and `newest_step` are the oldest and newest weights step
+    of its tokens, `reward` the task's reward of it (required with dynamic sampling, which filters on it)."""
 
     prompt_id: int
     index: int
-    oldest_version: int
-    newest_version: int
+    oldest_step: int
+    newest_step: int
     reward: float | None = None
 
 
 @dataclass(frozen=True)
 class Dispatch:
-    """Start generation requests for these samples of one prompt (the generators are on `version`)."""
+    """Start generation requests for these samples of one prompt (the generators serve the weights of step
+    `weights_step`)."""
 
     prompt_id: int
     samples: tuple[int, ...]
-    version: int
+    weights_step: int
 
 
 @dataclass(frozen=True)
@@ -48,7 +57,7 @@ class Abort:
 
 @dataclass(frozen=True)
 class Train:
-    """Run optimizer step `step` on these complete prompt groups; it produces version step + 1.
+    """Run optimizer step `step` on these complete prompt groups; it produces the weights of step + 1.
     `dropped_groups` counts the zero-variance groups dynamic sampling dropped while the batch formed."""
 
     step: int
@@ -58,9 +67,9 @@ class Train:
 
 @dataclass(frozen=True)
 class Publish:
-    """Publish weight version `version` to the generators (they are paused in keep mode meanwhile)."""
+    """Publish the weights of step `step` to the generators (they are paused in keep mode meanwhile)."""
 
-    version: int
+    step: int
 
 
 @dataclass(frozen=True)
@@ -82,9 +91,9 @@ class TrainJob:
 
 @dataclass(frozen=True)
 class PublishJob:
-    """The trainer is publishing weight version `version` (the policy issued `Publish(version)`)."""
+    """The trainer is publishing the weights of step `step` (the policy issued `Publish(step)`)."""
 
-    version: int
+    step: int
 
 
 TrainerJob = TrainJob | PublishJob
@@ -120,11 +129,11 @@ class FlowCounters:
 
 
 def job_state(job: TrainerJob | None) -> list[str | int] | None:
-    """A job as checkpoints have always held it: ["train", step], ["publish", version] or null."""
+    """A job as checkpoints hold it: ["train", step], ["publish", step] or null."""
     if isinstance(job, TrainJob):
         return ["train", job.step]
     if isinstance(job, PublishJob):
-        return ["publish", job.version]
+        return ["publish", job.step]
     return None
 
 
@@ -135,6 +144,6 @@ def job_from_state(saved: list[Any] | None) -> TrainerJob | None:
             return None
         case ["train", int(step)]:
             return TrainJob(step)
-        case ["publish", int(version)]:
-            return PublishJob(version)
-    raise FlowError(f'checkpoint flow state has job {saved!r}; expected ["train", step], ["publish", version] or null')
+        case ["publish", int(step)]:
+            return PublishJob(step)
+    raise FlowError(f'checkpoint flow state has job {saved!r}; expected ["train", step], ["publish", step] or null')

@@ -3,20 +3,21 @@ that decide when each prompt is generated, which complete prompt groups form a t
 new weights are published. A driver (the runtime, or the simulator) feeds events in (`start`,
 `on_sample_done`, `on_sample_failed`, `on_train_done`, `on_published`, `on_data_exhausted`) and
 executes the actions that come out (`Dispatch`, `Abort`, `Train`, `Publish`, `Finish`) in order.
-Versions follow DESIGN section 7: version 0 is the initial model and optimizer step t produces
-version t+1. A prompt is a group of `samples_per_prompt` samples; a batch is `prompts_per_step`
-complete groups. The trainer is one serial resource: at most one `Train` or `Publish` is outstanding
-at a time, and the driver reports its end before the policy issues the next. Staleness of a sample is
-`step - oldest`, where `step` is the trainer's version when the sample is consumed and `oldest` the
-oldest weight version among its tokens. With dynamic sampling on (DAPO-style), a group whose samples
-all got the same reward carries no GRPO signal: it is dropped when it completes (`filtered`, never
-trained) and a new prompt from the data cursor takes its place, admitted like any other prompt, so a
-batch still holds `prompts_per_step` groups with signal. At most `max_dynamic_refills_per_step` groups
-are dropped per train step; past that, uniform groups are kept (trained with zero advantage), so a
-step always fills and a saturated task cannot burn the data in an endless refill loop. At the end of
-the data a dropped group is not replaced and the last batch is partial (`end_of_data` decides). The
-whole state is a plain dict (`state_dict`) for checkpoints; `start()` on a restored policy re-issues
-whatever was in flight. The events and actions are rollout/flow/events.py; the strategies, and
+Weights are named by the step they belong to (rollout/flow/events.py): the weights of step 0 are the
+initial model and optimizer step t produces those of step t+1. A prompt is a group of
+`samples_per_prompt` samples; a batch is `prompts_per_step` complete groups. The trainer is one
+serial resource: at most one `Train` or `Publish` is outstanding at a time, and the driver reports
+its end before the policy issues the next. Staleness of a sample is `step - oldest`, where `step` is
+the trainer's step when the sample is consumed and `oldest` the oldest weights step among its
+tokens. With dynamic sampling on (DAPO-style), a group whose samples all got the same reward carries
+no GRPO signal: it is dropped when it completes (`filtered`, never trained) and a new prompt from
+the data cursor takes its place, admitted like any other prompt, so a batch still holds
+`prompts_per_step` groups with signal. At most `max_dynamic_refills_per_step` groups are dropped per
+train step; past that, uniform groups are kept (trained with zero advantage), so a step always fills
+and a saturated task cannot burn the data in an endless refill loop. At the end of the data a
+dropped group is not replaced and the last batch is partial (`end_of_data` decides). The whole state
+is a plain dict (`state_dict`) for checkpoints; `start()` on a restored policy re-issues whatever
+was in flight. The events and actions are rollout/flow/events.py; the strategies, and
 `policy_from_config`, rollout/flow/strategies.py.
 """
 
@@ -75,15 +76,15 @@ class FlowPolicy:
         self.flow = flow
         self.max_steps = max_steps
 
-        self.step = 0  # optimizer steps done = the trainer's weight version
-        self.published = 0  # version the generators run
+        self.step = 0  # optimizer steps done: the trainer holds the weights of this step
+        self.served_step = 0  # the weights step the generators serve
         self.job: TrainerJob | None = None  # the trainer's outstanding train step or publish
         self.job_groups: dict[int, dict[int, tuple[int, int]]] = {}  # the groups being trained, in batch order
         self.next_prompt = 0  # the data cursor: prompt ids are indices into the data
         self.data_end: int | None = num_prompts
         self.pending: deque[SampleKey] = deque()  # admitted samples waiting for a request slot
-        self.in_flight: dict[SampleKey, int] = {}  # -> version at dispatch
-        self.done: dict[int, dict[int, tuple[int, int]]] = {}  # prompt -> index -> (oldest, newest)
+        self.in_flight: dict[SampleKey, int] = {}  # -> weights step served at dispatch
+        self.done: dict[int, dict[int, tuple[int, int]]] = {}  # prompt -> index -> (oldest, newest) weights step
         self.untrained: dict[int, None] = {}  # admitted prompts not yet handed to the trainer (ordered set)
         self.ready: list[int] = []  # complete groups, in completion order
         self.rewards: dict[int, dict[int, float]] = {}  # dynamic sampling: prompt -> index -> reward, as `done`
@@ -124,12 +125,12 @@ class FlowPolicy:
         key = (sample.prompt_id, sample.index)
         if key not in self.in_flight:
             raise FlowError(f"sample {key} finished but is not in flight; report each dispatched sample once")
-        # During a publish the generators may already run the new version before its end is reported.
-        newest_possible = self.job.version if isinstance(self.job, PublishJob) else self.published
-        if sample.oldest_version > sample.newest_version or sample.newest_version > newest_possible:
+        # During a publish the generators may already serve the new weights before its end is reported.
+        newest_possible = self.job.step if isinstance(self.job, PublishJob) else self.served_step
+        if sample.oldest_step > sample.newest_step or sample.newest_step > newest_possible:
             raise FlowError(
-                f"sample {key} reports versions {sample.oldest_version}..{sample.newest_version} but the "
-                f"generators run version {self.published}; report the oldest and newest token versions"
+                f"sample {key} reports weights steps {sample.oldest_step}..{sample.newest_step} but the "
+                f"generators serve step {self.served_step}; report the oldest and newest weights step of its tokens"
             )
         if self.flow.dynamic_sampling and sample.reward is None:
             raise FlowError(
@@ -139,7 +140,7 @@ class FlowPolicy:
         del self.in_flight[key]
         self._check_sample(sample)
         group = self.done.setdefault(sample.prompt_id, {})
-        group[sample.index] = (sample.oldest_version, sample.newest_version)
+        group[sample.index] = (sample.oldest_step, sample.newest_step)
         if self.flow.dynamic_sampling and sample.reward is not None:  # never None here: checked above
             self.rewards.setdefault(sample.prompt_id, {})[sample.index] = float(sample.reward)
         self.counters.completed_samples += 1
@@ -190,11 +191,11 @@ class FlowPolicy:
         self.step = step + 1
         return self._run()
 
-    def on_published(self, version: int) -> list[Action]:
-        if self.job != PublishJob(version):
-            raise FlowError(f"version {version} published but the trainer's job is {self.job}")
+    def on_published(self, step: int) -> list[Action]:
+        if self.job != PublishJob(step):
+            raise FlowError(f"the weights of step {step} were published but the trainer's job is {self.job}")
         self.job = None
-        self.published = version
+        self.served_step = step
         return self._run()
 
     def on_data_exhausted(self, num_prompts: int) -> list[Action]:
@@ -228,7 +229,7 @@ class FlowPolicy:
             "samples_per_prompt": self.flow.samples_per_prompt,
             "dynamic_sampling": self.flow.dynamic_sampling,
             "step": self.step,
-            "published": self.published,
+            "served_step": self.served_step,
             "job": job_state(self.job),
             "job_groups": [[p, s, o, n] for p, group in self.job_groups.items() for s, (o, n) in group.items()],
             "next_prompt": self.next_prompt,
@@ -264,7 +265,7 @@ class FlowPolicy:
                     "it defines the run, so resume with the checkpoint's value"
                 )
         self.step = state["step"]
-        self.published = state["published"]
+        self.served_step = state["served_step"]
         self.job = job_from_state(state["job"])
         self.job_groups = {}
         for p, s, o, n in state["job_groups"]:
@@ -312,8 +313,8 @@ class FlowPolicy:
         """Finished samples whose results the driver must keep: buffered ones and the batch in training."""
         return [(p, s) for groups in (self.done, self.job_groups) for p, group in groups.items() for s in group]
 
-    def sample_versions(self, prompt_id: int) -> list[tuple[int, int]]:
-        """(oldest, newest) versions of a buffered group's samples, in sample order."""
+    def sample_steps(self, prompt_id: int) -> list[tuple[int, int]]:
+        """(oldest, newest) weights steps of a buffered group's samples, in sample order."""
         group = self.done[prompt_id]
         return [group[s] for s in sorted(group)]
 
@@ -334,9 +335,9 @@ class FlowPolicy:
         raise NotImplementedError
 
     def _finish_reason(self) -> str | None:
-        """Why the run is over, asked once the trainer is idle with its newest version published: every step
+        """Why the run is over, asked once the trainer is idle with its newest weights published: every step
         trained (`max_steps`), or the data used up with nothing left to train (`end_of_data`)."""
-        if self.job is not None or self.published != self.step:
+        if self.job is not None or self.served_step != self.step:
             return None
         if not self._steps_left():
             return "max_steps"
@@ -395,7 +396,7 @@ class FlowPolicy:
 
     def _dispatch(self, actions: list[Action]) -> bool:
         """Start pending samples while request slots are free; the cap holds at every moment. Nothing
-        starts during a publish: the generators are paused and would run the new version anyway."""
+        starts during a publish: the generators are paused and would serve the new weights anyway."""
         if isinstance(self.job, PublishJob):
             return False
         started = False
@@ -404,10 +405,10 @@ class FlowPolicy:
             samples: list[int] = []
             while self.pending and self.pending[0][0] == pid and len(self.in_flight) < self.flow.max_concurrent:
                 _, s = self.pending.popleft()
-                self.in_flight[(pid, s)] = self.published
+                self.in_flight[(pid, s)] = self.served_step
                 samples.append(s)
             self.counters.dispatched_samples += len(samples)
-            actions.append(Dispatch(pid, tuple(samples), self.published))
+            actions.append(Dispatch(pid, tuple(samples), self.served_step))
             started = True
         return started
 

@@ -3,10 +3,10 @@ event loop (every policy event is handled there, one at a time, so generation ke
 while the trainer computes); the trainer's work (train steps, weight publishes, checkpoints) runs in
 the caller's thread, the trainer's main thread, through plain callables. Prompts come from a sequence
 or a `prompt_at(index)` function (prompt ids are data indices); each sample is one controller item,
-a `SampleRequest`, and its result must be a `Trajectory`: it tells the weight versions of its tokens
-(`token_versions`) and, for dynamic sampling, its reward (`sample_reward`). The runtime, its requests and
-its groups are generic over the prompt type P and the result type R (the RL trainer's are `Problem` and
-`Rollout`).
+a `SampleRequest`, and its result must be a `Trajectory`: it tells the weights steps of its tokens
+(`token_steps`, or the caller's `steps_of`) and, for dynamic sampling, its reward (`sample_reward`).
+The runtime, its requests and its groups are generic over the prompt type P and the result type R (the
+RL trainer's are `Problem` and `Rollout`).
 The runtime's state (policy state, results of finished samples, attempt numbers) is a snapshot taken
 right after every train step and handed to the checkpoint callback; a runtime restored from it
 re-issues what was in flight, so every prompt is trained exactly once across a resume.
@@ -67,14 +67,14 @@ the checkpoint) and the attempt numbers."""
 @dataclass
 class SampleRequest(Generic[P]):
     """What the genable receives: one sample of one prompt. `attempt` counts re-issues of the sample
-    (stale, failed, aborted or resumed); `version` is the weight version the generators had at dispatch;
+    (stale, failed, aborted or resumed); `weights_step` is the weights step the generators served at dispatch;
     `dispatched` is when the runtime made it, right before handing it to the controller (`time.monotonic()`)."""
 
     prompt_id: int
     index: int
     prompt: P
     attempt: int
-    version: int
+    weights_step: int
     dispatched: float = field(default_factory=time.monotonic)
 
 
@@ -100,8 +100,8 @@ class StepTiming:
 
 @dataclass
 class FlowReport:
-    """How a run went: why it ended, the steps and publishes it ran, the policy's counters and the
-    prompts dynamic sampling dropped (never trained)."""
+    """How a run went: why it ended, the steps and publishes it ran (publishes as (weights step, start, end)),
+    the policy's counters and the prompts dynamic sampling dropped (never trained)."""
 
     finish_reason: str
     steps: list[StepTiming]
@@ -110,15 +110,16 @@ class FlowReport:
     filtered_prompts: list[int]
 
 
-def token_versions(result: Trajectory) -> tuple[int, int]:
-    """(oldest, newest) weight version of a result's tokens, read from its `weight_versions` (one
-    version per token, or any non-empty sequence of versions)."""
+def token_steps(result: Trajectory) -> tuple[int, int]:
+    """(oldest, newest) weights step of a result's tokens, read from its `weight_versions` (one version per
+    token, or any non-empty sequence of versions) taken as steps: right while every version is its step, as
+    in a run that never resumed; a trainer passes `steps_of=` translating through its lineage."""
     # Checked at run time too: the controller hands back whatever the genable returned.
     versions = getattr(result, "weight_versions", None)
     if not versions:
         raise ValueError(
             f"generation result {type(result).__name__} has no weight_versions; every trajectory must record "
-            "the weight versions of its tokens (or pass versions= to FlowRuntime)"
+            "the weight versions of its tokens (or pass steps_of= to FlowRuntime)"
         )
     return min(versions), max(versions)
 
@@ -176,18 +177,20 @@ class FlowRuntime(Generic[P, R]):
         publish: Callable[[int], None],
         *,
         checkpoint: Callable[[int, FlowState], None] | None = None,
-        versions: Callable[[R], tuple[int, int]] = token_versions,
+        steps_of: Callable[[R], tuple[int, int]] = token_steps,
         rewards: Callable[[R], float | None] = sample_reward,
     ) -> None:
         """`train_step(step, groups, dropped_groups)` trains one batch; `dropped_groups` is how many
-        zero-variance groups dynamic sampling dropped while it formed (0 without dynamic sampling)."""
+        zero-variance groups dynamic sampling dropped while it formed (0 without dynamic sampling).
+        `publish(step)` publishes the weights of step `step`; `steps_of(result)` is the (oldest, newest) weights
+        step of a result's tokens."""
         self.policy = policy
         self.controller = controller
         self.prompts = prompts
         self.train_step = train_step
         self.publish = publish
         self.checkpoint = checkpoint
-        self.versions = versions
+        self.steps_of = steps_of
         self.rewards = rewards
         self._s: _LoopState[P, R] = _LoopState()
         self._jobs: queue.SimpleQueue[_Job[P, R]] = queue.SimpleQueue()
@@ -222,9 +225,9 @@ class FlowRuntime(Generic[P, R]):
                     self.checkpoint(job.step + 1, state)
             elif isinstance(job, Publish):
                 start = time.monotonic() - t0
-                self.publish(job.version)
-                publishes.append((job.version, start, time.monotonic() - t0))
-                self._in_loop(partial(self._published, job.version))
+                self.publish(job.step)
+                publishes.append((job.step, start, time.monotonic() - t0))
+                self._in_loop(partial(self._published, job.step))
             elif isinstance(job, Finish):
                 log.info("flow: finished (%s) after %d steps", job.reason, self.policy.step)
                 return FlowReport(job.reason, steps, publishes, self.policy.counters, list(self.policy.filtered))
@@ -288,7 +291,7 @@ class FlowRuntime(Generic[P, R]):
                     key = (a.prompt_id, index)
                     attempt = s.attempts.get(key, 0)
                     s.attempts[key] = attempt + 1
-                    request = SampleRequest(a.prompt_id, index, prompt, attempt, a.version)
+                    request = SampleRequest(a.prompt_id, index, prompt, attempt, a.weights_step)
                     ticket = self.controller.submit(request, self._on_outcome)
                     s.tickets[key] = ticket
                     s.keys[ticket] = key
@@ -318,9 +321,9 @@ class FlowRuntime(Generic[P, R]):
             return
         del self._s.tickets[key]
         if out.ok:
-            # Whatever the genable returned: the controller does not know R; `versions` checks it.
+            # Whatever the genable returned: the controller does not know R; `steps_of` checks it.
             result = cast(R, out.result)
-            oldest, newest = self.versions(result)
+            oldest, newest = self.steps_of(result)
             reward = self.rewards(result)
             self._s.results[key] = result
             self._apply(self.policy.on_sample_done(SampleDone(key[0], key[1], oldest, newest, reward)))
@@ -328,8 +331,8 @@ class FlowRuntime(Generic[P, R]):
             log.warning("flow: sample %s failed for good (%r); it is generated again", key, out.error)
             self._apply(self.policy.on_sample_failed(*key))
 
-    def _published(self, version: int) -> None:
-        self._apply(self.policy.on_published(version))
+    def _published(self, step: int) -> None:
+        self._apply(self.policy.on_published(step))
 
     def _train_done(self, step: int) -> FlowState:
         self._apply(self.policy.on_train_done(step))

@@ -1,6 +1,6 @@
 """The flow strategies (rollout/flow/policy.py holds what they share): the batch-synchronous ones,
-on-policy (batch t generated with version t) and one-step-off (with version t - 1, while batch t - 1
-trains), and fully-async (continuous generation under admission control, each sample checked against the
+on-policy (batch t generated with the weights of step t) and one-step-off (with those of step t - 1, while
+batch t - 1 trains), and fully-async (continuous generation under admission control, each sample checked against the
 staleness bound when it is consumed, weights published after every step while requests go on or are
 aborted and re-issued). `policy_from_config` builds the one `flow.strategy` names."""
 
@@ -18,30 +18,30 @@ from rollout.flow.policy import FlowPolicy
 
 
 class _SyncPolicy(FlowPolicy):
-    """Batch b is a set of prompts, all generated with version max(0, b - lag). The generators work on
-    one batch at a time; weights change only while they are idle, so a batch is pure. A group dynamic
-    sampling drops leaves its batch and a new prompt joins it, dispatched at once on the batch's
-    version (the generators are still busy with the batch, so its weights cannot have changed)."""
+    """Batch b is a set of prompts, all generated with the weights of step max(0, b - lag). The generators
+    work on one batch at a time; weights change only while they are idle, so a batch is pure. A group
+    dynamic sampling drops leaves its batch and a new prompt joins it, dispatched at once on the batch's
+    weights (the generators are still busy with the batch, so its weights cannot have changed)."""
 
     lag: ClassVar[int] = 0
 
     def __init__(self, flow: FlowConfig, *, num_prompts: int | None = None, max_steps: int | None = None) -> None:
         super().__init__(flow, num_prompts=num_prompts, max_steps=max_steps)
         self.batches: list[list[int]] = []  # prompt ids of batch b
-        self.batch_versions: list[int] = []  # the version batch b is generated with
+        self.batch_steps: list[int] = []  # the weights step batch b is generated with
         self.batch_dropped: list[int] = []  # groups of batch b dropped by dynamic sampling
         self.batch_of: dict[int, int] = {}
 
     def _extra_state(self) -> dict[str, Any]:
         return {
             "batches": [list(b) for b in self.batches],
-            "batch_versions": list(self.batch_versions),
+            "batch_steps": list(self.batch_steps),
             "batch_dropped": list(self.batch_dropped),
         }
 
     def _load_extra_state(self, state: dict[str, Any]) -> None:
         self.batches = [list(b) for b in state["batches"]]
-        self.batch_versions = list(state["batch_versions"])
+        self.batch_steps = list(state["batch_steps"])
         self.batch_dropped = list(state.get("batch_dropped", [0] * len(self.batches)))
         self.batch_of = {p: b for b, batch in enumerate(self.batches) for p in batch}
 
@@ -69,15 +69,15 @@ class _SyncPolicy(FlowPolicy):
 
     def _pop_batch(self) -> None:
         self.batches.pop()
-        self.batch_versions.pop()
+        self.batch_steps.pop()
         self.batch_dropped.pop()
 
     def _check_sample(self, sample: SampleDone) -> None:
-        expected = self.batch_versions[self.batch_of[sample.prompt_id]]
-        if sample.oldest_version != expected or sample.newest_version != expected:
+        expected = self.batch_steps[self.batch_of[sample.prompt_id]]
+        if sample.oldest_step != expected or sample.newest_step != expected:
             raise FlowError(
                 f"{self.strategy}: sample {(sample.prompt_id, sample.index)} of batch "
-                f"{self.batch_of[sample.prompt_id]} has versions {sample.oldest_version}..{sample.newest_version}, "
+                f"{self.batch_of[sample.prompt_id]} has weights steps {sample.oldest_step}..{sample.newest_step}, "
                 f"expected {expected}; weights must not change while a batch is generated"
             )
 
@@ -99,7 +99,7 @@ class _SyncPolicy(FlowPolicy):
         while True:
             progressed = False
             if self.job is None:
-                if self.step > self.published and self._generator_idle():
+                if self.step > self.served_step and self._generator_idle():
                     self._publish(actions)
                     progressed = True
                 elif self._steps_left() and self.step < len(self.batches) and self._batch_complete(self.step):
@@ -118,14 +118,14 @@ class _SyncPolicy(FlowPolicy):
                 and not isinstance(self.job, PublishJob)
                 and self._data_left()
                 and (self.max_steps is None or b < self.max_steps)
-                and self.published == max(0, b - self.lag)
+                and self.served_step == max(0, b - self.lag)
             ):
                 n = self.flow.prompts_per_step
                 if self.data_end is not None:
                     n = min(n, self.data_end - self.next_prompt)
                 batch = [self._admit() for _ in range(n)]
                 self.batches.append(batch)
-                self.batch_versions.append(self.published)
+                self.batch_steps.append(self.served_step)
                 self.batch_dropped.append(0)
                 self.batch_of.update((p, b) for p in batch)
                 progressed = True
@@ -138,14 +138,14 @@ class _SyncPolicy(FlowPolicy):
 
 
 class OnPolicy(_SyncPolicy):
-    """Batch t is generated with version t only: generate, train, publish, repeat."""
+    """Batch t is generated with the weights of step t only: generate, train, publish, repeat."""
 
     strategy = "on_policy"
     lag = 0
 
 
 class OneStepOff(_SyncPolicy):
-    """Batch t is generated with version t-1 (batch 0 with version 0) while batch t-1 trains."""
+    """Batch t is generated with the weights of step t-1 (batch 0 with those of step 0) while batch t-1 trains."""
 
     strategy = "one_step_off"
     lag = 1
@@ -192,8 +192,8 @@ class FullyAsync(FlowPolicy):
         return oldest < self.step - self.flow.max_staleness
 
     def _sweep_stale(self) -> None:
-        """Staleness is checked per sample by its oldest token version. Groups in the buffer are
-        checked whenever the trainer's version moves: a sample stale now is stale at any later
+        """Staleness is checked per sample by the oldest weights step of its tokens. Groups in the buffer are
+        checked whenever the trainer's step moves: a sample stale now is stale at any later
         consumption, so deciding early is the same decision made sooner."""
         requeue: list[SampleKey] = []
         for pid in list(self.ready):
@@ -230,7 +230,7 @@ class FullyAsync(FlowPolicy):
         while True:
             progressed = False
             if self.job is None:
-                if self.step > self.published:
+                if self.step > self.served_step:
                     if not self.flow.partial_rollout and self.in_flight:
                         keys = tuple(self.in_flight)
                         self.in_flight.clear()

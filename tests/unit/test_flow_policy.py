@@ -1,5 +1,5 @@
 """Flow policies as specifications: hand-computed event sequences per strategy, then seeded random
-drivers that check the invariants (caps, staleness, versions, exactly-once across a resume), with
+drivers that check the invariants (caps, staleness, weights steps, exactly-once across a resume), with
 and without dynamic sampling."""
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def done(p: int, s: int = 0, oldest: int = 0, newest: int | None = None, reward:
 # ----------------------------------------------------------------------------------------------
 
 
-def test_on_policy_generates_batch_t_with_version_t_then_trains_then_publishes():
+def test_on_policy_generates_batch_t_with_the_weights_of_step_t_then_trains_then_publishes():
     pol = policy("on_policy", prompts_per_step=2, samples_per_prompt=1, max_concurrent=4, num_prompts=4)
     assert pol.start() == [Dispatch(0, (0,), 0), Dispatch(1, (0,), 0)]
     assert pol.on_sample_done(done(1)) == []
@@ -48,10 +48,10 @@ def test_on_policy_generates_batch_t_with_version_t_then_trains_then_publishes()
     assert pol.counters.staleness == {0: 4}
 
 
-def test_one_step_off_versions_are_0_0_1_and_training_overlaps_generation():
+def test_one_step_off_weights_steps_are_0_0_1_and_training_overlaps_generation():
     pol = policy("one_step_off", prompts_per_step=1, samples_per_prompt=1, max_concurrent=4, num_prompts=3)
     assert pol.start() == [Dispatch(0, (0,), 0)]
-    # Batch 1 starts on version 0 while batch 0 trains.
+    # Batch 1 starts on the weights of step 0 while batch 0 trains.
     assert pol.on_sample_done(done(0)) == [Train(0, (0,)), Dispatch(1, (0,), 0)]
     assert pol.on_train_done(0) == []  # batch 1 still generating: weights must not change under it
     assert pol.on_sample_done(done(1)) == [Publish(1)]
@@ -61,11 +61,11 @@ def test_one_step_off_versions_are_0_0_1_and_training_overlaps_generation():
     assert pol.on_published(2) == [Train(2, (2,))]
     assert pol.on_train_done(2) == [Publish(3)]
     assert pol.on_published(3) == [Finish("end_of_data")]
-    assert pol.batch_versions == [0, 0, 1]
+    assert pol.batch_steps == [0, 0, 1]
     assert pol.counters.staleness == {0: 1, 1: 2}
 
 
-def test_sync_policy_rejects_a_sample_made_by_the_wrong_version():
+def test_sync_policy_rejects_a_sample_made_by_the_wrong_weights():
     pol = policy("on_policy", prompts_per_step=1, samples_per_prompt=1, num_prompts=2)
     pol.start()
     pol.on_sample_done(done(0))
@@ -90,9 +90,10 @@ def test_fully_async_requeues_a_sample_stale_at_consumption():
     assert pol.on_sample_done(done(0)) == [Train(0, (0,)), Dispatch(2, (0,), 0)]
     assert pol.on_train_done(0) == [Publish(1)]
     assert pol.on_sample_done(done(1)) == []  # nothing starts while weights change
-    # At version 1 with max_staleness 0, prompt 1 (oldest token version 0) is stale: re-generated.
+    # At step 1 with max_staleness 0, prompt 1 (oldest token from step 0) is stale: re-generated.
     assert pol.on_published(1) == [Dispatch(1, (0,), 1)]
-    # Prompt 2 started on version 0 and finished on 1 (partial rollout): its oldest token makes it stale.
+    # Prompt 2 started on the weights of step 0 and finished on step 1's (partial rollout): its oldest token
+    # makes it stale.
     assert pol.on_sample_done(done(2, oldest=0, newest=1)) == [Dispatch(2, (0,), 1)]
     assert pol.on_sample_done(done(1, oldest=1)) == [Train(1, (1,)), Dispatch(3, (0,), 1)]
     assert pol.counters.stale_samples == 2 and pol.counters.requeued_samples == 2
@@ -205,12 +206,12 @@ class Driver:
 
     policy: FlowPolicy
     rng: random.Random
-    version: int = 0
-    in_flight: dict = field(default_factory=dict)  # key -> version at start
-    finished_meta: dict = field(default_factory=dict)  # key -> oldest version of the sample
+    weights_step: int = 0
+    in_flight: dict = field(default_factory=dict)  # key -> weights step at start
+    finished_meta: dict = field(default_factory=dict)  # key -> oldest weights step of the sample
     job: object = None
     trained: list = field(default_factory=list)  # (step, prompt ids), in order of train end
-    batch_oldest: dict = field(default_factory=dict)  # step -> oldest versions of its samples
+    batch_oldest: dict = field(default_factory=dict)  # step -> oldest weights steps of its samples
     max_in_flight: int = 0
     max_untrained: int = 0
     finish: Finish | None = None
@@ -224,7 +225,7 @@ class Driver:
             if isinstance(a, Dispatch):
                 assert not isinstance(self.job, Publish), "dispatch during a publish"
                 for s in a.samples:
-                    self.in_flight[(a.prompt_id, s)] = self.version
+                    self.in_flight[(a.prompt_id, s)] = self.weights_step
             elif isinstance(a, Abort):
                 for k in a.keys:
                     del self.in_flight[k]
@@ -248,15 +249,15 @@ class Driver:
             oldest = self.in_flight.pop(key)
             self.finished_meta[key] = oldest
             reward = None if self.reward is None else self.reward(*key)
-            self.apply(pol.on_sample_done(SampleDone(key[0], key[1], oldest, self.version, reward)))
+            self.apply(pol.on_sample_done(SampleDone(key[0], key[1], oldest, self.weights_step, reward)))
         elif isinstance(self.job, Train):
             job, self.job = self.job, None
             self.trained.append((job.step, job.prompt_ids))
             self.apply(pol.on_train_done(job.step))
         elif isinstance(self.job, Publish):
             job, self.job = self.job, None
-            self.version = job.version
-            self.apply(pol.on_published(job.version))
+            self.weights_step = job.step
+            self.apply(pol.on_published(job.step))
         else:
             raise AssertionError(f"deadlock: nothing in flight and no trainer job; policy state {pol.state_dict()}")
 
@@ -277,14 +278,14 @@ def make(strategy: str, **knobs) -> FlowPolicy:
 
 @pytest.mark.parametrize("seed", range(8))
 @pytest.mark.parametrize("strategy,lag", [("on_policy", 0), ("one_step_off", 1)])
-def test_sync_strategies_version_sequence_and_exactly_once(strategy, lag, seed):
+def test_sync_strategies_weights_step_sequence_and_exactly_once(strategy, lag, seed):
     pol = make(strategy, num_prompts=20)
     d = Driver(pol, random.Random(seed))
     d.run()
     assert d.finish == Finish("end_of_data")
     assert [step for step, _ in d.trained] == list(range(7))
     for step, oldest in d.batch_oldest.items():
-        assert set(oldest) == {max(0, step - lag)}, f"batch {step} versions {set(oldest)}"
+        assert set(oldest) == {max(0, step - lag)}, f"batch {step} weights steps {set(oldest)}"
     trained = sorted(p for _, ids in d.trained for p in ids)
     assert trained == list(range(20))
     assert d.max_in_flight <= 5
@@ -301,7 +302,7 @@ def test_fully_async_caps_and_staleness_bound_hold_and_every_prompt_trains_once(
     assert d.max_in_flight <= 5
     assert d.max_untrained <= 7
     for step, oldest in d.batch_oldest.items():
-        assert min(oldest) >= step - max_staleness, f"step {step} consumed versions {oldest}"
+        assert min(oldest) >= step - max_staleness, f"step {step} consumed weights steps {oldest}"
     trained = sorted(p for _, ids in d.trained for p in ids)
     assert trained == list(range(25))
     assert sum(pol.counters.staleness.values()) == 25 * 2
@@ -336,7 +337,7 @@ def test_resume_from_a_saved_state_loses_and_duplicates_no_prompt(strategy, seed
     # A new process: fresh policy from the config, the saved state, a driver with nothing in flight.
     pol2 = make(strategy, num_prompts=22)
     pol2.load_state_dict(state)
-    d2 = Driver(pol2, random.Random(seed + 100), version=pol2.published, finished_meta=dict(d.finished_meta))
+    d2 = Driver(pol2, random.Random(seed + 100), weights_step=pol2.served_step, finished_meta=dict(d.finished_meta))
     d2.run()
     after = [ids for _, ids in d2.trained]
     trained = sorted(p for ids in before + after for p in ids)
@@ -351,8 +352,8 @@ def test_load_state_refuses_a_different_group_size():
         other.load_state_dict(state)
 
 
-# States written before the trainer's job was a record (TrainJob / PublishJob), by the on-policy run of
-# `tiny_on_policy`: step 0 training prompts 0 and 1, then version 1 publishing. Checkpoints hold these.
+# States of the on-policy run of `tiny_on_policy` as checkpoints hold them: step 0 training prompts 0 and 1,
+# then the weights of step 1 publishing.
 _COUNTERS = {
     "dispatched_samples": 2,
     "completed_samples": 2,
@@ -374,7 +375,7 @@ SAVED_MID_TRAIN = {
     "samples_per_prompt": 1,
     "dynamic_sampling": False,
     "step": 0,
-    "published": 0,
+    "served_step": 0,
     "job": ["train", 0],
     "job_groups": [[0, 0, 0, 0], [1, 0, 0, 0]],
     "next_prompt": 2,
@@ -390,7 +391,7 @@ SAVED_MID_TRAIN = {
     "finished": False,
     "counters": _COUNTERS,
     "batches": [[0, 1]],
-    "batch_versions": [0],
+    "batch_steps": [0],
     "batch_dropped": [0],
 }
 SAVED_MID_PUBLISH = {
@@ -417,7 +418,7 @@ def test_the_trainer_job_is_saved_as_a_kind_and_a_number_as_checkpoints_always_h
     assert json.loads(json.dumps(pol.state_dict())) == SAVED_MID_PUBLISH
 
 
-def test_an_older_checkpoint_saved_mid_train_step_trains_the_same_batch_again():
+def test_a_checkpoint_saved_mid_train_step_trains_the_same_batch_again():
     pol = tiny_on_policy()
     pol.load_state_dict(json.loads(json.dumps(SAVED_MID_TRAIN)))
     assert pol.start() == [Train(0, (0, 1))]
@@ -425,7 +426,7 @@ def test_an_older_checkpoint_saved_mid_train_step_trains_the_same_batch_again():
     assert pol.counters.staleness == {0: 2}
 
 
-def test_an_older_checkpoint_saved_mid_publish_publishes_the_same_version_again():
+def test_a_checkpoint_saved_mid_publish_publishes_the_same_weights_again():
     pol = tiny_on_policy()
     pol.load_state_dict(json.loads(json.dumps(SAVED_MID_PUBLISH)))
     assert pol.start() == [Publish(1)]
@@ -448,7 +449,7 @@ def test_on_policy_drops_a_uniform_group_and_generates_a_new_prompt_for_the_same
     )
     assert pol.start() == [Dispatch(0, (0, 1), 0), Dispatch(1, (0, 1), 0)]
     assert pol.on_sample_done(done(0, 0, reward=1.0)) == []
-    # Prompt 0's rewards are all 1: no signal. Prompt 2 replaces it in batch 0, on version 0.
+    # Prompt 0's rewards are all 1: no signal. Prompt 2 replaces it in batch 0, on the weights of step 0.
     assert pol.on_sample_done(done(0, 1, reward=1.0)) == [Dispatch(2, (0, 1), 0)]
     assert pol.on_sample_done(done(1, 0, reward=0.0)) == []
     assert pol.on_sample_done(done(1, 1, reward=1.0)) == []
@@ -463,8 +464,8 @@ def test_on_policy_drops_a_uniform_group_and_generates_a_new_prompt_for_the_same
     assert pol.counters.trained_prompts == 2 and pol.counters.dropped_prompts == 0
 
 
-def test_one_step_off_replaces_a_uniform_group_on_its_batchs_version():
-    """One-step-off replaces a uniform group on the batch's own version while the previous batch trains."""
+def test_one_step_off_replaces_a_uniform_group_on_its_batchs_weights():
+    """One-step-off replaces a uniform group on the batch's own weights while the previous batch trains."""
     pol = policy(
         "one_step_off", prompts_per_step=1, samples_per_prompt=2, max_concurrent=4, num_prompts=4, dynamic_sampling=True
     )
@@ -472,13 +473,13 @@ def test_one_step_off_replaces_a_uniform_group_on_its_batchs_version():
     pol.on_sample_done(done(0, 0, reward=0.0))
     assert pol.on_sample_done(done(0, 1, reward=1.0)) == [Train(0, (0,)), Dispatch(1, (0, 1), 0)]
     pol.on_sample_done(done(1, 0, reward=0.0))
-    # Batch 1 is generated with version 0 (t - 1): so is the prompt that replaces its uniform group.
+    # Batch 1 is generated with the weights of step 0 (t - 1): so is the prompt that replaces its uniform group.
     assert pol.on_sample_done(done(1, 1, reward=0.0)) == [Dispatch(2, (0, 1), 0)]
     assert pol.on_train_done(0) == []  # batch 1 is still generating: weights must not change under it
     pol.on_sample_done(done(2, 0, reward=0.0))
     assert pol.on_sample_done(done(2, 1, reward=1.0)) == [Publish(1)]
     assert pol.on_published(1) == [Train(1, (2,), dropped_groups=1), Dispatch(3, (0, 1), 1)]
-    assert pol.batches == [[0], [2], [3]] and pol.batch_versions == [0, 0, 1]
+    assert pol.batches == [[0], [2], [3]] and pol.batch_steps == [0, 0, 1]
 
 
 def test_fully_async_admits_the_replacement_through_admission_control():
@@ -561,11 +562,11 @@ def test_dynamic_sampling_trains_full_batches_of_signal_and_every_prompt_at_most
     if strategy == "fully_async":
         assert d.max_untrained <= 7
         for step, oldest in d.batch_oldest.items():
-            assert min(oldest) >= step - 1, f"step {step} consumed versions {oldest}"
+            assert min(oldest) >= step - 1, f"step {step} consumed weights steps {oldest}"
     else:
         lag = 0 if strategy == "on_policy" else 1
         for step, oldest in d.batch_oldest.items():
-            assert set(oldest) == {max(0, step - lag)}, f"batch {step} versions {set(oldest)}"
+            assert set(oldest) == {max(0, step - lag)}, f"batch {step} weights steps {set(oldest)}"
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -593,7 +594,7 @@ def test_the_refill_budget_ends_the_refill_loop_when_every_group_is_uniform(stra
 @pytest.mark.parametrize("strategy", ["on_policy", "one_step_off", "fully_async"])
 def test_dynamic_sampling_state_round_trip_mid_run_gives_the_same_rest_of_the_run(strategy, seed):
     reward, _ = uniform_rewards(seed, 0.4)
-    # Without partial rollout every request in flight runs the current version, so re-issuing it after
+    # Without partial rollout every request in flight runs the current weights, so re-issuing it after
     # the restore changes nothing: the resumed run must be the very same run.
     knobs = dict(num_prompts=30, dynamic_sampling=True, partial_rollout=False)
     pol = make(strategy, **knobs)
@@ -614,7 +615,7 @@ def test_dynamic_sampling_state_round_trip_mid_run_gives_the_same_rest_of_the_ru
     pol2.load_state_dict(state)
     rng2 = random.Random()
     rng2.setstate(d.rng.getstate())
-    d2 = Driver(pol2, rng2, version=d.version, finished_meta=dict(d.finished_meta), reward=reward)
+    d2 = Driver(pol2, rng2, weights_step=d.weights_step, finished_meta=dict(d.finished_meta), reward=reward)
     d2.apply(pol2.start())
     assert d2.in_flight == d.in_flight and d2.job == d.job
 

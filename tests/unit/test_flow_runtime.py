@@ -20,7 +20,7 @@ import pytest
 from common.config import FlowConfig
 from rollout.controller import GenerationController
 from rollout.flow.events import FlowError
-from rollout.flow.runtime import FlowRuntime, SampleRequest, token_versions
+from rollout.flow.runtime import FlowRuntime, SampleRequest, token_steps
 from rollout.flow.sim.simulator import Costs, GeneratorPool, ThroughputModel, Workload, simulate
 from rollout.flow.strategies import policy_from_config
 from rollout.outcomes import CallbackError, ErrorBudgetExceeded, TransientError
@@ -82,7 +82,7 @@ class RealTimePool:
         self.pool.advance(self.now())
         for key, oldest in self.pool.pop_finished():
             fut, tokens = self.waiters.pop(key)
-            fut.set_result(FakeResult(key[0], key[1], tokens, (oldest, self.pool.version)))
+            fut.set_result(FakeResult(key[0], key[1], tokens, (oldest, self.pool.weights_step)))
         self._reschedule()
 
     def pause(self) -> None:
@@ -90,9 +90,9 @@ class RealTimePool:
         self.pool.paused = True
         self._reschedule()
 
-    def resume(self, version: int) -> None:
+    def resume(self, weights_step: int) -> None:
         self.pool.advance(self.now())
-        self.pool.version = version
+        self.pool.weights_step = weights_step
         self.pool.paused = False
         if self.loop is not None:
             self._reschedule()
@@ -104,19 +104,19 @@ class FakeTrainer:
     def __init__(self, backend: RealTimePool, controller: GenerationController, costs: Costs, prompt_tokens: int):
         self.backend, self.controller, self.costs, self.prompt_tokens = backend, controller, costs, prompt_tokens
         self.trained: list[tuple[int, tuple[int, ...]]] = []
-        self.versions: list[tuple[int, list[tuple[int, int]]]] = []
+        self.token_steps: list[tuple[int, list[tuple[int, int]]]] = []
 
     def train_step(self, step, groups, dropped_groups):
         assert threading.current_thread() is threading.main_thread()
         tokens = sum(r.tokens + self.prompt_tokens for g in groups for r in g.samples)
         self.trained.append((step, tuple(g.prompt_id for g in groups)))
-        self.versions.append((step, [token_versions(r) for g in groups for r in g.samples]))
+        self.token_steps.append((step, [token_steps(r) for g in groups for r in g.samples]))
         time.sleep(self.costs.train_s(tokens) * self.backend.scale)  # the trainer computing
 
-    def publish(self, version):
+    def publish(self, step):
         self.controller.call_soon(self.backend.pause).result()
         time.sleep(self.costs.sync_s * self.backend.scale)  # the weight transfer
-        self.controller.call_soon(lambda: self.backend.resume(version)).result()
+        self.controller.call_soon(lambda: self.backend.resume(step)).result()
 
 
 MODEL = ThroughputModel(peak_tokens_per_s=4000.0, half_concurrency=4.0)
@@ -183,18 +183,18 @@ def test_runtime_reproduces_the_simulated_schedule(strategy):
 
 
 def instant_backend(seed: int = 0, fail=None, reward=None):
-    """A fake backend that answers after a short seeded random sleep, on the version it is told;
+    """A fake backend that answers after a short seeded random sleep, on the weights step it is told;
     `reward(prompt_id, index)` gives the result's reward (none without it)."""
     rng = random.Random(seed)
-    state = {"version": 0}
+    state = {"weights_step": 0}
 
     async def genable(req: SampleRequest) -> FakeResult:
         if fail is not None:
             fail(req)
-        oldest = state["version"]
+        oldest = state["weights_step"]
         await asyncio.sleep(rng.random() * 0.002)
         r = None if reward is None else reward(req.prompt_id, req.index)
-        return FakeResult(req.prompt_id, req.index, 1, (oldest, state["version"]), r)
+        return FakeResult(req.prompt_id, req.index, 1, (oldest, state["weights_step"]), r)
 
     return genable, state
 
@@ -214,8 +214,8 @@ def run_simple(
         if batches is not None:
             batches.append((step, groups, dropped_groups))
 
-    def publish(version):
-        state["version"] = version
+    def publish(step):
+        state["weights_step"] = step
 
     n = len(prompts) if isinstance(prompts, list) else None
     with GenerationController(genable, cfg) as ctl:
@@ -229,7 +229,7 @@ def run_simple(
         )
         if load is not None:
             rt.load_state_dict(load)
-            state["version"] = rt.policy.published
+            state["weights_step"] = rt.policy.served_step
         report = rt.run()
     return report, trained
 
@@ -278,13 +278,13 @@ def test_a_backend_that_always_fails_raises_the_error_budget_in_the_trainer_thre
 def test_a_hanging_backend_times_out_and_the_run_still_finishes():
     hung = set()
     rng = random.Random(0)
-    state = {"version": 0}
+    state = {"weights_step": 0}
 
     async def genable(req):
         if (req.prompt_id, req.index) not in hung and rng.random() < 0.3:
             hung.add((req.prompt_id, req.index))
             await asyncio.sleep(3600)
-        return FakeResult(req.prompt_id, req.index, 1, (state["version"], state["version"]))
+        return FakeResult(req.prompt_id, req.index, 1, (state["weights_step"], state["weights_step"]))
 
     cfg = flow("fully_async", request_timeout_s=0.05, retry_backoff_s=0.001)
     report, trained = run_simple(cfg, list(range(8)), genable=genable, state=state)
@@ -300,7 +300,7 @@ def test_a_raising_train_step_propagates_and_closes_cleanly():
         raise RuntimeError("CUDA out of memory")
 
     with GenerationController(genable, cfg) as ctl:
-        rt = FlowRuntime(policy_from_config(cfg, num_prompts=4), ctl, list(range(4)), train_step, lambda v: None)
+        rt = FlowRuntime(policy_from_config(cfg, num_prompts=4), ctl, list(range(4)), train_step, lambda step: None)
         with pytest.raises(RuntimeError, match="out of memory"):
             rt.run()
 
@@ -313,7 +313,9 @@ def test_results_without_versions_are_an_error_not_zeros():
     cfg = flow("on_policy")
     with pytest.raises(CallbackError) as info:
         with GenerationController(genable, cfg) as ctl:
-            FlowRuntime(policy_from_config(cfg, num_prompts=2), ctl, [0, 1], lambda s, g, d: None, lambda v: None).run()
+            FlowRuntime(
+                policy_from_config(cfg, num_prompts=2), ctl, [0, 1], lambda s, g, d: None, lambda step: None
+            ).run()
     assert isinstance(info.value.__cause__, ValueError) and "weight_versions" in str(info.value.__cause__)
 
 

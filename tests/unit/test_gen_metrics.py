@@ -129,7 +129,7 @@ def generate_one_step(
             controller,
             task.problem,
             train_step,
-            lambda version: None,
+            lambda step: None,
         )
         runtime.run()
         controller.run_coroutine(generator.close()).result(10)

@@ -160,10 +160,10 @@ def test_ascii_timeline_and_png(tmp_path):
     r = simulate(policy("one_step_off"), FIXED, MODEL, COSTS)
     text = ascii_timeline(r, width=34)
     rows = {line.split("|")[0].strip(): line.split("|")[1] for line in text.splitlines() if line.count("|") == 2}
-    assert set(rows) == {"trainer", "generator", "version"} and all(len(v) == 34 for v in rows.values())
-    # 0.125 s per column: train 0 fills [1, 1.5] = columns 8..11; version 1 from t = 2.25 on.
+    assert set(rows) == {"trainer", "generator", "weights"} and all(len(v) == 34 for v in rows.values())
+    # 0.125 s per column: train 0 fills [1, 1.5] = columns 8..11; the weights of step 1 from t = 2.25 on.
     assert rows["trainer"][8:12] == "0000" and rows["trainer"][:8] == "........"
-    assert rows["version"][:16] == "0" * 16 and rows["version"][19:26] == "1" * 7
+    assert rows["weights"][:16] == "0" * 16 and rows["weights"][19:26] == "1" * 7
     path = tmp_path / "timeline.png"
     save_png([r, simulate(policy("on_policy"), FIXED, MODEL, COSTS)], str(path))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

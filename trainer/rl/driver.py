@@ -117,7 +117,7 @@ class RLTrainer(TrainerRank):
         generator = SampleGenerator(self.cfg, self.ctx, self.task, self.tokenizer)
         runtime = self.start_flow(policy, generator, resumed)
         with self.generating(runtime.controller, generator):
-            self._serve(policy.published)  # the generators serve the weights the flow state expects
+            self._serve(policy.served_step)  # the generators serve the weights the flow state expects
             report = runtime.run()  # calls train_step, publish and checkpoint until the policy finishes
         self.save(runtime.final_state())
         self.command(Stop())
@@ -135,7 +135,7 @@ class RLTrainer(TrainerRank):
             self.state = resumed
         elif self.cfg.trainer.warmup.steps > 0:
             self.warm_start()
-        self.lineage = Lineage.from_state(self.state.versions)
+        self.lineage = Lineage.from_state(self.state.lineage)
         rewind_ledger(self.audit, self.state.step)
         return resumed is not None
 
@@ -155,7 +155,7 @@ class RLTrainer(TrainerRank):
             self.train_step,
             self.publish,
             checkpoint=self.checkpoint,
-            versions=self._steps_of,
+            steps_of=self._steps_of,
         )
         if resumed and self.state.flow_state:
             runtime.load_state_dict(self.state.flow_state)
@@ -223,7 +223,7 @@ class RLTrainer(TrainerRank):
         keep = ~zero_variance_groups(rewards) if rl.filter_zero_variance else torch.ones(len(groups), dtype=torch.bool)
         used = [(g, advantages[i]) for i, g in enumerate(groups) if keep[i]]
         rollouts = [r for g, _ in used for r in g.samples]
-        # With no group carrying a signal the step trains nothing: version step + 1 has the same weights.
+        # With no group carrying a signal the step trains nothing: the weights of step + 1 are those of step.
         sizes = [len(g.samples) for g, _ in used]
         stats = self._update(step, rollouts, torch.cat([a for _, a in used]), sizes) if rollouts else {}
         self.state.step = step + 1
@@ -355,7 +355,7 @@ class RLTrainer(TrainerRank):
 
     def save(self, flow_state: FlowState) -> None:
         self.state.flow_state = flow_state
-        self.state.versions = self.lineage.state()
+        self.state.lineage = self.lineage.state()
         self.command(Save(self.state))
         self.metrics.flush()  # the checkpoint's steps are never retrained: their figures go to disk with it
         self.schedule.saved()

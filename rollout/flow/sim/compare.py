@@ -33,6 +33,7 @@ def measured_result(run: RunMetrics, flow: FlowConfig, throughput: ThroughputMod
         )
     steps = [StepRecord(s.step, s.start, s.start + s.duration, (), s.tokens) for s in run.steps]
     spans = [Span(s.start, s.end, "train", s.step) for s in steps]
+    # The metrics number publishes by version, taken here as the weights step: the two are equal unless the run resumed.
     spans += [Span(p.start, p.start + p.duration, "sync", p.version) for p in run.publishes]
     spans.sort(key=lambda s: s.start)
     samples = [
@@ -67,21 +68,21 @@ def measured_result(run: RunMetrics, flow: FlowConfig, throughput: ThroughputMod
 
 
 def _trace(samples: list[SampleRecord], pauses: list[tuple[float, float, int]]) -> list[TracePoint]:
-    """Requests in flight, the weight version and the pauses over time, from the requests' send and end times
-    and the publishes' (pause start, end, version)."""
-    events: list[tuple[float, int, int, int]] = []  # (t, in flight change, pause change, version or -1)
+    """Requests in flight, the weights step served and the pauses over time, from the requests' send and end times
+    and the publishes' (pause start, end, weights step)."""
+    events: list[tuple[float, int, int, int]] = []  # (t, in flight change, pause change, weights step or -1)
     events += [(s.start, 1, 0, -1) for s in samples] + [(s.end, -1, 0, -1) for s in samples]
     events += [(a, 0, 1, -1) for a, _, _ in pauses] + [(b, 0, -1, v) for _, b, v in pauses]
     events = sorted((max(0.0, t), dc, dp, v) for t, dc, dp, v in events)  # a publish before the flow: at 0
     trace = [TracePoint(0.0, 0, 0, False)]
-    conc = paused = version = 0
+    conc = paused = served = 0
     for i, (t, d_conc, d_paused, v) in enumerate(events):
-        conc, paused, version = conc + d_conc, paused + d_paused, max(version, v)
+        conc, paused, served = conc + d_conc, paused + d_paused, max(served, v)
         if i + 1 < len(events) and events[i + 1][0] == t:
             continue  # one point per instant
         last = trace[-1]
-        if (last.concurrency, last.version, last.paused) != (conc, version, paused > 0):
-            trace.append(TracePoint(t, conc, version, paused > 0))
+        if (last.concurrency, last.weights_step, last.paused) != (conc, served, paused > 0):
+            trace.append(TracePoint(t, conc, served, paused > 0))
     return trace
 
 

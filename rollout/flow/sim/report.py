@@ -27,7 +27,8 @@ class StepRecord:
 
 @dataclass
 class Span:
-    """A trainer activity: `kind` is "train" (label = step) or "sync" (label = version)."""
+    """A trainer activity: `kind` is "train" (label = the optimizer step) or "sync" (label = the weights step
+    published)."""
 
     start: float
     end: float
@@ -37,11 +38,11 @@ class Span:
 
 @dataclass
 class TracePoint:
-    """The generator pool from time `t` on: requests in flight, weight version, paused or not."""
+    """The generator pool from time `t` on: requests in flight, the weights step served, paused or not."""
 
     t: float
     concurrency: int
-    version: int
+    weights_step: int
     paused: bool
 
 
@@ -101,7 +102,7 @@ class SimResult:
 
     @property
     def staleness_mean(self) -> float:
-        """Mean staleness of the trained samples, in versions."""
+        """Mean staleness of the trained samples, in steps."""
         n = sum(self.counters.staleness.values())
         return sum(k * v for k, v in self.counters.staleness.items()) / n if n else 0.0
 
@@ -142,12 +143,12 @@ _RAMP = " .:-=+*#%@"
 def ascii_timeline(result: SimResult, width: int = 100) -> str:
     """Three rows over time: the trainer (step number mod 10 while training, '^' while syncing, '.'
     idle), the generator's mean concurrency relative to max_concurrent (' ' to '@', 'p' paused) and
-    the generators' weight version (mod 10)."""
+    the weights step the generators serve (mod 10)."""
     width = max(10, width)
     dt = result.makespan / width if result.makespan else 1.0
-    trainer, gen, ver = [], [], []
+    trainer, gen, served = [], [], []
     spans = result.spans
-    trace = result.trace + [TracePoint(result.makespan, 0, result.trace[-1].version, False)]
+    trace = result.trace + [TracePoint(result.makespan, 0, result.trace[-1].weights_step, False)]
     si = ti = 0
     for col in range(width):
         lo, hi = col * dt, (col + 1) * dt
@@ -177,14 +178,14 @@ def ascii_timeline(result: SimResult, width: int = 100) -> str:
         else:
             frac = area / dt / max(1, result.max_concurrent)
             gen.append(_RAMP[min(len(_RAMP) - 1, math.ceil(frac * (len(_RAMP) - 1)))])
-        ver.append(str(trace[max(0, j - 1)].version % 10))
+        served.append(str(trace[max(0, j - 1)].weights_step % 10))
     scale = f"0 s{' ' * (width - 3 - len(f'{result.makespan:.0f} s'))}{result.makespan:.0f} s"
     return "\n".join(
         [
             f"{result.strategy} timeline ({dt:.1f} s per column)",
             f"trainer   |{''.join(trainer)}|",
             f"generator |{''.join(gen)}|",
-            f"version   |{''.join(ver)}|",
+            f"weights   |{''.join(served)}|",
             f"           {scale}",
         ]
     )
@@ -242,7 +243,7 @@ def save_png(results: Sequence[SimResult], path: str, title: str = "", labels: S
         shares = [r.counters.staleness[k] / total for k in ks]
         hist_ax.bar([k + offset for k in ks], shares, width, label=names[i], color=bar_colours[i % len(bar_colours)])
     hist_ax.set_xticks(sorted({k for r in results for k in r.counters.staleness}))
-    hist_ax.set_xlabel("staleness at consumption (versions)")
+    hist_ax.set_xlabel("staleness at consumption (steps)")
     hist_ax.set_ylabel("fraction of trained samples")
     hist_ax.legend(fontsize=8, title="staleness of", title_fontsize=8)
     colours = [

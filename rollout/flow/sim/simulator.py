@@ -5,7 +5,7 @@ through a discrete-event model of a generator pool and one trainer, in simulated
 concurrency); a request goes to the worker with the fewest requests (the router's least-outstanding
 choice; its group affinity is left out) and spends a fixed `latency_s` there before its first token. A
 publish occupies the trainer for the weight-sync time and pauses the pool for the last `pause_s` of it
-(keep mode: requests resume afterwards), then bumps its version; a train step occupies the trainer for
+(keep mode: requests resume afterwards), then serves the new weights; a train step occupies the trainer for
 `overhead + s_per_token * tokens`. Sample lengths come from a seeded per-(prompt, sample, attempt)
 lognormal distribution, or a measured list of lengths, so a run is reproducible and a re-generated
 sample draws a new length. Rewards are modelled only as far as dynamic sampling needs them: a seeded
@@ -128,7 +128,7 @@ class Costs:
 
 @dataclass
 class InFlight:
-    """A request on a worker: its length, the weight version it started on, its sequence number (which
+    """A request on a worker: its length, the weights step it started on (`oldest`), its sequence number (which
     tells its heap entries from those of an earlier request of the same key) and, once it decodes, the
     worker level at which it is done."""
 
@@ -157,7 +157,7 @@ class GeneratorPool:
         self.decoding = [0] * model.workers
         self.heaps: list[list[tuple[float, int, SampleKey]]] = [[] for _ in range(model.workers)]
         self.waiting: list[tuple[float, int, SampleKey]] = []  # (decoding starts, seq, key)
-        self.version = 0
+        self.weights_step = 0
         self.paused = False
         self.active: dict[SampleKey, InFlight] = {}
         self.seq = 0
@@ -186,7 +186,7 @@ class GeneratorPool:
         worker = min(range(self.model.workers), key=self.load.__getitem__)
         self.seq += 1
         self.load[worker] += 1
-        req = self.active[key] = InFlight(worker, tokens, self.version, self.seq)
+        req = self.active[key] = InFlight(worker, tokens, self.weights_step, self.seq)
         if self.model.latency_s > 0:
             heapq.heappush(self.waiting, (self.t + self.model.latency_s, self.seq, key))
         else:
@@ -222,7 +222,7 @@ class GeneratorPool:
         return t
 
     def pop_finished(self) -> list[tuple[SampleKey, int]]:
-        """(key, oldest version) of every request whose finish level is reached, in finish order per worker."""
+        """(key, oldest weights step) of every request whose finish level is reached, in finish order per worker."""
         out = []
         for w, heap in enumerate(self.heaps):
             eps = 1e-9 * max(1.0, self.levels[w])
@@ -257,9 +257,9 @@ def simulate(
     trained_completion_tokens = 0
 
     def mark() -> None:
-        point = TracePoint(pool.t, len(pool.active), pool.version, pool.paused)
+        point = TracePoint(pool.t, len(pool.active), pool.weights_step, pool.paused)
         last = trace[-1]
-        if (last.concurrency, last.version, last.paused) == (point.concurrency, point.version, point.paused):
+        if (last.concurrency, last.weights_step, last.paused) == (point.concurrency, point.weights_step, point.paused):
             return
         if last.t == point.t:
             trace[-1] = point
@@ -293,7 +293,7 @@ def simulate(
             elif isinstance(a, Publish):
                 job, job_end = a, pool.t + costs.sync_s
                 pause_at = job_end - costs.publish_pause_s
-                spans.append(Span(pool.t, job_end, "sync", a.version))
+                spans.append(Span(pool.t, job_end, "sync", a.step))
             elif isinstance(a, Finish):
                 finish = a
         if pause_at <= pool.t:  # the publish reached its pause: nothing decodes until it ends
@@ -313,7 +313,7 @@ def simulate(
                 record = requests[(p, s)]
                 record.end = pool.t
                 samples.append(record)
-                apply(policy.on_sample_done(SampleDone(p, s, oldest, pool.version, workload.reward(p, s))))
+                apply(policy.on_sample_done(SampleDone(p, s, oldest, pool.weights_step, workload.reward(p, s))))
         elif pause_at < job_end:
             pool.advance(pause_at)
             apply([])
@@ -324,9 +324,9 @@ def simulate(
             if isinstance(ended, Train):
                 apply(policy.on_train_done(ended.step))
             else:
-                pool.version = ended.version
+                pool.weights_step = ended.step
                 pool.paused = False
-                apply(policy.on_published(ended.version))
+                apply(policy.on_published(ended.step))
     else:
         raise SimulationError(f"{policy.strategy}: no Finish after {max_events} events")
     return SimResult(

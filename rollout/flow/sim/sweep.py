@@ -123,7 +123,7 @@ def save_sweep_png(rows: Sequence[SweepRow], best: int | None, max_mean_stalenes
     left.invert_yaxis()  # sweep order, top to bottom, as the table prints it
     right.barh(ys, [r.staleness_mean for _, _, r in valid], color=colours)
     right.axvline(max_mean_staleness, color="black", ls="--", lw=1)
-    right.set_xlabel("mean staleness (versions)")
+    right.set_xlabel("mean staleness (steps)")
     handles = [
         Patch(color="tab:blue", label="setting"),
         Patch(color="tab:red", label="recommended: most samples/s within the bound"),
