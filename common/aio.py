@@ -1,14 +1,10 @@
-"""Stopping an asyncio task for good.
+"""Stopping an asyncio task for good: `cancel_and_join` cancels again until the task has ended, within a bound.
 
-On Python 3.11 a task cancelled while it is inside a redis-py command (our clients have socket timeouts) can
-lose the CancelledError and run on, "cancelling", for good: in tests/unit/test_task_stop.py's loop about one cancel in
-three on this machine, with redis-py 5 to 8 (not on Python 3.12). The cancel is lost in `asyncio.wait_for`,
-which redis-py wraps around writing a command when the client has a socket timeout: on 3.11, a cancel that
-arrives when the inner write has just finished is dropped and the result returned (CPython gh-86296; 3.12
-rewrote wait_for over asyncio.timeout). A trainer rank whose rank watch was lost that way never ended.
-Our clients' connections now raise such a cancel again (common/redis_client.CancelKeepingConnection); a stop still
-goes through `cancel_and_join`, which cancels again until the task has ended, within a bound, whatever else
-(a library, a task's own code) swallows a cancel.
+A single cancel is not enough on Python 3.11: `asyncio.wait_for`, which redis-py wraps around writing a
+command when the client has a socket timeout, drops a cancel that arrives just as the write finishes
+(CPython gh-86296; 3.12 rewrote wait_for), and the task runs on, "cancelling", for good. Our Redis clients'
+connections raise such a cancel again (`CancelKeepingConnection`), and every stop still goes through here,
+whatever else (a library, a task's own code) swallows a cancel.
 """
 
 from __future__ import annotations

@@ -2,11 +2,8 @@
 
 A 408, 425, 429 or any 5xx says "try elsewhere or later"; any other status is the answer. Transport
 errors are retryable too, but each caller names its own (aiohttp's, the router's UpstreamError), so
-they are not listed here. The router retries at once on another worker and uses only the statuses and
-the retry count; the evaluator's Backend sleeps `RetryPolicy.delay` between tries; the rollout client
-only marks an error transient, and the GenerationController (rollout/controller.py) retries the sample
-after `RetryPolicy.delay`. Left out: the retry loop
-itself, which differs per caller (the router must not retry once bytes reached its client).
+they are not listed here. Left out: the retry loop itself, which differs per caller (the router retries
+at once on another worker and never once bytes reached its client; the others wait `RetryPolicy.delay`).
 """
 
 from __future__ import annotations

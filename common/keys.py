@@ -1,4 +1,4 @@
-"""The Redis key schema: every key of an experiment, in one place (DESIGN section 4).
+"""The Redis key schema: every key of an experiment, in one place (the table is in docs/ARCHITECTURE.md).
 
 All keys start with `ss:{exp}:`. Liveness is always a key with a TTL refreshed by a heartbeat;
 nothing is alive without one.

@@ -1,16 +1,13 @@
 """ROLE=evaluator: evaluate every published policy version (or every Nth) while training runs, each result
-carrying the exact version it measured, without ever blocking the trainer. `evaluator.pin` chooses how
-exactness is obtained: pin (`PinWatcher`, evaluator/pinned.py: the evaluator loads each version into its own
-eval-pool worker, which neither the router nor the weight publisher sees, and evaluates against it) or verify
-(`VerifyWatcher`: evaluate through the router and discard a chunk when the fleet's served version moved);
-"auto" decides once at start and logs its choice (`choose_mode`). In both modes the `evals` stream is the
-record (a restarted watcher does not repeat a (version, benchmark)), the result cache under `<run dir>/evals/`
-lets it finish a half-done version without regenerating, and every result goes to the `evals` stream {version,
-benchmark, score, ts}, to DuckDB as `eval/<benchmark>/<metric>` at step = version, and to the runner's JSON
-summary and per-case JSONL under `<run dir>/evals/`. Both modes run one loop (`Watcher.run`,
-evaluator/watch_loop.py) that waits for the next publish, and every other wait for the fleet, on the
-experiment's streams (evaluator/fleetview.py: finding the router, choosing the mode, the fleet's version,
-`StreamWait`).
+tied to the exact version it measured, without ever blocking the trainer.
+
+`evaluator.pin` chooses how exactness is had: pin (`PinWatcher`: each version is loaded into the evaluator's
+own eval-pool worker, which neither the router nor the publisher sees) or verify (`VerifyWatcher`: evaluate
+through the router and discard a chunk during which the fleet's served version moved); "auto" decides once
+at start (`choose_mode`). The `evals` stream is the record, so a restarted evaluator repeats no (version,
+benchmark), and the result cache under `<run dir>/evals/` lets it finish a half-done version without
+regenerating. Results go to `evals`, to DuckDB as `eval/<benchmark>/<metric>` at step = version, and to the
+runner's files under `<run dir>/evals/`.
 """
 
 from __future__ import annotations

@@ -1,20 +1,14 @@
-"""Running one benchmark against one OpenAI-compatible URL.
+"""Running one benchmark against one OpenAI-compatible URL, and the plan of a run's evaluations.
 
-`evaluate` takes a benchmark's cases, serves what it can from the result cache (keyed by weight
-version, model, prompt and sampling), generates the rest through a `Backend` with at most
-`max_concurrent` requests in flight, scores every sample and writes `<name>[.v<version>].cases.jsonl`
-(one line per case: prompt, completions, scores) and `<name>[.v<version>].summary.json` under the
-output directory. Version-exactness: the served weight version is read by a `VersionProbe` before and
-after each chunk of requests; a chunk is cached only when both readings equal the version the
-evaluation started at, otherwise `VersionMoved` is raised and nothing of that chunk is kept (the
-watcher then moves on to the newest version). Against a plain URL the probe is its /weight_info (vLLM
-dev mode) or, when that route is absent, a fixed label (`--weight-version`, else "unversioned",
-stated in the summary).
+`evaluate` serves what it can from the result cache (keyed by weight version, model, prompt and sampling),
+generates the rest through a `Backend` with at most `max_concurrent` requests in flight, scores every sample
+and writes `<name>[.v<version>].cases.jsonl` and `.summary.json`. It is version-exact: a `VersionProbe`
+reads the served version before and after each chunk of requests, and a chunk is kept only when both equal
+the version the evaluation started at (else `VersionMoved`). Against a plain URL the probe is /weight_info,
+or a fixed label stated in the summary.
 
-`eval_plan` is the one place that turns a run's `[evaluator]` section and its `rollout.task` into
-benchmarks and generation settings: the evaluator role (evaluator/role.py) and `slipstream eval`
-(evaluator/cli.py) both build from it, so the command reproduces a score the run recorded for a version.
-Left out: the command line and reproducing a run's version (evaluator/cli.py), the role (evaluator/role.py).
+`eval_plan` turns a run's `[evaluator]` section and `rollout.task` into benchmarks and generation settings;
+the evaluator role and `slipstream eval` both build from it, so the command reproduces a recorded score.
 """
 
 from __future__ import annotations

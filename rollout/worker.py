@@ -158,7 +158,7 @@ def vllm_env(run_dir: Path, base: dict[str, str] | None = None, api_key: str = "
         DO_NOT_TRACK="1",
         PYTHONUNBUFFERED="1",
     )
-    # Binding OpenMP threads to both cores halved throughput here (notes/vllm-cpu.md).
+    # Binding OpenMP threads to both cores halved throughput here (docs/vllm-cpu.md).
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "auto")
     return env
 

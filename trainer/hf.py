@@ -26,7 +26,7 @@ from trainer.model.moe import refresh_expert_weight_copies
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-# vLLM's CPU kernels (see shared/notes/vllm-cpu.md): these shapes run, others fail at the first request.
+# vLLM's CPU kernels (docs/vllm-cpu.md): these shapes run, others fail at the first request.
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 

@@ -1,7 +1,7 @@
 """Trainer ranks: which of the W trainer processes this one is, the torch.distributed bootstrap, the
 control channel from rank 0 to the others, and the watch that ends every rank when one dies.
 
-Two ways to start W ranks, one code path (DESIGN section 9a). torchrun, Slurm and Kubernetes set
+Two ways to start W ranks, one code path. torchrun, Slurm and Kubernetes set
 RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT and the group forms through that address.
 Our launcher (`[launch.roles.trainer] replicas = W`) sets SLIPSTREAM_REPLICA and SLIPSTREAM_REPLICAS
 instead: rank 0 opens a TCPStore and publishes its address under the experiment's `trainer:store`
@@ -125,8 +125,8 @@ class Ranks:
 
     def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
         """Destroy the process group, waiting at most `timeout_s`: a gloo group whose peer has already exited
-        was seen to block its teardown until a signal came (a finished 2-rank run held rank 0 for minutes),
-        and a role that is done must not hang on it. Past the wait the role goes on to exit without it."""
+        can block its teardown until a signal comes, and a role that is done must not hang on it. Past the
+        wait the role goes on to exit without it."""
         if not dist.is_initialized():
             return
         closing = threading.Thread(target=dist.destroy_process_group, name="destroy-process-group", daemon=True)

@@ -1,6 +1,6 @@
 """The run's lineage: which published weight version holds the trainer's weights after which optimizer step.
 
-Without faults version = step (DESIGN section 6: step t produces version t+1). A version number names
+Without faults version = step (optimizer step t produces version t+1). A version number names
 one set of weights for the whole experiment and is never reused, so a trainer that resumes from a
 checkpoint at step S, while the run it continues already used numbers beyond S's (published them,
 died half-way through writing one, or left workers serving one), publishes S's weights under a new,

@@ -1,4 +1,4 @@
-"""The publisher, the trainer side of weight sync (DESIGN section 6): `WeightPublisher.publish(version,
+"""The publisher, the trainer side of weight sync (docs/ARCHITECTURE.md): `WeightPublisher.publish(version,
 tensors)` checks that the version number moves forward, sends the version to every live train worker through
 the transport `rollout.weight_backend` names (factory.py), and commits it: `weights:current` advances only
 after every live worker acknowledged the version (a worker that failed was evicted, so the router stops using

@@ -4,10 +4,9 @@ sorted by expert. `reference` is pure PyTorch (the ground truth); `grouped_mm` i
 `cutedsl_fp8` the same with FP8 block-scaled forward and dgrad GEMMs (`trainer.experts.precision = "fp8"`).
 `select_backend` turns the config's (backend, precision) into a backend name: `auto` takes the fastest that
 runs on the device and dtype, an explicit choice that cannot run raises with the reason (no silent
-downshift). In bf16 `auto` does not pick `cutedsl`: on the H200 it measured 0.99x of torch._grouped_mm
-(expert SwiGLU forward + backward at the 128-expert shape, bench/cutedsl_check.py, bench/RESULTS.md), i.e.
-not faster. FP8 runs on `cutedsl` only (torch._scaled_grouped_mm measured slower than bf16 grouped_mm at MoE
-shapes, shared/notes/h200.md), so `auto` with fp8 picks it or fails with the reason."""
+downshift). In bf16 `auto` does not pick `cutedsl`, which is not faster than torch._grouped_mm on the H200
+(bench/RESULTS.md). FP8 runs on `cutedsl` only, since torch._scaled_grouped_mm is slower than bf16
+grouped_mm at MoE shapes (docs/h200.md), so `auto` with fp8 picks it or fails with the reason."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The run dashboard (`slipstream dash`): the runs of a run root, and one page per run with its
-metrics drawn as server-side SVG, updated live while the run goes on (DESIGN section 12).
+metrics drawn as server-side SVG, updated live while the run goes on.
 
 sources.py reads (registry, DuckDB metrics, flow summary, live Redis); panels.py decides which tags
 each chart draws; charts.py draws SVG; views.py writes the HTML; server.py is the aiohttp layer and

@@ -139,8 +139,8 @@ def _import_error() -> str | None:
     return grouped.import_error(
         "cutlass.cute",
         "nvidia-cutlass-dsl",
-        "install the `gpu` extra (pip install -e '.[gpu]') or, on a machine without an index, unpack the bundle "
-        "of ../shared/tools/cutedsl-bundle onto PYTHONPATH",
+        "install the `gpu` extra (pip install -e '.[gpu]') or, on a machine without an index, unpack a CuTeDSL "
+        "bundle onto PYTHONPATH (docs/h200.md says how to build one)",
     )
 
 

@@ -24,9 +24,9 @@ class TileConfig:
     smem_epilogue: bool = True
 
 
-# The fastest that passed the numerics in bench/cutedsl_check.py on the H200 (2026-12-04): 128x256 tiles, 4
-# stages, the 16-byte shared-memory epilogue (4-byte pairs for fp32 wgrads). A one-CTA-per-tile schedule ran
-# at 0.6-0.7x of it and is gone. FP8: BN = 128 (one weight scale block per tile; the fp32 accumulator and its
+# The fastest that passed the numerics in bench/cutedsl_check.py on the H200 (bench/RESULTS.md): 128x256
+# tiles, 4 stages, the 16-byte shared-memory epilogue (4-byte pairs for fp32 wgrads). A one-CTA-per-tile
+# schedule ran at 0.6-0.7x of it and is gone. FP8: BN = 128 (one weight scale block per tile; the fp32 accumulator and its
 # per-k-tile partial would not fit in registers at 256), 128-deep k-tiles of 32 KB, so 5 stages.
 M_CONFIG = TileConfig()
 K_CONFIG = TileConfig()
