@@ -107,9 +107,8 @@ def _device(cfg: Config, info: RankInfo) -> torch.device:
 
 def stop_within(stop: Callable[[], None], timeout_s: float) -> bool:
     """Call `stop` from a daemon thread and wait at most `timeout_s` for it; False (logged) if it did not return.
-    A stop on SIGTERM closes the generation controller, whose progress bar takes tqdm's process-wide lock: in a
-    CI run (2026-12-04) that lock was never released and the restarted trainer of a killed launcher hung in
-    its stop for good, so the stop must not hold the role's exit."""
+    A stop on SIGTERM closes the generation controller, whose progress bar takes tqdm's process-wide lock; a
+    lock that is never released would hang the stop for good, so the stop must not hold the role's exit."""
     thread = threading.Thread(target=stop, name="trainer-stop", daemon=True)
     thread.start()
     thread.join(timeout_s)
@@ -171,8 +170,7 @@ async def main(ctx: RunContext) -> int:
             log.error("the training thread did not stop within %.0fs", STOP_TIMEOUT_S)
         raise
     finally:
-        # A watch whose cancel was lost ran on for good and this rank never ended (2026-12-04: 1 launch in 12,
-        # a cancel dropped inside a Redis command, which our connections now raise again): common/tasks.py.
+        # Cancelled again until it ends (common/aio.py): a watch whose cancel was lost would keep the rank alive.
         await cancel_and_join(watch, STOP_TIMEOUT_S, "the watch of the other trainer ranks")
         if work.done() and not work.cancelled() and work.exception() is None:
             ranks.close()
