@@ -279,10 +279,9 @@ def test_on_failure_restarts_a_replica_up_to_its_limit(tmp_path):
 
 
 def test_restart_auto_restarts_every_role_but_not_a_command_of_ones_own():
-    from common.runs.prepare import Replica
-
     from common.config import RoleSpec
     from common.runs.launch import restarts_on_failure
+    from common.runs.prepare import Replica
 
     def rep(role: str, **kw: object) -> Replica:
         return Replica(entry=role, role=role, index=0, spec=RoleSpec(**kw))  # type: ignore[arg-type]
