@@ -13,14 +13,11 @@ from pathlib import Path
 import aiohttp
 
 from common.http import RetryPolicy
+from common.redis_client import entries
 from common.weights.fleet import WorkerError, evict, live_workers, set_worker_version, while_alive
 from common.weights.workers import apply_version, served_version
 from evaluator.backend import Backend, RequestError
-from evaluator.fleetview import (
-    EvaluatorError,
-    StreamWait,
-    entries,
-)
+from evaluator.fleetview import EvaluatorError, StreamWait
 from evaluator.runner import (
     PIN_PAUSE_MODE,
     Snapshot,

@@ -13,15 +13,13 @@ from dataclasses import dataclass
 import redis.asyncio
 
 from common.metrics import MetricsWriter
+from common.redis_client import entries
 from common.roles import RunContext, announce
 from common.weights.fleet import WorkerError
 from evaluator.backend import Backend, RequestError
 from evaluator.benchmark import Benchmark
 from evaluator.cache import ResultCache
-from evaluator.fleetview import (
-    StreamWait,
-    entries,
-)
+from evaluator.fleetview import StreamWait
 from evaluator.runner import (
     EvalPlan,
     EvalResult,
