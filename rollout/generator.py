@@ -113,6 +113,7 @@ class SampleGenerator:
                 (sample,) = await self._client.generate(
                     prompt,
                     temperature=ro.temperature,
+                    top_k=ro.top_k,
                     top_p=ro.top_p,
                     max_tokens=ro.max_tokens,
                     group=f"{self.ctx.exp}:{req.prompt_id}",

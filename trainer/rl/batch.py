@@ -40,6 +40,16 @@ def padded_batch(rollouts: list[Rollout], pad_id: int) -> tuple[torch.Tensor, to
     return tokens, targets, behaviour, (targets >= 0).float()
 
 
+def sampling_rows(rollouts: list[Rollout]) -> dict[str, torch.Tensor]:
+    """Each row's sampling parameters, as its sample was drawn ({"temperature", "top_p"} float32 [B],
+    {"top_k"} int64 [B]): the distribution the trainer takes its log-probs under (trainer.model.sampling)."""
+    return {
+        "temperature": torch.tensor([r.sample.temperature for r in rollouts], dtype=torch.float32),
+        "top_k": torch.tensor([r.sample.top_k for r in rollouts], dtype=torch.long),
+        "top_p": torch.tensor([r.sample.top_p for r in rollouts], dtype=torch.float32),
+    }
+
+
 def warm_start_batch(task: Task, tokenizer: Any, step: int, batch_size: int) -> tuple[dict[str, torch.Tensor], int]:
     """Warm-start step `step`'s batch of reference answers ({"tokens", "targets"}: the prompt's tokens are
     not targets) and its number of target tokens. Its problems come from the end of the data, away from

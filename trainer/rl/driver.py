@@ -63,7 +63,14 @@ from trainer.optim import RouterStats, router_figures
 from trainer.ranks import Ranks
 from trainer.report import write_report
 from trainer.rl.advantages import group_advantages, zero_variance_groups
-from trainer.rl.batch import gen_figures, ledger_record, padded_batch, rewind_ledger, warm_start_batch
+from trainer.rl.batch import (
+    gen_figures,
+    ledger_record,
+    padded_batch,
+    rewind_ledger,
+    sampling_rows,
+    warm_start_batch,
+)
 from trainer.rl.replay import routing_batch
 from trainer.rl.update import mini_batch_rows, rl_step_figures
 from trainer.rl.verdict import wait_for_verdict
@@ -290,6 +297,7 @@ class RLTrainer(TrainerRank):
             "advantages": advantages,
             "fresh": fresh,
             "step_tokens": torch.full((len(rollouts),), float(n_tokens)),
+            **sampling_rows(rollouts),
         }
         layers = self.model.moe_layer_ids()
         replay = self.cfg.trainer.rl.routing_replay == "rollout"
