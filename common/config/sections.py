@@ -357,6 +357,11 @@ class RolloutConfig:
     temperature, top_k and top_p each sample was drawn with (trainer.model.sampling)."""
     max_tokens: int = 64
     """Largest number of generated tokens per sample."""
+    chat_template: Literal["auto", "off"] = identity("auto", added=True)
+    """How task prompts reach the policy: "auto" wraps each in the tokenizer's chat template (a user turn, then
+    the assistant's turn opened) when the tokenizer has one, "off" sends the plain text. The RL prompts, the warm
+    start's rows and the held-out arithmetic evaluation follow it alike (rollout.chat). The tiny kit's tokenizer
+    has a template (for chat benchmarks); the demo's configs set "off" so its prompts stay plain."""
     task: TaskConfig = field(default_factory=TaskConfig)
     """The task: where prompts come from and how completions are rewarded."""
 

@@ -206,7 +206,9 @@ class RLTrainer(TrainerRank):
         for step in range(w.steps):
             if self.stop_requested.is_set():
                 raise StopRequested(f"stopped during the warm start at step {step}")
-            batch, target_tokens = warm_start_batch(self.task, self.tokenizer, step, w.batch_size)
+            batch, target_tokens = warm_start_batch(
+                self.task, self.tokenizer, step, w.batch_size, self.cfg.rollout.chat_template
+            )
             # The warm start does not advance the RL schedule: no schedule tokens, a constant rate of its own.
             result = self.command(SupervisedStep(batch, target_tokens, schedule_tokens=0, lr=w.lr))
             assert result is not None
