@@ -62,8 +62,8 @@ def sampled_from(logits: torch.Tensor, sampling: RowSampling, seed: int) -> torc
 MIXED = RowSampling(
     temperature=torch.tensor([1.0, 0.7, 0.7, 1.0, 1.3, 0.5]),
     top_k=torch.tensor([0, 0, 5, -1, 12, 1]),
-    top_p=torch.tensor([1.0, 0.9, 1.0, 0.6, 0.95, 1.0]),
-)
+    top_p=torch.tensor([1.0, 1.0, 1.0, 0.6, 0.95, 1.0]),
+)  # rows: plain, tempered only, top-k, top-p, all three, top-k 1
 
 
 @pytest.mark.parametrize(
@@ -153,3 +153,27 @@ def test_the_model_counts_outside_targets_of_its_last_sampled_logprobs():
     assert torch.isfinite(logp).all()
     plain = RowSampling(torch.ones(2), torch.zeros(2, dtype=torch.long), torch.ones(2))
     assert torch.equal(model.token_logprobs(tokens, targets, sampling=plain), model.token_logprobs(tokens, targets))
+
+
+def test_kept_sets_found_in_chunks_are_those_found_at_once(monkeypatch):
+    import trainer.model.sampling as sampling_module
+
+    logits, targets = random_case(7)
+    whole, _ = sampled_logprobs(logits, targets, MIXED)
+    monkeypatch.setattr(sampling_module, "SORT_CHUNK_LOGITS", 3 * V)  # three positions a sort
+    chunked, _ = sampled_logprobs(logits, targets, MIXED)
+    assert torch.equal(whole, chunked)
+
+
+def test_a_nucleus_edge_that_falls_exactly_on_a_cumulative_probability_drops_that_token_as_vllm_does():
+    """Four equal tokens hold all the mass: cumulative 0.25, 0.5, 0.75, 1 in ascending order, and top_p 0.5
+    drops those <= 0.5, so two are kept (each 1/2), not three."""
+    logits = torch.full((1, 3, V), -1e9)
+    logits[:, :, 10:14] = 10.0
+    sampling = RowSampling(torch.ones(1), torch.zeros(1, dtype=torch.long), torch.full((1,), 0.5))
+    targets = sampled_from(logits, sampling, 0)
+    ours, outside = sampled_logprobs(logits, targets, sampling)
+    theirs = vllm_processed_logprobs(logits, targets, sampling)
+    assert not outside.any()
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6)
+    torch.testing.assert_close(ours, torch.full((1, 3), 0.5).log())

@@ -41,23 +41,33 @@ def logprobs_of(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return torch.where(tgt >= 0, lp, torch.zeros_like(lp)).view(targets.shape)
 
 
+# Positions whose vocabulary is sorted at once when finding kept sets: bounds the sort's values and indices
+# (12 bytes a logit) to about 400 MB at any vocabulary size.
+SORT_CHUNK_LOGITS = 1 << 25
+
+
 @torch.no_grad()
 def kept_tokens(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """The tokens a sampler keeps: scaled [b, S, V] (float32 logits already divided by the temperature),
-    top_k [b], top_p [b] -> bool [b, S, V]. Top-k keeps the logits >= the k-th largest (ties all kept); top-p
-    then, on the top-k renormalised distribution in ascending order, drops every token whose cumulative
-    probability is <= 1 - p, never the most likely one."""
-    V = scaled.shape[-1]
-    ascending, order = scaled.sort(dim=-1)
-    k = torch.where((top_k <= 0) | (top_k >= V), V, top_k).long()
-    # The k-th largest is at ascending index V - k; k = V keeps every token.
-    kth = ascending.gather(-1, (V - k).view(-1, 1, 1).expand(-1, scaled.shape[1], 1))
-    ascending = ascending.masked_fill(ascending < kth, float("-inf"))
-    cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)
-    drop = cumulative <= (1 - top_p.float()).view(-1, 1, 1)
-    drop[..., -1] = False
-    ascending = ascending.masked_fill(drop, float("-inf"))
-    return torch.empty_like(scaled, dtype=torch.bool).scatter_(-1, order, ascending > float("-inf"))
+    """The tokens a sampler keeps: scaled [N, V] (float32 logits already divided by the temperature), top_k [N],
+    top_p [N] -> bool [N, V]. Top-k keeps the logits >= the k-th largest (ties all kept); top-p then, on the
+    top-k renormalised distribution in ascending order, drops every token whose cumulative probability is
+    <= 1 - p, never the most likely one. Sorted SORT_CHUNK_LOGITS logits at a time."""
+    N, V = scaled.shape
+    keep = torch.empty_like(scaled, dtype=torch.bool)
+    k_all = torch.where((top_k <= 0) | (top_k >= V), V, top_k).long()
+    step = max(1, SORT_CHUNK_LOGITS // V)
+    for lo in range(0, N, step):
+        rows = slice(lo, min(lo + step, N))
+        ascending, order = scaled[rows].sort(dim=-1)
+        # The k-th largest is at ascending index V - k; k = V keeps every token.
+        kth = ascending.gather(-1, (V - k_all[rows]).unsqueeze(1))
+        ascending = ascending.masked_fill(ascending < kth, float("-inf"))
+        cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)
+        drop = cumulative <= (1 - top_p[rows].float()).unsqueeze(1)
+        drop[:, -1] = False
+        ascending = ascending.masked_fill(drop, float("-inf"))
+        keep[rows] = torch.zeros_like(drop).scatter_(-1, order, ascending > float("-inf"))
+    return keep
 
 
 def sampled_logprobs(
@@ -85,7 +95,10 @@ def sampled_logprobs(
         rows = truncated.nonzero().squeeze(1)
         scaled = logits[rows].float() / T[rows].float().view(-1, 1, 1)
         tgt = targets[rows]
-        keep = kept_tokens(scaled, top_k[rows], top_p[rows])
+        b = len(rows)
+        keep = kept_tokens(
+            scaled.reshape(b * S, V), top_k[rows].repeat_interleave(S), top_p[rows].repeat_interleave(S)
+        ).view(b, S, V)
         index = tgt.clamp(min=0).unsqueeze(-1)
         missing = ~keep.gather(-1, index).squeeze(-1) & (tgt >= 0)
         keep.scatter_(-1, index, True)
