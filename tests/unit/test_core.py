@@ -175,11 +175,13 @@ def test_the_rl_step_on_the_core_is_the_decoupled_ppo_update_written_out_by_hand
         )
     by_hand.train()
     opt = Optimizer(by_hand, cfg.trainer.optim)
+    outside = 0
     for r in rows:
         total = float(mask[r].sum())
         for i in range(r.start, r.stop, mb):
             c = slice(i, min(i + mb, r.stop))
             logp = by_hand.token_logprobs(tokens[c], targets[c], sampling=rows_sampling(c))
+            outside += int(by_hand.sampling_outside().sum())
             ppo_loss(logp, proximal[c], behaviour[c], adv[c], mask[c], rl, total=total).loss.backward()
         opt.step(int(total))
 
@@ -197,6 +199,8 @@ def test_the_rl_step_on_the_core_is_the_decoupled_ppo_update_written_out_by_hand
     result = core.step_updates(rl_updates(batch, rows, rl), mb, prepare=proximal_fn(rl))
     assert len(result.updates) == mini_batches and core.optimizer.steps == mini_batches
     assert result.figures["tokens"] == float(mask.sum())
+    # Random targets: many fall outside the truncated rows' top-k / top-p sets, each counted once.
+    assert result.figures["sampling_outside_tokens"] == outside > 0
     a = torch.cat([p.detach().flatten() for p in by_hand.parameters()])
     b = torch.cat([p.detach().flatten() for p in on_core.parameters()])
     start = torch.cat([p.detach().flatten() for p in build_model(cfg.trainer.model, seed=0).parameters()])

@@ -52,7 +52,7 @@ def sampling_rows(rollouts: list[Rollout]) -> dict[str, torch.Tensor]:
 
 
 def warm_start_batch(
-    task: Task, tokenizer: Any, step: int, batch_size: int, chat_template: ChatTemplateMode = "off"
+    task: Task, tokenizer: Any, step: int, batch_size: int, chat_template: ChatTemplateMode
 ) -> tuple[dict[str, torch.Tensor], int]:
     """Warm-start step `step`'s batch of reference answers ({"tokens", "targets"}: the prompt's tokens are
     not targets) and its number of target tokens. Its problems come from the end of the data, away from
