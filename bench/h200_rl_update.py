@@ -63,6 +63,9 @@ def synthetic_batch(n: int, seq: int, prompt: int, vocab: int, seed: int = 0) ->
         "advantages": advantages,
         "fresh": torch.zeros(n),
         "step_tokens": torch.full((n,), n_tokens),
+        "temperature": torch.ones(n),
+        "top_k": torch.zeros(n, dtype=torch.long),
+        "top_p": torch.ones(n),
     }
 
 

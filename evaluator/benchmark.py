@@ -130,10 +130,12 @@ class Benchmark(ABC):
     primary: str = ""
     """The metric reported as the benchmark's score (in the evals stream), e.g. 'accuracy/mean'."""
 
-    def __init__(self, data_root: str | Path, train_task: TaskConfig | None = None) -> None:
+    def __init__(self, data_root: str | Path, train_task: TaskConfig | None = None, chat: bool = False) -> None:
         self.data_root = Path(data_root)
         # The run's RL task, for benchmarks that follow the training distribution (held-out arithmetic).
         self.train_task = train_task
+        # Such a benchmark's prompts go through the chat template when the RL prompts do (rollout.chat).
+        self.chat = chat
 
     def data_file(self, relative: str) -> Path:
         """A file under the data root; a missing one is an error naming the path and the setting."""
@@ -174,14 +176,17 @@ class Benchmark(ABC):
         return summarize(per_case)
 
 
-def load_benchmark(name: str, data_root: str | Path, train_task: TaskConfig | None = None) -> Benchmark:
-    """The benchmark registered under `name`, constructed over `data_root` (cheap: no data is read yet)."""
+def load_benchmark(
+    name: str, data_root: str | Path, train_task: TaskConfig | None = None, chat: bool = False
+) -> Benchmark:
+    """The benchmark registered under `name`, constructed over `data_root` (cheap: no data is read yet); `chat`:
+    prompts that follow the training task are chat messages, as the RL prompts are templated."""
     target = BENCHMARKS.get(name)
     if target is None:
         raise BenchmarkError(f"unknown benchmark {name!r}; choose one of: {', '.join(sorted(BENCHMARKS))}")
     module_name, cls_name = target.split(":")
     cls = getattr(importlib.import_module(module_name), cls_name)
-    return cls(data_root, train_task)
+    return cls(data_root, train_task, chat)
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

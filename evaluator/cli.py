@@ -42,6 +42,7 @@ from evaluator.runner import (
     VersionMoved,
     eval_plan,
     evaluate,
+    follows_chat_template,
     probe_for,
 )
 
@@ -250,7 +251,7 @@ def recorded_score(run_dir: Path, result: EvalResult) -> float | None:
 def cli_plan(args: argparse.Namespace, cfg: Config | None) -> EvalPlan:
     """What `slipstream eval` evaluates: `eval_plan` of the config's evaluator section and training task, with
     the flags given applied on top. Without a config: the flags over EvaluatorConfig's defaults, and no
-    training task (held-out arithmetic then takes its data file's knobs)."""
+    training task (held-out arithmetic then takes its data file's knobs) and no chat template."""
     ev = cfg.evaluator if cfg is not None else EvaluatorConfig(benchmarks=[])
     flags = {
         "benchmarks": args.benchmark,
@@ -264,7 +265,8 @@ def cli_plan(args: argparse.Namespace, cfg: Config | None) -> EvalPlan:
         raise BenchmarkError(
             "no benchmark to run: pass --benchmark NAME (or --config CONFIG to run the config's evaluator.benchmarks)"
         )
-    result = eval_plan(ev, cfg.rollout.task if cfg is not None else None)
+    chat = cfg is not None and follows_chat_template(cfg, run_dir_of(args, cfg))
+    result = eval_plan(ev, cfg.rollout.task if cfg is not None else None, chat)
     extra = {"samples": args.samples, "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed}
     options = dataclasses.replace(result.options, **{k: v for k, v in extra.items() if v is not None})
     return dataclasses.replace(result, options=options)

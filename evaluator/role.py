@@ -12,6 +12,7 @@ runner's files under `<run dir>/evals/`.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
@@ -33,9 +34,7 @@ from evaluator.fleetview import (
     wait_for_router,
 )
 from evaluator.pinned import PinWatcher
-from evaluator.runner import (
-    eval_plan,
-)
+from evaluator.runner import eval_plan, follows_chat_template
 from evaluator.watch_loop import UNSETTLED_LOG_S, Inputs, Watcher
 
 log = logging.getLogger(__name__)
@@ -106,7 +105,8 @@ async def main(ctx: RunContext) -> int:
     cfg = ctx.cfg
     ev = cfg.evaluator
     # The same plan `slipstream eval --config` builds, so the command reproduces these scores.
-    plan = eval_plan(ev, cfg.rollout.task)
+    chat = await asyncio.to_thread(follows_chat_template, cfg, ctx.run_dir)
+    plan = eval_plan(ev, cfg.rollout.task, chat)
     client = ctx.async_redis()
     metrics = MetricsWriter(ctx.run_dir, ctx.exp, "evaluator", 0)
     cache = ResultCache(ctx.run_dir / "evals" / "cache.jsonl")

@@ -17,15 +17,17 @@ import asyncio
 import json
 import logging
 import os
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from common.config import EvaluatorConfig, TaskConfig
+from common.config import Config, EvaluatorConfig, TaskConfig
 from evaluator.backend import Backend, Generation, RequestError
 from evaluator.benchmark import Benchmark, BenchmarkError, Case, EvalOptions, SampleScore, load_benchmark
 from evaluator.cache import ResultCache, fingerprint
+from rollout.chat import uses_chat_template
 
 log = logging.getLogger(__name__)
 
@@ -127,15 +129,31 @@ class EvalPlan:
     chunk_cases: int
 
 
-def eval_plan(ev: EvaluatorConfig, train_task: TaskConfig | None) -> EvalPlan:
+def eval_plan(ev: EvaluatorConfig, train_task: TaskConfig | None, chat: bool = False) -> EvalPlan:
     """The evaluations `ev` asks for, each benchmark built over `ev.data_root` and following `train_task`
-    (None: the benchmarks' own data files decide, e.g. held-out arithmetic's knobs)."""
+    (None: the benchmarks' own data files decide, e.g. held-out arithmetic's knobs) and, with `chat`
+    (`follows_chat_template`), its prompts templated as the RL prompts are."""
     return EvalPlan(
-        benchmarks=[load_benchmark(name, ev.data_root, train_task) for name in ev.benchmarks],
+        benchmarks=[load_benchmark(name, ev.data_root, train_task, chat) for name in ev.benchmarks],
         options=EvalOptions(limit=ev.limit or None, max_tokens=ev.max_tokens or None),
         max_concurrent=ev.max_concurrent,
         chunk_cases=ev.chunk_cases,
     )
+
+
+def follows_chat_template(cfg: Config, run_dir: Path | None) -> bool:
+    """Whether the run's RL prompts go through the policy tokenizer's chat template (rollout.chat_template
+    "auto" and the tokenizer has one), so that the benchmarks following the training task template theirs."""
+    if cfg.rollout.chat_template == "off":
+        return False
+    from transformers import AutoTokenizer
+
+    from trainer.tinykit import resolve_model
+
+    # Without a run, a tiny kit's files are made in a scratch directory just to read its tokenizer.
+    with tempfile.TemporaryDirectory() as scratch:
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model(cfg, run_dir or Path(scratch)))
+    return uses_chat_template(tokenizer, cfg.rollout.chat_template)
 
 
 def output_paths(out_dir: Path, benchmark: str, version: str) -> tuple[Path, Path]:

@@ -3,7 +3,8 @@
 Requests go to vLLM's token-in/token-out route (/inference/v1/generate) through the router, whose
 URL is read from Redis (`keys.router(name)`), or straight to one worker's URL. Every returned
 `Sample` carries the sampled token ids, the behaviour log-prob of every sampled token (processed,
-i.e. after temperature, as the worker runs vLLM with `--logprobs-mode processed_logprobs`), the
+i.e. after temperature, top-k and top-p, as the worker runs vLLM with `--logprobs-mode processed_logprobs`,
+with the parameters they were sampled under), the
 weight version that produced each token, and the finish reason ("stop", "length", or "abort" when a
 weight update in abort mode cut it short), and, when the worker runs vLLM with
 `--enable-return-routed-experts` (rollout.return_routed_experts), the experts every MoE layer chose at
@@ -72,6 +73,13 @@ class Sample:
     row i holds the experts each layer chose at position i, in the forward that took token i as input
     (so with partial rollouts, the weights that sampled token i + 1). Rows of dense layers are 0 (vLLM
     captures MoE layers only). None when the worker does not return routing."""
+    temperature: float = 1.0
+    """The temperature the tokens were sampled at (the behaviour log-probs are of the tempered distribution)."""
+    top_k: int = 0
+    """The top-k truncation they were sampled under (0: none)."""
+    top_p: float = 1.0
+    """The top-p (nucleus) truncation they were sampled under (1: none). A Sample pickled before these three
+    fields existed reads back their defaults (the dataclass's class attributes)."""
 
     @property
     def aborted(self) -> bool:
@@ -193,6 +201,7 @@ class RolloutClient:
         *,
         n: int = 1,
         temperature: float = 1.0,
+        top_k: int = 0,
         top_p: float = 1.0,
         max_tokens: int = 64,
         seed: int | None = None,
@@ -201,11 +210,21 @@ class RolloutClient:
         stop_token_ids: Sequence[int] | None = None,
         timeout_s: float | None = None,
     ) -> list[Sample]:
-        """Sample n completions of one prompt; `group` pins requests of one prompt group to one worker."""
+        """Sample n completions of one prompt; `group` pins requests of one prompt group to one worker.
+
+        Every parameter that shapes the sampling distribution is sent, the ones the trainer does not model
+        at their neutral values: a parameter a request leaves out may take a default from the model's
+        generation_config.json, which the trainer's log-probs would not reproduce. Each Sample records
+        the temperature, top_k (0: off) and top_p it was drawn with."""
         params: dict = {
             "n": n,
             "temperature": temperature,
+            "top_k": top_k,
             "top_p": top_p,
+            "min_p": 0.0,
+            "repetition_penalty": 1.0,
+            "presence_penalty": 0.0,
+            "frequency_penalty": 0.0,
             "max_tokens": max_tokens,
             "logprobs": 0,
             "ignore_eos": ignore_eos,
@@ -236,4 +255,7 @@ class RolloutClient:
         choices = sorted(data.get("choices") or [], key=lambda c: c["index"])
         if len(choices) != n:
             raise RolloutError(f"asked for {n} samples, got {len(choices)} choices")
-        return [parse_choice(list(prompt_token_ids), c) for c in choices]
+        samples = [parse_choice(list(prompt_token_ids), c) for c in choices]
+        for sample in samples:
+            sample.temperature, sample.top_k, sample.top_p = temperature, top_k, top_p
+        return samples

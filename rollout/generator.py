@@ -15,6 +15,7 @@ import aiohttp
 
 from common.config import Config
 from common.roles import RunContext
+from rollout.chat import prompt_token_ids
 from rollout.client import NoRouterError, RolloutClient, RolloutError, Sample
 from rollout.flow.runtime import SampleRequest
 from rollout.tasks import Problem, Task
@@ -81,9 +82,10 @@ class SampleGenerator:
         self._in_flight = 0
 
     def encode(self, text: str) -> list[int]:
+        """A prompt's token ids as the policy sees them (rollout.chat_template: `prompt_token_ids`)."""
         ids = self._encoded.get(text)
         if ids is None:
-            ids = self._encoded[text] = list(self.tokenizer(text)["input_ids"])
+            ids = self._encoded[text] = prompt_token_ids(self.tokenizer, text, self.cfg.rollout.chat_template)
         return ids
 
     async def __call__(self, req: SampleRequest[Problem]) -> Rollout:
@@ -113,6 +115,7 @@ class SampleGenerator:
                 (sample,) = await self._client.generate(
                     prompt,
                     temperature=ro.temperature,
+                    top_k=ro.top_k,
                     top_p=ro.top_p,
                     max_tokens=ro.max_tokens,
                     group=f"{self.ctx.exp}:{req.prompt_id}",

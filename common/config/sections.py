@@ -292,6 +292,12 @@ class TaskConfig:
         )
 
 
+# vLLM server flags that change the sampling distribution of every request, or the log-probs returned of it
+# (the worker sets --logprobs-mode processed_logprobs itself). Generation-config defaults need no flag: the
+# client sends every sampling parameter explicitly (rollout.client.RolloutClient.generate).
+SAMPLING_FLAGS = ("--logprobs-mode", "--logits-processors")
+
+
 @dataclass
 class RolloutConfig:
     model: str = identity("tiny-deepseek")
@@ -343,11 +349,19 @@ class RolloutConfig:
     pool: Literal["train", "eval"] = "train"
     """Pool of a ROLE=vllm worker: train (routed, gets every publish) or eval (the evaluator pins its version)."""
     temperature: float = 1.0
-    """Sampling temperature of rollouts."""
+    """Sampling temperature of rollouts (> 0 for RL: the trainer takes its log-probs at the same temperature)."""
+    top_k: int = 0
+    """Top-k truncation of rollouts: sample among the k most likely tokens (0 or -1: off, vLLM's convention)."""
     top_p: float = 1.0
-    """Nucleus sampling threshold of rollouts."""
+    """Nucleus sampling threshold of rollouts, in (0, 1] (1: off). The trainer's log-probs reproduce the
+    temperature, top_k and top_p each sample was drawn with (trainer.model.sampling)."""
     max_tokens: int = 64
     """Largest number of generated tokens per sample."""
+    chat_template: Literal["auto", "off"] = identity("auto", added=True)
+    """How task prompts reach the policy: "auto" wraps each in the tokenizer's chat template (a user turn, then
+    the assistant's turn opened) when the tokenizer has one, "off" sends the plain text. The RL prompts, the warm
+    start's rows and the held-out arithmetic evaluation follow it alike (rollout.chat). The tiny kit's tokenizer
+    has a template (for chat benchmarks); the demo's configs set "off" so its prompts stay plain."""
     task: TaskConfig = field(default_factory=TaskConfig)
     """The task: where prompts come from and how completions are rewarded."""
 
@@ -364,6 +378,18 @@ class RolloutConfig:
             f"rollout.max_tokens ({self.max_tokens}) must be positive and below rollout.max_model_len "
             f"({self.max_model_len})",
         )
+        require(
+            0 < self.top_p <= 1,
+            f"rollout.top_p = {self.top_p} must be in (0, 1]: 1 samples the whole distribution, p < 1 the smallest "
+            "set of most likely tokens holding probability p",
+        )
+        require(self.top_k >= -1, f"rollout.top_k = {self.top_k} must be >= 1, or 0 / -1 for no top-k truncation")
+        for flag in SAMPLING_FLAGS:
+            require(
+                not any(a == flag or a.startswith(flag + "=") for a in self.extra_args),
+                f"rollout.extra_args sets {flag}, which changes what vLLM samples from or the log-probs it returns, "
+                "beyond what the trainer reproduces (rollout.temperature, top_k, top_p): remove it",
+            )
         self.task.check()
 
 

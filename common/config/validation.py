@@ -33,6 +33,12 @@ def validate(cfg: Config) -> None:
         f"trainer.rl.mini_batches = {rl.mini_batches}: a mini-batch holds whole prompt groups, so it must be within "
         f"[1, flow.prompts_per_step = {f.prompts_per_step}]",
     )
+    require(
+        cfg.trainer.mode != "rl" or ro.temperature > 0,
+        f"rollout.temperature = {ro.temperature}: RL needs sampling (vLLM samples greedily at 0, every sample of "
+        "a group is then the same and its log-probs are not of the distribution sampled): set rollout.temperature "
+        "> 0 (1 samples the model's own distribution)",
+    )
     tp_var = ENV_PREFIX + "rollout__tensor_parallel_size"  # an entry may run its workers at another size
     for name, spec in cfg.launch.roles.items():
         tp_raw = spec.env.get(tp_var)

@@ -7,7 +7,9 @@ pass), the knobs (operand counts, max_value, operators) follow training instead,
 problems come from the distribution the policy is trained on, and a held-out seed equal to the
 training seed is refused. Seeds are disjoint, problems need not be: a small problem space (two
 operands in 0..6 are 98 facts) repeats problems across any two seeds. A case id names the seed, every
-knob and the index (`case_id`), so two different prompts never share an id, whatever the config.
+knob and the index (`case_id`), so two different prompts never share an id, whatever the config. When the
+run's RL prompts go through the tokenizer's chat template (rollout.chat_template), so do these: each is one
+user message (its id ends in "-chat").
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from common.config import PromptSourceConfig, TaskConfig
-from evaluator.benchmark import Benchmark, BenchmarkError, Case, SampleScore, Sampling
+from evaluator.benchmark import Benchmark, BenchmarkError, Case, ChatMessage, SampleScore, Sampling
 from rollout.tasks.arithmetic import GENERATOR_KNOBS, ArithmeticTask, verify
 
 DATA_FILE = "arithmetic/heldout.json"
@@ -88,7 +90,13 @@ class HeldOutArithmetic(Benchmark):
         task = ArithmeticTask(seed=s.seed, num_problems=s.count, **{k: getattr(s, k) for k in GENERATOR_KNOBS})
         sampling = Sampling(temperature=0.0, max_tokens=s.max_tokens)
         problems = [task.problem(i) for i in range(len(task))]
-        return [Case(case_id(s, i), p.prompt, sampling, 1, {"answer": p.answer}) for i, p in enumerate(problems)]
+        if not self.chat:
+            return [Case(case_id(s, i), p.prompt, sampling, 1, {"answer": p.answer}) for i, p in enumerate(problems)]
+        # One user turn, which vLLM's chat route renders with the served model's template: the RL prompt's tokens.
+        return [
+            Case(f"{case_id(s, i)}-chat", (ChatMessage("user", p.prompt),), sampling, 1, {"answer": p.answer})
+            for i, p in enumerate(problems)
+        ]
 
     def cases(self) -> list[Case]:
         return self._cases

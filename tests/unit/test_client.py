@@ -154,3 +154,48 @@ async def test_the_router_url_is_read_once_per_ttl_and_again_at_once_after_a_fai
     finally:
         await client.close()
         await second.cleanup()
+
+
+async def test_every_sampling_parameter_is_sent_and_each_sample_records_its_own():
+    """A parameter left out of a request may take the model's generation_config.json default, which the
+    trainer would not reproduce: every one is sent, those the trainer does not model at neutral values."""
+    from aiohttp import web
+
+    bodies: list[dict] = []
+
+    async def generate(request: web.Request) -> web.Response:
+        bodies.append(await request.json())
+        return web.json_response({"choices": [choice([5], [-0.5], [{"version": "0", "start": 0, "end": 1}])]})
+
+    app = web.Application()
+    app.router.add_post("/inference/v1/generate", generate)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        async with RolloutClient("m", url=f"http://127.0.0.1:{port}") as client:
+            (sample,) = await client.generate([1, 2], temperature=0.7, top_k=20, top_p=0.9, max_tokens=1)
+    finally:
+        await runner.cleanup()
+    params = bodies[0]["sampling_params"]
+    assert {k: params[k] for k in ("temperature", "top_k", "top_p", "max_tokens")} == {
+        "temperature": 0.7,
+        "top_k": 20,
+        "top_p": 0.9,
+        "max_tokens": 1,
+    }
+    assert params["min_p"] == 0 and params["repetition_penalty"] == 1
+    assert params["presence_penalty"] == 0 and params["frequency_penalty"] == 0
+    assert (sample.temperature, sample.top_k, sample.top_p) == (0.7, 20, 0.9)
+
+
+def test_a_sample_pickled_before_it_recorded_its_sampling_parameters_loads_with_the_neutral_ones():
+    import pickle
+
+    s = parse_choice([1], choice([7], [-1.0], [{"version": "0", "start": 0, "end": 1}]))
+    for name in ("temperature", "top_k", "top_p"):
+        del s.__dict__[name]  # as a Sample of the class before these fields pickled itself
+    old = pickle.loads(pickle.dumps(s))
+    assert (old.temperature, old.top_k, old.top_p) == (1.0, 0, 1.0)

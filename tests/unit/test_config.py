@@ -201,3 +201,25 @@ def test_a_list_of_tables_added_later_stays_out_of_the_fingerprint_until_it_is_s
     assert "trainer.rl.token_mask_band" in printed  # an identity list without `added` always is
     mixed = load_config(REPO / "configs" / "demo.toml", ['trainer.data.sources=[{name = "web", path = "w.jsonl"}]'])
     assert identity_fingerprint(mixed) != identity_fingerprint(cfg)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("rollout.temperature=0", r"rollout\.temperature = 0\.0: RL needs sampling"),
+        ("rollout.top_p=0", r"rollout\.top_p = 0\.0 must be in \(0, 1\]"),
+        ("rollout.top_p=1.5", r"rollout\.top_p = 1\.5 must be in \(0, 1\]"),
+        ("rollout.top_k=-2", r"rollout\.top_k = -2 must be >= 1, or 0 / -1"),
+        ('rollout.extra_args=["--logprobs-mode=raw_logprobs"]', r"rollout\.extra_args sets --logprobs-mode"),
+        ('rollout.extra_args=["--logits-processors", "m:P"]', r"rollout\.extra_args sets --logits-processors"),
+    ],
+)
+def test_sampling_the_trainer_cannot_reproduce_is_refused_naming_the_field(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [override])
+
+
+def test_tempered_and_truncated_sampling_is_accepted_and_greedy_is_fine_outside_rl():
+    cfg = load_config(None, ["rollout.temperature=0.7", "rollout.top_k=-1", "rollout.top_p=0.9"])
+    assert (cfg.rollout.temperature, cfg.rollout.top_k, cfg.rollout.top_p) == (0.7, -1, 0.9)
+    load_config(None, ["rollout.temperature=0", "trainer.mode=pretrain", "trainer.data.path=x.jsonl"])

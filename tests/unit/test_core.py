@@ -135,6 +135,7 @@ def test_the_rl_step_on_the_core_is_the_decoupled_ppo_update_written_out_by_hand
     token count and one optimizer step: written out by hand here."""
     import copy
 
+    from trainer.model.sampling import RowSampling
     from trainer.optim import Optimizer
     from trainer.rl.loss import ppo_loss
     from trainer.rl.update import mini_batch_rows, proximal_fn, rl_updates
@@ -150,20 +151,37 @@ def test_the_rl_step_on_the_core_is_the_decoupled_ppo_update_written_out_by_hand
     mask = (targets >= 0).float()
     behaviour, adv = -torch.rand(N, L, generator=g) * 3 * mask, torch.randn(N, generator=g)
     rl, mb = cfg.trainer.rl, cfg.trainer.rl.micro_batch_samples
+    # Rows sampled at temperature 1, tempered, top-p and top-k truncated: each takes its own distribution.
+    sampling = {
+        "temperature": torch.tensor([1.0, 0.7, 0.7, 1.3] * 10),
+        "top_k": torch.tensor([0, 0, 20, -1] * 10),
+        "top_p": torch.tensor([1.0, 1.0, 0.9, 0.8] * 10),
+    }
+
+    def rows_sampling(c: slice) -> RowSampling:
+        return RowSampling(sampling["temperature"][c], sampling["top_k"][c], sampling["top_p"][c])
+
     groups = [8] * 5
     rows = mini_batch_rows(groups, mini_batches)
     assert len(rows) == mini_batches and rows[0].start == 0 and rows[-1].stop == N
     assert all((r.stop - r.start) % 8 == 0 for r in rows)  # whole groups
     with torch.no_grad():
         by_hand.eval()
-        proximal = torch.cat([by_hand.token_logprobs(tokens[i : i + mb], targets[i : i + mb]) for i in range(0, N, mb)])
+        proximal = torch.cat(
+            [
+                by_hand.token_logprobs(tokens[c], targets[c], sampling=rows_sampling(c))
+                for c in (slice(i, i + mb) for i in range(0, N, mb))
+            ]
+        )
     by_hand.train()
     opt = Optimizer(by_hand, cfg.trainer.optim)
+    outside = 0
     for r in rows:
         total = float(mask[r].sum())
         for i in range(r.start, r.stop, mb):
             c = slice(i, min(i + mb, r.stop))
-            logp = by_hand.token_logprobs(tokens[c], targets[c])
+            logp = by_hand.token_logprobs(tokens[c], targets[c], sampling=rows_sampling(c))
+            outside += int(by_hand.sampling_outside().sum())
             ppo_loss(logp, proximal[c], behaviour[c], adv[c], mask[c], rl, total=total).loss.backward()
         opt.step(int(total))
 
@@ -176,10 +194,13 @@ def test_the_rl_step_on_the_core_is_the_decoupled_ppo_update_written_out_by_hand
         "advantages": adv,
         "fresh": torch.zeros(N),
         "step_tokens": torch.full((N,), float(mask.sum())),
+        **sampling,
     }
     result = core.step_updates(rl_updates(batch, rows, rl), mb, prepare=proximal_fn(rl))
     assert len(result.updates) == mini_batches and core.optimizer.steps == mini_batches
     assert result.figures["tokens"] == float(mask.sum())
+    # Random targets: many fall outside the truncated rows' top-k / top-p sets, each counted once.
+    assert result.figures["sampling_outside_tokens"] == outside > 0
     a = torch.cat([p.detach().flatten() for p in by_hand.parameters()])
     b = torch.cat([p.detach().flatten() for p in on_core.parameters()])
     start = torch.cat([p.detach().flatten() for p in build_model(cfg.trainer.model, seed=0).parameters()])
@@ -214,6 +235,9 @@ def _rl_batch() -> tuple[dict[str, torch.Tensor], list[slice]]:
         "advantages": torch.randn(N, generator=g),
         "fresh": torch.ones(N),
         "step_tokens": torch.full((N,), float(mask.sum())),
+        "temperature": torch.ones(N),
+        "top_k": torch.zeros(N, dtype=torch.long),
+        "top_p": torch.ones(N),
     }
     return batch, mini_batch_rows([4] * 6, 3)
 

@@ -7,7 +7,6 @@ in-memory layout), and trainer/hf.py splits them into per-expert names on export
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from common.config import ModelConfig
@@ -15,6 +14,7 @@ from trainer.model.attention import GQA, MLA, attention_backends
 from trainer.model.moe import MLP, MoE
 from trainer.model.norm import RMSNorm
 from trainer.model.rope import rope_tables
+from trainer.model.sampling import RowSampling, logprobs_of, sampled_logprobs
 
 
 class Block(nn.Module):
@@ -61,6 +61,7 @@ class Transformer(nn.Module):
                 "trainer.experts.select_backend(...)"
             )
         self.cfg = cfg
+        self._outside: torch.Tensor | None = None
         self.model = Decoder(cfg, experts_backend)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -126,9 +127,24 @@ class Transformer(nn.Module):
         positions: torch.Tensor | None = None,
         routing: torch.Tensor | None = None,
         replay: bool = False,
+        sampling: RowSampling | None = None,
     ) -> torch.Tensor:
-        """log p(targets[b, s] | tokens[b, :s+1]) as float32 [B, S]; targets < 0 give 0 (padding)."""
-        return logprobs_of(self(tokens, positions, routing, replay), targets)
+        """log p(targets[b, s] | tokens[b, :s+1]) as float32 [B, S]; targets < 0 give 0 (padding). With
+        `sampling`, p is each row's sampling distribution (temperature, top-k, top-p: trainer.model.sampling),
+        and `sampling_outside()` then counts the targets outside the trainer's own truncation set."""
+        logits = self(tokens, positions, routing, replay)
+        if sampling is None:
+            return logprobs_of(logits, targets)
+        logp, outside = sampled_logprobs(logits, targets, sampling)
+        self._outside = outside.sum(1)
+        return logp
+
+    def sampling_outside(self) -> torch.Tensor:
+        """Per row [B], of the last `token_logprobs` given a sampling: targets its truncation set left out
+        (kept in their own position's set instead, see `sampled_logprobs`)."""
+        if self._outside is None:
+            raise RuntimeError("the last token_logprobs was not given a sampling")
+        return self._outside
 
     def routing_disagreement(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Per row [B], summed over MoE layers, of the last forward given a routing: (token-layer pairs whose
@@ -155,14 +171,6 @@ def compile_blocks(model: Transformer, **compile_kwargs) -> Transformer:
     for block in model.model.layers:
         block.compile(**compile_kwargs)
     return model
-
-
-def logprobs_of(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Per-position log-probabilities of targets (float32); positions whose target is < 0 give 0."""
-    flat = logits.reshape(-1, logits.shape[-1]).float()
-    tgt = targets.reshape(-1)
-    lp = -F.cross_entropy(flat, tgt.clamp(min=0), reduction="none")
-    return torch.where(tgt >= 0, lp, torch.zeros_like(lp)).view(targets.shape)
 
 
 @torch.no_grad()

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from rollout.chat import ChatTemplateMode, prompt_token_ids
 from rollout.flow.runtime import Group
 from rollout.generator import Rollout
 from rollout.tasks import Problem, Task
@@ -40,16 +41,30 @@ def padded_batch(rollouts: list[Rollout], pad_id: int) -> tuple[torch.Tensor, to
     return tokens, targets, behaviour, (targets >= 0).float()
 
 
-def warm_start_batch(task: Task, tokenizer: Any, step: int, batch_size: int) -> tuple[dict[str, torch.Tensor], int]:
+def sampling_rows(rollouts: list[Rollout]) -> dict[str, torch.Tensor]:
+    """Each row's sampling parameters, as its sample was drawn ({"temperature", "top_p"} float32 [B],
+    {"top_k"} int64 [B]): the distribution the trainer takes its log-probs under (trainer.model.sampling)."""
+    return {
+        "temperature": torch.tensor([r.sample.temperature for r in rollouts], dtype=torch.float32),
+        "top_k": torch.tensor([r.sample.top_k for r in rollouts], dtype=torch.long),
+        "top_p": torch.tensor([r.sample.top_p for r in rollouts], dtype=torch.float32),
+    }
+
+
+def warm_start_batch(
+    task: Task, tokenizer: Any, step: int, batch_size: int, chat_template: ChatTemplateMode
+) -> tuple[dict[str, torch.Tensor], int]:
     """Warm-start step `step`'s batch of reference answers ({"tokens", "targets"}: the prompt's tokens are
     not targets) and its number of target tokens. Its problems come from the end of the data, away from
-    the RL prompts at its start."""
+    the RL prompts at its start. Each prompt is the token ids the RL generator sends for it (`chat_template`:
+    rollout.chat_template), the answer's tokens and EOS after them, as the policy would sample them."""
     n = len(task)
     rows, masks = [], []
     for i in range(batch_size):
         problem = task.problem(n - 1 - ((step * batch_size + i) % n))
-        prompt = list(tokenizer(problem.prompt)["input_ids"])
-        answer = list(tokenizer(problem.answer)["input_ids"]) + [tokenizer.eos_token_id]
+        prompt = prompt_token_ids(tokenizer, problem.prompt, chat_template)
+        # The answer continues the prompt's tokens: no special tokens of a sequence start in between.
+        answer = list(tokenizer(problem.answer, add_special_tokens=False)["input_ids"]) + [tokenizer.eos_token_id]
         rows.append(prompt + answer)
         masks.append([0] * len(prompt) + [1] * len(answer))
     length = max(map(len, rows))

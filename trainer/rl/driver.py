@@ -63,7 +63,14 @@ from trainer.optim import RouterStats, router_figures
 from trainer.ranks import Ranks
 from trainer.report import write_report
 from trainer.rl.advantages import group_advantages, zero_variance_groups
-from trainer.rl.batch import gen_figures, ledger_record, padded_batch, rewind_ledger, warm_start_batch
+from trainer.rl.batch import (
+    gen_figures,
+    ledger_record,
+    padded_batch,
+    rewind_ledger,
+    sampling_rows,
+    warm_start_batch,
+)
 from trainer.rl.replay import routing_batch
 from trainer.rl.update import mini_batch_rows, rl_step_figures
 from trainer.rl.verdict import wait_for_verdict
@@ -199,7 +206,9 @@ class RLTrainer(TrainerRank):
         for step in range(w.steps):
             if self.stop_requested.is_set():
                 raise StopRequested(f"stopped during the warm start at step {step}")
-            batch, target_tokens = warm_start_batch(self.task, self.tokenizer, step, w.batch_size)
+            batch, target_tokens = warm_start_batch(
+                self.task, self.tokenizer, step, w.batch_size, self.cfg.rollout.chat_template
+            )
             # The warm start does not advance the RL schedule: no schedule tokens, a constant rate of its own.
             result = self.command(SupervisedStep(batch, target_tokens, schedule_tokens=0, lr=w.lr))
             assert result is not None
@@ -290,6 +299,7 @@ class RLTrainer(TrainerRank):
             "advantages": advantages,
             "fresh": fresh,
             "step_tokens": torch.full((len(rollouts),), float(n_tokens)),
+            **sampling_rows(rollouts),
         }
         layers = self.model.moe_layer_ids()
         replay = self.cfg.trainer.rl.routing_replay == "rollout"

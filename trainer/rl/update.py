@@ -5,7 +5,10 @@ AReaL's ppo_n_minibatches).
 
 A batch may carry `routing` [B, S, MoE layers, k], the experts vLLM chose per token (trainer/rl/replay.py):
 the first pass then measures, per row, how often the trainer's router disagrees with it, and with
-trainer.rl.routing_replay = "rollout" both passes use it (rollout routing replay)."""
+trainer.rl.routing_replay = "rollout" both passes use it (rollout routing replay).
+
+Both passes take log-probs under each row's sampling distribution (the batch's "temperature", "top_k" and
+"top_p" rows, trainer.model.sampling), the one vLLM's behaviour log-probs are of."""
 
 from __future__ import annotations
 
@@ -17,12 +20,23 @@ import torch
 
 from common.config import RLConfig
 from trainer.core import Batch, LossFn, LossOutput, PrepareFn, StepResult, Update, split_rows
+from trainer.model.sampling import RowSampling
 from trainer.model.transformer import Transformer
 from trainer.rl.loss import ppo_loss
 
 # |log-prob gap| histogram edges for the step's p99 (summable over micro-batches and ranks): 20 bins a
 # decade from 1e-9 to 1e2 nats, so the p99 is known to within a factor of 1.12.
 GAP_EDGES = torch.logspace(-9, 2, 221, dtype=torch.float64)
+
+
+def row_sampling(mb: Batch) -> RowSampling:
+    """The sampling parameters of a batch's rows (its "temperature", "top_k" and "top_p" [B])."""
+    missing = [k for k in ("temperature", "top_k", "top_p") if k not in mb]
+    if missing:
+        raise KeyError(
+            f"an RL batch needs each row's sampling parameters; missing {missing} (trainer.rl.batch.sampling_rows)"
+        )
+    return RowSampling(mb["temperature"], mb["top_k"], mb["top_p"])
 
 
 def proximal_fn(rl: RLConfig) -> PrepareFn:
@@ -34,7 +48,11 @@ def proximal_fn(rl: RLConfig) -> PrepareFn:
         routing = mb.get("routing")
         out = {
             "proximal": model.token_logprobs(
-                mb["tokens"], mb["targets"], routing=routing, replay=rl.routing_replay == "rollout"
+                mb["tokens"],
+                mb["targets"],
+                routing=routing,
+                replay=rl.routing_replay == "rollout",
+                sampling=row_sampling(mb),
             )
         }
         if routing is not None:
@@ -66,7 +84,11 @@ def rl_loss_fn(rl: RLConfig, total: float, step_total: float | None = None) -> L
     def loss_fn(model: Transformer, mb: Batch) -> LossOutput:
         mask = mb["mask"]
         routing = mb.get("routing") if rl.routing_replay == "rollout" else None
-        logp = model.token_logprobs(mb["tokens"], mb["targets"], routing=routing, replay=routing is not None)
+        logp = model.token_logprobs(
+            mb["tokens"], mb["targets"], routing=routing, replay=routing is not None, sampling=row_sampling(mb)
+        )
+        # Sampled tokens the trainer's truncation set leaves out (kept in their own set instead): a count, summed.
+        outside = float(model.sampling_outside().sum())
         out = ppo_loss(logp, mb["proximal"], mb["behaviour"], mb["advantages"], mask, rl, total=total)
         weight = float(mask.sum()) / float(mb["step_tokens"][0])
         stats = {
@@ -82,6 +104,7 @@ def rl_loss_fn(rl: RLConfig, total: float, step_total: float | None = None) -> L
         fresh = mask * mb["fresh"].unsqueeze(1)
         stats["fresh_abs_diff_sum"] = float(((mb["proximal"] - mb["behaviour"]).abs() * fresh).sum())
         stats["fresh_tokens"] = float(fresh.sum())
+        stats["sampling_outside_tokens"] = outside
         gaps = (mb["proximal"] - mb["behaviour"]).abs()[mask > 0].double().cpu()
         stats["gap_hist"] = torch.histogram(gaps.clamp(GAP_EDGES[0], GAP_EDGES[-1]), GAP_EDGES).hist  # type: ignore[assignment]
         if "routing_differ" in mb:
