@@ -40,12 +40,12 @@ class ReferencePolicy:
 
     def _frozen_shell(self, policy: Transformer) -> Transformer:
         """A model of the policy's shape (weights not yet set), sharded like the policy, frozen."""
-        model = self._sharded(build_model(policy.cfg, self.backend, seed=None, device=self.device))
+        model = self.shard(build_model(policy.cfg, self.backend, seed=None, device=self.device))
         model.requires_grad_(False)
         model.set_aux_loss(False)
         return model.eval()
 
-    def _sharded(self, full: Transformer) -> Transformer:
+    def shard(self, full: Transformer) -> Transformer:
         """`full` with the policy's plan applied: this rank keeps the experts it keeps of the policy."""
         if self.plan is not None and self.plan.transport is not None:
             apply_expert_parallel(full, self.plan.transport, self.plan.dense_group, self.plan.expert_replica_group)
@@ -73,7 +73,7 @@ class ReferencePolicy:
         checkpoints, loaded into a full model as trainer.init is, of which this rank keeps its shard."""
         full = build_model(self.model.cfg, self.backend, seed=None)
         load_weights(full, path, "trainer.rl.reference")
-        self.copy_from(self._sharded(full.to(self.device)))
+        self.copy_from(self.shard(full.to(self.device)))
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
