@@ -1,0 +1,156 @@
+"""The frozen reference policy through a trainer rank's own handlers (trainer/commands.py): started from the
+policy, refreshed every reference_refresh_steps, checkpointed and resumed exactly, loaded from a checkpoint
+path; the KL term keeping the policy nearer its reference; grad_accum in the RL step."""
+
+from __future__ import annotations
+
+import torch
+
+from common.config import Config
+from trainer.commands import RLStep, StartReference, TrainerRank
+from trainer.core import TrainingCore
+from trainer.model import build_model
+from trainer.ranks import Ranks
+from trainer.rl.update import mini_batch_rows, rl_step_figures
+
+
+def _rank(cfg: Config, seed: int = 0) -> TrainerRank:
+    """A one-rank TrainerRank on the CPU with only what its training handlers read (no run context)."""
+    rank = object.__new__(TrainerRank)
+    rank.cfg, rank.device = cfg, torch.device("cpu")
+    rank.core = TrainingCore(cfg, Ranks.single(rank.device), build_model(cfg.trainer.model, seed=seed))
+    rank.reference = rank.make_reference()
+    return rank
+
+
+def _cfg(**rl: object) -> Config:
+    cfg = Config()
+    for k, v in rl.items():
+        setattr(cfg.trainer.rl, k, v)
+    cfg.trainer.check()
+    return cfg
+
+
+def _batch(seed: int = 3) -> tuple[dict[str, torch.Tensor], list[slice]]:
+    """An RL step of 4 groups of 4 samples with fixed random tokens and advantages, one mini-batch."""
+    g = torch.Generator().manual_seed(seed)
+    N, L = 16, 10
+    tokens, targets = torch.randint(0, 128, (N, L), generator=g), torch.randint(0, 128, (N, L), generator=g)
+    targets[:, :4] = -1
+    targets[::3, -2:] = -1
+    mask = (targets >= 0).float()
+    batch = {
+        "tokens": tokens,
+        "targets": targets,
+        "behaviour": -torch.rand(N, L, generator=g) * 3 * mask,
+        "mask": mask,
+        "advantages": torch.randn(N, generator=g),
+        "fresh": torch.zeros(N),
+        "step_tokens": torch.full((N,), float(mask.sum())),
+    }
+    return batch, mini_batch_rows([4] * 4, 1)
+
+
+def _step(rank: TrainerRank, step: int, seed: int = 3) -> dict[str, float]:
+    batch, rows = _batch(seed)
+    return rl_step_figures(rank.rl_step(RLStep(batch, rows, step)))
+
+
+def _weights(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def test_no_reference_is_kept_unless_the_kl_is_trained_or_logged():
+    assert _rank(_cfg()).reference is None
+    rank = _rank(_cfg(log_kl=True))
+    assert rank.reference is not None and "reference" in rank.core.companions
+    ref = rank.reference.model
+    assert not ref.training and all(not p.requires_grad for p in ref.parameters())
+    assert torch.equal(_weights(ref), _weights(rank.core.model))
+
+
+def test_the_reference_starts_as_the_policy_and_a_refresh_makes_the_next_first_pass_kl_zero():
+    """Step 0 against the reference made from the policy: KL 0 (one mini-batch: every micro-batch runs before
+    the update). Step 1: the policy moved, KL > 0. Step 2 refreshes (every 2 steps) before its first pass:
+    KL 0 again; step 3 does not: KL > 0."""
+    rank = _rank(_cfg(kl_coef=0.1, reference_refresh_steps=2))
+    rank.start_reference(StartReference())
+    kls = [_step(rank, step) for step in range(4)]
+    print("kl_k3 per step:", [f"{f['kl_k3']:.3g}" for f in kls])
+    for f in (kls[0], kls[2]):
+        assert abs(f["kl_k3"]) < 1e-9 and abs(f["kl_k1"]) < 1e-6
+    assert kls[1]["kl_k3"] > 1e-4 and kls[3]["kl_k3"] > 1e-4
+
+
+def test_a_resumed_run_has_exactly_the_reference_it_saved(tmp_path):
+    """Two steps, a checkpoint, a third step; a new rank (its reference made from other weights) resumed
+    from the checkpoint makes the same third step: the same loss and KL, bitwise, and the same weights."""
+    from trainer.checkpoint import CheckpointMismatch, TrainState
+
+    cfg = _cfg(kl_coef=0.2)
+    first = _rank(cfg)
+    first.start_reference(StartReference())
+    _step(first, 0, seed=3)
+    _step(first, 1, seed=4)
+    first.core.save(tmp_path, TrainState(step=2))
+    want = _step(first, 2, seed=5)
+    again = _rank(cfg, seed=9)
+    assert again.core.resume(tmp_path) is not None
+    got = _step(again, 2, seed=5)
+    assert want["kl"] > 1e-4
+    for k in ("loss", "pg_loss", "kl", "kl_k1", "kl_k3"):
+        assert got[k] == want[k], k
+    assert torch.equal(_weights(again.core.model), _weights(first.core.model))
+    # A run that keeps a reference refuses a checkpoint without one, naming it.
+    plain = _rank(_cfg())
+    plain.core.save(tmp_path / "plain", TrainState(step=1))
+    logging_rank = _rank(_cfg(log_kl=True))
+    try:
+        logging_rank.core.resume(tmp_path / "plain")
+    except CheckpointMismatch as exc:
+        assert "'reference'" in str(exc)
+    else:
+        raise AssertionError("a checkpoint without the reference was accepted")
+
+
+def test_the_reference_loads_from_a_checkpoint_path(tmp_path):
+    """trainer.rl.reference = one of our checkpoints: the reference holds its weights, not the policy's."""
+    from trainer.checkpoint import TrainState
+
+    other = _rank(_cfg(), seed=5)
+    other.core.save(tmp_path, TrainState(step=0))
+    rank = _rank(_cfg(kl_coef=0.1, reference=str(tmp_path / "step_00000000")))
+    rank.start_reference(StartReference())
+    assert torch.equal(_weights(rank.reference.model), _weights(other.core.model))
+    assert not torch.equal(_weights(rank.reference.model), _weights(rank.core.model))
+
+
+def test_the_kl_term_keeps_the_policy_nearer_its_reference():
+    """The same fixed batches trained for several steps without (kl_coef = 0) and with a KL term, the KL
+    logged in both (log_kl): with the term, the KL to the reference at each later step is lower."""
+    runs = {}
+    for coef in (0.0, 1.0):
+        rank = _rank(_cfg(kl_coef=coef, log_kl=True, kl_estimator="k2"))
+        rank.start_reference(StartReference())
+        runs[coef] = [_step(rank, step, seed=3 + step % 2)["kl_k3"] for step in range(6)]
+    for coef, kls in runs.items():
+        print(f"kl_coef {coef}: KL (k3) to the reference per step", " ".join(f"{v:.4g}" for v in kls))
+    assert runs[0.0][0] == runs[1.0][0] == 0.0
+    assert all(with_kl < without for with_kl, without in zip(runs[1.0][2:], runs[0.0][2:], strict=True))
+
+
+def test_grad_accum_cuts_each_update_into_more_micro_batches_and_gives_the_same_update():
+    """grad_accum = 3 with micro_batch_samples large enough for one forward: 3 times the forwards of
+    grad_accum = 1 (the first pass and the update each), the same weights after the step up to float order."""
+    weights, forwards = [], [0, 0]
+    for i, accum in enumerate((1, 3)):
+        cfg = _cfg(kl_coef=0.1, micro_batch_samples=64)
+        cfg.trainer.optim.grad_accum = accum
+        rank = _rank(cfg)
+        rank.start_reference(StartReference())
+        rank.core.model.register_forward_hook(lambda *_, i=i: forwards.__setitem__(i, forwards[i] + 1))
+        _step(rank, 0)
+        weights.append(_weights(rank.core.model))
+    start = _weights(build_model(Config().trainer.model, seed=0))
+    assert forwards == [2, 6]
+    assert float((weights[0] - weights[1]).norm() / (weights[0] - start).norm()) < 1e-4
