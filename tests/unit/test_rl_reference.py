@@ -4,6 +4,9 @@ path; the KL term keeping the policy nearer its reference; grad_accum in the RL 
 
 from __future__ import annotations
 
+import asyncio
+
+import pytest
 import torch
 
 from common.config import Config
@@ -154,3 +157,59 @@ def test_grad_accum_cuts_each_update_into_more_micro_batches_and_gives_the_same_
     start = _weights(build_model(Config().trainer.model, seed=0))
     assert forwards == [2, 6]
     assert float((weights[0] - weights[1]).norm() / (weights[0] - start).norm()) < 1e-4
+
+
+@pytest.fixture
+def rendezvous(tmp_path):
+    from common.config import RendezvousConfig
+    from common.rendezvous import Rendezvous
+
+    rz = Rendezvous(tmp_path / "meet", RendezvousConfig())
+    rz.connect(timeout_s=10)
+    yield rz
+    rz.close()
+
+
+@pytest.mark.timeout(180)
+def test_the_rl_trainer_starts_the_reference_after_the_warm_start_and_keeps_it_over_a_resume(rendezvous, tmp_path):
+    """The in-process RL trainer (against the fake router of test_gen_metrics) with log_kl: the reference is the
+    policy after the warm start (step 0's KL is exactly 0; the warm start moved the weights, so a reference
+    made from the initial weights would give more), it is checkpointed, and the trainer restarted after a
+    crash at step 2 resumes with it and logs the KL of every step."""
+    from common.metrics import step_series
+    from rollout.flow.runtime import Group
+    from tests.unit.test_gen_metrics import context, rl_config, trainer_world
+    from trainer.rl.driver import RLTrainer
+
+    class Crash(RuntimeError):
+        pass
+
+    class CrashingTrainer(RLTrainer):
+        def train_step(self, step: int, groups: list[Group], dropped_groups: int) -> None:
+            if step == 2:
+                raise Crash
+            super().train_step(step, groups, dropped_groups)
+
+    cfg = rl_config(tmp_path)
+    # The fake router's completions all score 0: keep their groups so that every step trains (and logs).
+    for key, value in (("log_kl", True), ("filter_zero_variance", False), ("reward_clip", [-1.0, 1.0])):
+        setattr(cfg.trainer.rl, key, value)
+    cfg.trainer.warmup.steps, cfg.trainer.warmup.batch_size = 2, 4
+    run_dir = tmp_path / "run"
+    ctx = context(cfg, rendezvous, run_dir)
+    with trainer_world(rendezvous) as (io_loop, router, _):
+        rendezvous.connect().set(ctx.keys.router(cfg.router.name), router.url)
+        lost = CrashingTrainer(ctx, io_loop, Ranks.single(torch.device("cpu")))
+        start = _weights(lost.core.model)
+        with pytest.raises(Crash):
+            lost.run()
+        assert lost.reference is not None
+        assert not torch.equal(start, _weights(lost.reference.model))  # the warm start's weights, not the initial
+        lost.metrics.close()
+        asyncio.run_coroutine_threadsafe(lost.publisher.close(), io_loop).result(10)
+        again = RLTrainer(ctx, io_loop, Ranks.single(torch.device("cpu")))
+        assert again.run() == 0
+    series = step_series(run_dir, ["loss/kl", "loss/kl_k1", "loss/kl_k3"], role="trainer")
+    print("loss/kl_k3 per step:", series["loss/kl_k3"])
+    assert sorted(series["loss/kl_k3"]) == [0, 1, 2]
+    assert series["loss/kl_k3"][0] == 0.0 and series["loss/kl_k1"][0] == 0.0
