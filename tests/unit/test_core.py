@@ -137,12 +137,22 @@ def _frozen_reference(core: TrainingCore, seed: int):
     return reference
 
 
-@pytest.mark.parametrize(("mini_batches", "kl_coef"), [(1, 0.0), (3, 0.0), (1, 2.0), (3, 2.0)])
-def test_the_rl_step_on_the_core_is_the_decoupled_ppo_update_written_out_by_hand(mini_batches, kl_coef):
+@pytest.mark.parametrize(
+    ("mini_batches", "kl_coef", "aggregation"),
+    [
+        (1, 0.0, "token-mean"),
+        (3, 0.0, "token-mean"),
+        (1, 2.0, "token-mean"),
+        (3, 2.0, "token-mean"),
+        (3, 2.0, "seq-mean-token-sum"),
+        (3, 0.0, "seq-mean-token-mean"),
+    ],
+)
+def test_the_rl_step_on_the_core_is_the_decoupled_ppo_update_written_out_by_hand(mini_batches, kl_coef, aggregation):
     """Proximal (and, with a KL term, the frozen reference's) log-probs of every micro-batch first (no grad,
     eval mode, the weights that began the step), then per mini-batch of whole groups the PPO loss (plus
-    kl_coef times the k3 KL to the reference) of each micro-batch normalised by the mini-batch's token
-    count and one optimizer step: written out by hand here."""
+    kl_coef times the k3 KL to the reference) of each micro-batch normalised by the mini-batch's token (or,
+    seq-mean-*, sample) count and one optimizer step: written out by hand here."""
     import copy
 
     from trainer.optim import Optimizer
@@ -150,7 +160,7 @@ def test_the_rl_step_on_the_core_is_the_decoupled_ppo_update_written_out_by_hand
     from trainer.rl.update import mini_batch_rows, proximal_fn, rl_updates
 
     cfg = Config()
-    cfg.trainer.rl.kl_coef = kl_coef
+    cfg.trainer.rl.kl_coef, cfg.trainer.rl.aggregation = kl_coef, aggregation
     by_hand = build_model(cfg.trainer.model, seed=0)
     ref_model = build_model(cfg.trainer.model, seed=1).eval()
     on_core = copy.deepcopy(by_hand)
@@ -173,7 +183,7 @@ def test_the_rl_step_on_the_core_is_the_decoupled_ppo_update_written_out_by_hand
     by_hand.train()
     opt = Optimizer(by_hand, cfg.trainer.optim)
     for r in rows:
-        total = float(mask[r].sum())
+        total = float(mask[r].sum()) if aggregation == "token-mean" else float(r.stop - r.start)
         for i in range(r.start, r.stop, mb):
             c = slice(i, min(i + mb, r.stop))
             logp = by_hand.token_logprobs(tokens[c], targets[c])
@@ -181,7 +191,7 @@ def test_the_rl_step_on_the_core_is_the_decoupled_ppo_update_written_out_by_hand
             ppo_loss(
                 logp, proximal[c], behaviour[c], adv[c], mask[c], rl, ref_logp=ref_logp, total=total
             ).loss.backward()
-        opt.step(int(total))
+        opt.step(int(mask[r].sum()))  # the schedule counts trained tokens whatever the aggregation
 
     core = TrainingCore(cfg, Ranks.single(torch.device("cpu")), on_core)
     reference = _frozen_reference(core, seed=1).model if kl_coef > 0 else None
