@@ -23,6 +23,7 @@ from common.weights.index import PartReport
 from common.weights.writer import VersionPart, count_shards
 from trainer.checkpoint import Companion, TrainState
 from trainer.core import StepResult, TrainingCore, cross_entropy_loss
+from trainer.model import compile_blocks
 from trainer.ranks import Ranks
 from trainer.rl.reference import ReferencePolicy
 from trainer.rl.update import proximal_fn, rl_updates
@@ -160,6 +161,8 @@ class TrainerRank:
             return None
         dtype = torch.bfloat16 if self.cfg.trainer.dtype == "bfloat16" else torch.float32
         reference = ReferencePolicy(self.core.model, self.core.plan, self.device, dtype)
+        if self.cfg.trainer.compile:
+            compile_blocks(reference.model)  # as the policy's: its first pass costs a forward of the policy
         self.core.companions["reference"] = Companion(reference.model)
         return reference
 
