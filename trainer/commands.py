@@ -3,8 +3,8 @@
 Rank 0 (the RL driver, trainer/rl/driver.py) decides; it broadcasts one command record over the control
 group and every rank (`TrainerRank`) executes it through one handler per command: a supervised step of the
 warm start, the end of the warm start (the optimizer's moments reset), the start of the frozen reference
-policy, an RL step (each rank trains its share of the global batch), its part of a publish (its experts into the version's files), a sharded
-checkpoint, or the end. Commands are plain records: they travel pickled, so they hold tensors and numbers,
+policy, an RL step (each rank trains its share of the global batch), its part of a publish (its experts into
+the version's files), a sharded checkpoint, or the end. Commands are plain records: they travel pickled, so they hold tensors and numbers,
 never behaviour.
 """
 

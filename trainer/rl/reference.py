@@ -3,7 +3,8 @@ by the same parallel plan (each rank holds the experts it holds of the policy), 
 no gradients, eval mode). Because the shards line up, making it the policy is a local copy on every rank,
 with no communication; loading it from a checkpoint (trainer.rl.reference) loads the full model as
 trainer.init is loaded and keeps this rank's shard. The training core checkpoints it as the "reference"
-companion, so a resumed run has exactly the reference it had."""
+companion, so a resumed run has exactly the reference it had. Its shell is built as a full model on the
+device and then sharded (as the policy is at start): a transient peak of one unsharded model per rank."""
 
 from __future__ import annotations
 
