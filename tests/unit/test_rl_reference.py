@@ -116,16 +116,24 @@ def test_a_resumed_run_has_exactly_the_reference_it_saved(tmp_path):
         raise AssertionError("a checkpoint without the reference was accepted")
 
 
-def test_the_reference_loads_from_a_checkpoint_path(tmp_path):
-    """trainer.rl.reference = one of our checkpoints: the reference holds its weights, not the policy's."""
+@pytest.mark.parametrize("kind", ["checkpoint", "hf"])
+def test_the_reference_loads_from_a_checkpoint_or_hf_path(tmp_path, kind):
+    """trainer.rl.reference = one of our checkpoints or an HF directory: the reference holds its weights, not
+    the policy's."""
     from trainer.checkpoint import TrainState
+    from trainer.hf import export_hf
 
     other = _rank(_cfg(), seed=5)
-    other.core.save(tmp_path, TrainState(step=0))
-    rank = _rank(_cfg(kl_coef=0.1, reference=str(tmp_path / "step_00000000")))
+    if kind == "checkpoint":
+        path = other.core.save(tmp_path, TrainState(step=0))
+    else:
+        path = export_hf(other.core.model, tmp_path / "hf")
+    rank = _rank(_cfg(kl_coef=0.1, reference=str(path)))
     rank.start_reference(StartReference())
     assert torch.equal(_weights(rank.reference.model), _weights(other.core.model))
     assert not torch.equal(_weights(rank.reference.model), _weights(rank.core.model))
+    with pytest.raises(FileNotFoundError, match="trainer.rl.reference"):
+        _rank(_cfg(kl_coef=0.1, reference=str(tmp_path / "nothing"))).start_reference(StartReference())
 
 
 def test_the_kl_term_keeps_the_policy_nearer_its_reference():
