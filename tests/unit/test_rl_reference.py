@@ -5,6 +5,7 @@ path; the KL term keeping the policy nearer its reference; grad_accum in the RL 
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,11 +18,13 @@ from trainer.ranks import Ranks
 from trainer.rl.update import mini_batch_rows, rl_step_figures
 
 
-def _rank(cfg: Config, seed: int = 0) -> TrainerRank:
-    """A one-rank TrainerRank on the CPU with only what its training handlers read (no run context)."""
+def _rank(cfg: Config, seed: int = 0, ranks: Ranks | None = None) -> TrainerRank:
+    """A TrainerRank on the CPU (one rank unless `ranks`) with only what its training handlers read (no run
+    context)."""
     rank = object.__new__(TrainerRank)
     rank.cfg, rank.device = cfg, torch.device("cpu")
-    rank.core = TrainingCore(cfg, Ranks.single(rank.device), build_model(cfg.trainer.model, seed=seed))
+    ranks = ranks or Ranks.single(rank.device)
+    rank.core = TrainingCore(cfg, ranks, build_model(cfg.trainer.model, seed=seed))
     rank.reference = rank.make_reference()
     return rank
 
@@ -117,6 +120,56 @@ def test_a_resumed_run_has_exactly_the_reference_it_saved(tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["checkpoint", "hf"])
+def _resume_on_ranks(rank: int, world: int, store: str, out: str) -> None:
+    import torch.distributed as dist
+
+    from trainer.checkpoint import TrainState
+    from trainer.ranks import RankInfo
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        cfg = _cfg(kl_coef=0.2, reference_refresh_steps=3)
+        cfg.trainer.parallel.ep = world
+
+        def ranks() -> Ranks:
+            return Ranks(RankInfo(rank, world, rank, "launcher"), torch.device("cpu"), dist.group.WORLD)
+
+        first = _rank(cfg, ranks=ranks())
+        first.start_reference(StartReference())
+        figures = [_step(first, 0, seed=3), _step(first, 1, seed=4)]
+        first.core.save(Path(out) / "ckpt", TrainState(step=2))
+        figures += [_step(first, 2, seed=5), _step(first, 3, seed=6)]
+        again = _rank(cfg, seed=9, ranks=ranks())
+        assert again.core.resume(Path(out) / "ckpt") is not None
+        resumed = [_step(again, 2, seed=5), _step(again, 3, seed=6)]
+        torch.save({"figures": figures, "resumed": resumed}, f"{out}/rank{rank}.pt")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_on_two_expert_parallel_ranks_the_reference_refreshes_and_resumes_as_on_one(tmp_path):
+    """EP = 2 (gloo processes), each rank's reference holding its experts: four steps with a refresh at step 3
+    give one rank's KL figures (within 1e-5), and two ranks resumed from the checkpoint after step 1 make
+    steps 2 and 3 bitwise as the run that went on."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_resume_on_ranks, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
+    got = torch.load(tmp_path / "rank0.pt")
+    one = _rank(_cfg(kl_coef=0.2, reference_refresh_steps=3))
+    one.start_reference(StartReference())
+    want = [_step(one, step, seed=3 + step) for step in range(4)]
+    for step, (two, single) in enumerate(zip(got["figures"], want, strict=True)):
+        print(f"step {step}: kl_k3 2 ranks {two['kl_k3']:.9g}, 1 rank {single['kl_k3']:.9g}")
+        for k in ("loss", "kl", "kl_k1", "kl_k3"):
+            assert abs(two[k] - single[k]) <= 1e-5 * max(1.0, abs(single[k])), (step, k)
+    assert got["figures"][3]["kl_k3"] < 1e-9 < got["figures"][2]["kl_k3"]  # refreshed before step 3
+    for went_on, resumed in zip(got["figures"][2:], got["resumed"], strict=True):
+        for k in ("loss", "kl", "kl_k1", "kl_k3"):
+            assert resumed[k] == went_on[k], k
+
+
 def test_the_reference_loads_from_a_checkpoint_or_hf_path(tmp_path, kind):
     """trainer.rl.reference = one of our checkpoints or an HF directory: the reference holds its weights, not
     the policy's."""
