@@ -119,7 +119,6 @@ def test_a_resumed_run_has_exactly_the_reference_it_saved(tmp_path):
         raise AssertionError("a checkpoint without the reference was accepted")
 
 
-@pytest.mark.parametrize("kind", ["checkpoint", "hf"])
 def _resume_on_ranks(rank: int, world: int, store: str, out: str) -> None:
     import torch.distributed as dist
 
@@ -170,6 +169,7 @@ def test_on_two_expert_parallel_ranks_the_reference_refreshes_and_resumes_as_on_
             assert resumed[k] == went_on[k], k
 
 
+@pytest.mark.parametrize("kind", ["checkpoint", "hf"])
 def test_the_reference_loads_from_a_checkpoint_or_hf_path(tmp_path, kind):
     """trainer.rl.reference = one of our checkpoints or an HF directory: the reference holds its weights, not
     the policy's."""
