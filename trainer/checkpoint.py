@@ -1,7 +1,8 @@
 """Training checkpoints through torch.distributed.checkpoint (DCP): the model (with the router
 biases), the AdamW state, the schedule position, every RNG, the data cursor, an opaque slot for the
 flow runtime's state, and the config (its identity fingerprint decides whether a resume is allowed).
-DCP writes one directory per checkpoint and works in a single process without a process group; under
+Models kept beside the policy (`Companion`: the frozen reference policy, the critic) are saved and loaded
+with it under their own names. DCP writes one directory per checkpoint and works in a single process without a process group; under
 data/expert parallelism every rank calls the same functions. Resume is exact: N steps, save, load,
 N more steps gives bitwise the weights of 2N uninterrupted steps (on CPU)."""
 
@@ -12,7 +13,7 @@ import shutil
 import time
 import tomllib
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,6 +53,26 @@ class TrainState:
     """Queued / in-flight / buffered prompts of the flow runtime (opaque)."""
     lineage: list[list[int]] = field(default_factory=list)
     """The RL run's lineage: [step, version] of every weight publication (common/weights/lineage.py)."""
+
+
+@dataclass
+class Companion:
+    """A model kept beside the policy and checkpointed with it: the critic (with its optimizer) or the
+    frozen reference policy (no optimizer)."""
+
+    model: nn.Module
+    optimizer: Optimizer | None = None
+
+
+def _companion_state(companions: Mapping[str, Companion]) -> dict[str, Any]:
+    """The DCP entries of the companions: f"{name}.model", and f"{name}.optim" with an optimizer."""
+    state: dict[str, Any] = {}
+    for name, c in companions.items():
+        if c.optimizer is None:
+            state[f"{name}.model"] = get_model_state_dict(c.model)
+        else:
+            state[f"{name}.model"], state[f"{name}.optim"] = get_state_dict(c.model, c.optimizer.optimizers)
+    return state
 
 
 class CheckpointSchedule:
@@ -127,9 +148,16 @@ def checkpoint_steps(root: str | Path) -> list[int]:
 
 
 def save_checkpoint(
-    root: str | Path, model: nn.Module, optimizer: Optimizer, state: TrainState, cfg: Config, keep: int = 0
+    root: str | Path,
+    model: nn.Module,
+    optimizer: Optimizer,
+    state: TrainState,
+    cfg: Config,
+    keep: int = 0,
+    companions: Mapping[str, Companion] | None = None,
 ) -> Path:
-    """Write checkpoint `root/step_<state.step>`; then keep only the newest `keep` (0 = all)."""
+    """Write checkpoint `root/step_<state.step>` (with the `companions` under their names); then keep only the
+    newest `keep` (0 = all)."""
     path = checkpoint_dir(root, state.step)
     model_sd, optim_sd = get_state_dict(model, optimizer.optimizers)
     _dcp_save(
@@ -144,6 +172,7 @@ def save_checkpoint(
                 "config": to_toml(cfg),
             },
             "rng": _rng_state(),
+            **_companion_state(companions or {}),
         },
         path,
     )
@@ -154,8 +183,15 @@ def save_checkpoint(
     return path
 
 
-def load_checkpoint(path: str | Path, model: nn.Module, optimizer: Optimizer | None, cfg: Config) -> TrainState:
-    """Restore a checkpoint into model (and optimizer, RNG); refuses one whose config identity differs."""
+def load_checkpoint(
+    path: str | Path,
+    model: nn.Module,
+    optimizer: Optimizer | None,
+    cfg: Config,
+    companions: Mapping[str, Companion] | None = None,
+) -> TrainState:
+    """Restore a checkpoint into model (and optimizer, RNG) and the `companions`; refuses one whose config
+    identity differs, or that lacks a companion the run expects."""
     path = Path(path)
     if not (path / ".metadata").is_file():
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no .metadata); pick one of list_checkpoints()")
@@ -169,7 +205,17 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: Optimizer | N
             f"{identity_fingerprint(cfg)}): identity fields differ: {', '.join(identity_diff(old, cfg))}. "
             "Restore those values, or start a new run directory."
         )
+    companions = companions or {}
+    keys = _saved_keys(path) if companions else []
+    for name in companions:
+        if not any(k.startswith(f"{name}.model.") for k in keys):
+            raise CheckpointMismatch(
+                f"checkpoint {path} holds no {name!r} model, which this run keeps beside the policy (e.g. the "
+                "reference for trainer.rl.kl_coef > 0 or log_kl); start from a checkpoint that has it, or a new run "
+                "directory"
+            )
     full: dict[str, Any] = {"meta": {"state": None, "optimizer_steps": 0, "optimizer_tokens": 0}}
+    full.update(_companion_state(companions))
     if optimizer is not None:
         full["model"], full["optim"] = get_state_dict(model, optimizer.optimizers)
         full["rng"] = _rng_state()
@@ -183,7 +229,22 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: Optimizer | N
         _set_rng_state(full["rng"])
     else:
         set_model_state_dict(model, full["model"])
+    for name, c in companions.items():
+        if c.optimizer is None:
+            set_model_state_dict(c.model, full[f"{name}.model"])
+        else:
+            set_state_dict(
+                c.model,
+                c.optimizer.optimizers,
+                model_state_dict=full[f"{name}.model"],
+                optim_state_dict=full[f"{name}.optim"],
+            )
     return full["meta"]["state"]
+
+
+def _saved_keys(path: Path) -> list[str]:
+    """The flattened names of every entry a checkpoint holds ("model.<param>", "reference.model.<param>", ...)."""
+    return list(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
 
 
 def load_model_weights(path: str | Path, model: nn.Module) -> None:

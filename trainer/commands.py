@@ -2,9 +2,9 @@
 
 Rank 0 (the RL driver, trainer/rl/driver.py) decides; it broadcasts one command record over the control
 group and every rank (`TrainerRank`) executes it through one handler per command: a supervised step of the
-warm start, the end of the warm start (the optimizer's moments reset), an RL step (each rank trains its
-share of the global batch), its part of a publish (its experts into the version's files), a sharded
-checkpoint, or the end. Commands are plain records: they travel pickled, so they hold tensors and numbers,
+warm start, the end of the warm start (the optimizer's moments reset), the start of the frozen reference
+policy, an RL step (each rank trains its share of the global batch), its part of a publish (its experts into
+the version's files), a sharded checkpoint, or the end. Commands are plain records: they travel pickled, so they hold tensors and numbers,
 never behaviour.
 """
 
@@ -21,9 +21,11 @@ import torch
 from common.roles import RunContext
 from common.weights.index import PartReport
 from common.weights.writer import VersionPart, count_shards
-from trainer.checkpoint import TrainState
+from trainer.checkpoint import Companion, TrainState
 from trainer.core import StepResult, TrainingCore, cross_entropy_loss
+from trainer.model import compile_blocks
 from trainer.ranks import Ranks
+from trainer.rl.reference import ReferencePolicy
 from trainer.rl.update import proximal_fn, rl_updates
 from trainer.setup import initial_model
 from trainer.tinykit import resolve_model
@@ -49,6 +51,12 @@ class SupervisedStep:
 @dataclass
 class ResetMoments:
     """The warm start ended: the optimizer forgets its moments."""
+
+
+@dataclass
+class StartReference:
+    """RL starts (no resume): the frozen reference policy becomes the policy as it is now (after the warm
+    start), or the weights at trainer.rl.reference."""
 
 
 @dataclass
@@ -83,7 +91,7 @@ class Stop:
     """The run is over: the ranks that follow rank 0 return."""
 
 
-Command = SupervisedStep | ResetMoments | RLStep | WritePart | Save | Stop
+Command = SupervisedStep | ResetMoments | StartReference | RLStep | WritePart | Save | Stop
 
 
 class RankPeers:
@@ -116,11 +124,14 @@ class TrainerRank:
         self.model_dir = resolve_model(self.cfg, ctx.run_dir)
         # Version 0 must be the function the workers serve: start from their checkpoint unless told otherwise.
         self.core = TrainingCore(self.cfg, ranks, initial_model(self.cfg, self.device, self.model_dir))
+        # Made before any resume so that a checkpoint's "reference" loads into it; StartReference sets it otherwise.
+        self.reference = self.make_reference()
         self.ckpt_root = ctx.run_dir / "checkpoints"
         self.shard_bytes = self.cfg.rollout.weight_shard_mb << 20
         self.handlers: dict[type[Command], Callable[[Any], StepResult | None]] = {
             SupervisedStep: self.supervised_step,
             ResetMoments: self.reset_moments,
+            StartReference: self.start_reference,
             RLStep: self.rl_step,
             WritePart: self.write_part,
             Save: self.save_shard,
@@ -143,10 +154,39 @@ class TrainerRank:
     def reset_moments(self, cmd: ResetMoments) -> None:
         self.core.optimizer.reset_moments()
 
+    def make_reference(self) -> ReferencePolicy | None:
+        """The frozen reference policy when trainer.rl keeps one (kl_coef > 0 or log_kl), checkpointed with the
+        policy as the "reference" companion; None otherwise (no memory spent)."""
+        if not self.cfg.trainer.rl.keeps_reference:
+            return None
+        dtype = torch.bfloat16 if self.cfg.trainer.dtype == "bfloat16" else torch.float32
+        reference = ReferencePolicy(self.core.model, self.core.plan, self.device, dtype)
+        if self.cfg.trainer.compile:
+            compile_blocks(reference.model)  # as the policy's: its first pass costs a forward of the policy
+        self.core.companions["reference"] = Companion(reference.model)
+        return reference
+
+    def start_reference(self, cmd: StartReference) -> None:
+        if self.reference is None:
+            return
+        path = self.cfg.trainer.rl.reference
+        if path:
+            self.reference.load(Path(path))
+        else:
+            self.reference.copy_from(self.core.model)
+
     def rl_step(self, cmd: RLStep) -> StepResult:
         rl = self.cfg.trainer.rl
+        every = rl.reference_refresh_steps
+        if self.reference is not None and every > 0 and cmd.step > 0 and cmd.step % every == 0:
+            self.reference.copy_from(self.core.model)  # before the first pass: this step's KL is to the policy of now
         updates = rl_updates(cmd.batch, cmd.mini_batches, rl)
-        return self.core.step_updates(updates, rl.micro_batch_samples, prepare=proximal_fn(rl))
+        return self.core.step_updates(
+            updates,
+            rl.micro_batch_samples,
+            prepare=proximal_fn(rl, None if self.reference is None else self.reference.model),
+            min_micro_batches=self.cfg.trainer.optim.grad_accum,
+        )
 
     def write_part(self, cmd: WritePart) -> None:
         """A rank other than 0 in a publish: write this rank's experts where rank 0 says (rank 0's half of a

@@ -16,9 +16,10 @@ A step may be several optimizer updates (`step_updates`: the PPO mini-batches of
 update's rows are split over the ranks on their own, and `prepare` (the proximal log-probs) sees all
 of them with the weights that began the step.
 
+Models kept beside the policy (`companions`: the RL's frozen reference policy) are checkpointed with it.
+
 Left out on purpose: FSDP sharding of the dense weights (they are replicated and their gradients
-all-reduced in flat buckets; the dense part of the MoEs trained here is small next to the experts),
-and a frozen reference policy (trainer.rl.kl_coef > 0 is refused by config validation).
+all-reduced in flat buckets; the dense part of the MoEs trained here is small next to the experts).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from common.config import Config
-from trainer.checkpoint import TrainState, list_checkpoints, load_checkpoint, save_checkpoint
+from trainer.checkpoint import Companion, TrainState, list_checkpoints, load_checkpoint, save_checkpoint
 from trainer.ep import ParallelPlan, apply_expert_parallel, make_transport
 from trainer.hf import hf_tensors
 from trainer.model import Transformer, compile_blocks
@@ -161,11 +162,14 @@ class TrainingCore:
         self.optimizer = Optimizer(model, tc.optim, self.plan)  # the one optimizer of the trainer
         self.aux_coef = tc.optim.seq_aux_loss_coef
         model.set_aux_loss(self.aux_coef > 0)
+        self.companions: dict[str, Companion] = {}
+        """Models checkpointed beside the policy, by name ("reference": trainer/rl/reference.py)."""
 
     # -- the step ------------------------------------------------------------------------------
 
-    def my_micro_batches(self, batch: Batch, rows_per_forward: int) -> list[Batch]:
-        """This rank's rows of the global batch, in the same number of micro-batches on every rank."""
+    def my_micro_batches(self, batch: Batch, rows_per_forward: int, at_least: int = 1) -> list[Batch]:
+        """This rank's rows of the global batch, in the same number of micro-batches on every rank: enough for
+        `rows_per_forward` rows each, and at least `at_least` (gradient accumulation), never an empty one."""
         n = _rows(batch)
         if rows_per_forward < 1:
             raise ValueError(f"rows_per_forward must be >= 1, got {rows_per_forward}")
@@ -175,7 +179,7 @@ class TrainingCore:
         # Same count everywhere, and no rank gets an empty micro-batch (a forward of nothing is still a
         # collective under expert parallelism, and the model does not take empty batches).
         largest, smallest = -(-n // W), n // W
-        count = min(max(1, math.ceil(largest / rows_per_forward)), smallest)
+        count = min(max(at_least, math.ceil(largest / rows_per_forward)), smallest)
         mine = rank_rows(n, W, self.ranks.rank)
         return [
             {k: v[mine][part].to(self.device, non_blocking=True) for k, v in batch.items()}
@@ -203,13 +207,15 @@ class TrainingCore:
         rows_per_forward: int,
         prepare: PrepareFn | None = None,
         lr: float | None = None,
+        min_micro_batches: int = 1,
     ) -> StepResult:
         """Consecutive optimizer updates, one per `Update` (the PPO mini-batches of an RL step). `prepare`
         sees every update's micro-batches with the weights that began the step, before the first update.
-        Each update's rows are split over the ranks on their own, so W ranks make W = 1's updates."""
+        Each update's rows are split over the ranks on their own, so W ranks make W = 1's updates.
+        `min_micro_batches`: each update takes at least this many micro-batches per rank (RL's grad_accum)."""
         t0 = time.perf_counter()
         dtype = self.cfg.trainer.dtype
-        micro = [self.my_micro_batches(u.batch, rows_per_forward) for u in updates]
+        micro = [self.my_micro_batches(u.batch, rows_per_forward, min_micro_batches) for u in updates]
         if prepare is not None:
             self.model.eval()
             with torch.no_grad(), autocast(self.device, dtype):
@@ -239,7 +245,8 @@ class TrainingCore:
     def save(self, root: Path, state: TrainState) -> Path:
         """Checkpoint (every rank writes its shards; DCP, resharded on load)."""
         state.tokens = self.optimizer.tokens
-        return save_checkpoint(root, self.model, self.optimizer, state, self.cfg, keep=self.cfg.trainer.checkpoint.keep)
+        keep = self.cfg.trainer.checkpoint.keep
+        return save_checkpoint(root, self.model, self.optimizer, state, self.cfg, keep=keep, companions=self.companions)
 
     def resume(self, root: Path) -> TrainState | None:
         """Load the newest checkpoint under root (any world size and EP size wrote it), if resuming is on."""
@@ -248,7 +255,7 @@ class TrainingCore:
         chosen = self.ranks.broadcast(str(found[-1]) if found else None)
         if chosen is None:
             return None
-        state = load_checkpoint(chosen, self.model, self.optimizer, self.cfg)
+        state = load_checkpoint(chosen, self.model, self.optimizer, self.cfg, companions=self.companions)
         log.info("resumed from %s at step %d", chosen, state.step)
         return state
 

@@ -31,10 +31,16 @@ def initial_model(cfg: Config, device: torch.device, default_init: Path | None =
     init = Path(tc.init) if tc.init else default_init
     model = build_model(tc.model, backend, seed=cfg.run.seed if init is None else None)
     if init is not None:
-        if (init / "config.json").is_file():
-            load_hf_state(model, init)
-        elif (init / ".metadata").is_file():
-            load_model_weights(init, model)
-        else:
-            raise FileNotFoundError(f"trainer.init = {str(init)!r} is neither an HF directory nor a checkpoint")
+        load_weights(model, init, "trainer.init")
     return model.to(device)
+
+
+def load_weights(model: Transformer, path: Path, key: str) -> None:
+    """Load `path` (an HF directory or one of our checkpoints) into the full, unsharded `model`; `key` names
+    the config field that gave the path, for the error."""
+    if (path / "config.json").is_file():
+        load_hf_state(model, path)
+    elif (path / ".metadata").is_file():
+        load_model_weights(path, model)
+    else:
+        raise FileNotFoundError(f"{key} = {str(path)!r} is neither an HF directory nor a checkpoint")

@@ -132,7 +132,10 @@ class OptimConfig:
     grad_clip: float = 1.0
     """Global gradient-norm clip; 0 disables."""
     grad_accum: int = 1
-    """Micro-batches accumulated per optimizer step."""
+    """Micro-batches accumulated per optimizer step: pretraining takes grad_accum batches of
+    trainer.data.batch_size rows per step; RL computes each optimizer update in at least grad_accum
+    micro-batches per rank (more when trainer.rl.micro_batch_samples asks; at most one per sample). The
+    update is the same either way (the loss is normalised by the update's global count)."""
     warmup_tokens: int = 0
     """WSD schedule: tokens of linear warm-up."""
     decay_tokens: int = 0
@@ -272,11 +275,39 @@ class RLConfig:
     tis_cap: float = identity(2.0)
     """Truncation of the behaviour-to-proximal importance weight (truncated importance sampling)."""
     kl_coef: float = identity(0.0)
-    """Weight of the k3 KL estimate to the frozen reference policy (0 = no reference model)."""
-    aggregation: Literal["token_mean", "seq_mean"] = identity("token_mean")
-    """Loss aggregation: mean over all tokens of the batch, or mean over sequences of their token means."""
+    """Weight of the KL estimate to the frozen reference policy (`kl_estimator`), added to the loss with the
+    policy-gradient term's aggregation. 0 = no KL term (and no reference model unless `log_kl`)."""
+    kl_estimator: Literal["k1", "k2", "k3"] = identity("k3", added=True)
+    """Per-token estimator of KL(policy || reference) from a sampled token, with r = ref / policy:
+    k1 = -log r; k2 = 0.5 * (log r)^2; k3 = r - 1 - log r. As values, k1 and k3 are unbiased for
+    KL(policy || reference) (k3 never negative, lower variance), k2 is biased. As losses their gradient is
+    each estimator's own: k1's is zero in expectation (it only adds noise), k2's is the gradient of
+    KL(policy || reference), k3's that of the forward KL(reference || policy). Samples are taken as
+    on-policy (no importance weight on the KL term)."""
+    kl_mode: Literal["loss", "reward"] = identity("loss", added=True)
+    """How the KL enters: `loss`, a term of the loss (kl_coef * aggregated estimator); `reward`, a per-token
+    penalty on the reward, which needs token-level advantages (algorithm = "ppo") and is refused for now."""
+    reference: str = identity("", added=True)
+    """The frozen reference policy: empty = the policy RL starts from (after the warm start, or trainer.init's
+    weights); else an HF checkpoint directory or one of our checkpoints, loaded as trainer.init is."""
+    reference_refresh_steps: int = identity(0, added=True)
+    """Every N RL steps the reference becomes the current policy (before that step's first pass); 0 = never."""
+    log_kl: bool = False
+    """Keep the reference and log the KL to it (loss/kl, loss/kl_k1, loss/kl_k3) even with kl_coef = 0."""
+    aggregation: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "token_mean", "seq_mean"] = (
+        identity("token-mean")
+    )
+    """How the loss's per-token terms (policy gradient and KL) become one number: `token-mean`, their mean over
+    every completion token of the update; `seq-mean-token-sum`, per sample the sum of its token terms, mean
+    over samples; `seq-mean-token-mean`, per sample the mean of its token terms, mean over samples. (The old
+    names token_mean / seq_mean are refused with the new name to use.)"""
+    reward_clip: list[float] = identity(factory=list, added=True)
+    """[low, high]: sample rewards are clamped to this range before any advantage is computed. Empty = off."""
+    advantage_clip: float = identity(0.0, added=True)
+    """Advantages are clamped to [-c, c] after they are computed (0 = off)."""
     micro_batch_samples: int = 16
-    """Samples per forward/backward pass on each rank (memory knob; the gradient is the same)."""
+    """Samples per forward/backward pass on each rank (memory knob; the gradient is the same). Each optimizer
+    update also takes at least trainer.optim.grad_accum micro-batches per rank (at least one sample each)."""
     mini_batches: int = identity(1)
     """Optimizer updates per RL step (PPO mini-batches): the step's groups are cut, in order and whole, into
     this many mini-batches, each an update against the proximal log-probs of the weights that began the
@@ -306,12 +337,43 @@ class RLConfig:
                 f"trainer.rl.{name} = {band}: give [low, high] with 0 <= low < 1 < high (e.g. [0.5, 2.0]), or [] "
                 "for none",
             )
+        renamed = {"token_mean": "token-mean", "seq_mean": "seq-mean-token-mean"}
         require(
-            self.kl_coef == 0,
-            f"trainer.rl.kl_coef = {self.kl_coef}: a KL penalty needs a frozen reference policy, which the trainer "
-            "does not keep; set trainer.rl.kl_coef = 0 (the PPO clip against the proximal policy and TIS bound each "
-            "update)",
+            self.aggregation not in renamed,
+            f"trainer.rl.aggregation = {self.aggregation!r} is an old name: set it to "
+            f"{renamed.get(self.aggregation)!r} (the same aggregation)",
         )
+        require(self.kl_coef >= 0, f"trainer.rl.kl_coef = {self.kl_coef} must be >= 0 (0 = no KL term)")
+        require(
+            self.kl_mode == "loss",
+            f"trainer.rl.kl_mode = {self.kl_mode!r}: the KL as a per-token reward penalty needs token-level "
+            'advantages (trainer.rl.algorithm = "ppo"), which GRPO\'s one reward per sample cannot carry; set '
+            'trainer.rl.kl_mode = "loss"',
+        )
+        require(
+            self.reference_refresh_steps >= 0,
+            f"trainer.rl.reference_refresh_steps = {self.reference_refresh_steps} must be >= 0 (0 = never refresh)",
+        )
+        require(
+            not (self.reference or self.reference_refresh_steps) or self.keeps_reference,
+            f"trainer.rl.reference = {self.reference!r} / reference_refresh_steps = {self.reference_refresh_steps} "
+            "describe a reference policy no one uses: set trainer.rl.kl_coef > 0 or trainer.rl.log_kl = true, or "
+            "leave them at their defaults",
+        )
+        require(
+            not self.reward_clip or (len(self.reward_clip) == 2 and self.reward_clip[0] < self.reward_clip[1]),
+            f"trainer.rl.reward_clip = {self.reward_clip}: give [low, high] with low < high (e.g. [-1.0, 1.0]), "
+            "or [] for none",
+        )
+        require(
+            self.advantage_clip >= 0,
+            f"trainer.rl.advantage_clip = {self.advantage_clip} must be >= 0 (advantages clamped to [-c, c]; 0 = off)",
+        )
+
+    @property
+    def keeps_reference(self) -> bool:
+        """Whether the trainer keeps a frozen reference policy: for the KL term, or to log the KL."""
+        return self.kl_coef > 0 or self.log_kl
 
 
 @dataclass

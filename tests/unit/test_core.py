@@ -1,6 +1,7 @@
 """The training core's pure parts and its one-rank behaviour: how a global batch is split over ranks and
 micro-batches, how statistics are reduced, how ranks are read from the environment, which ranks count
-as dead, and config refusals (kl_coef without a reference, an EP size that does not divide)."""
+as dead, config refusals (an EP size that does not divide), and the RL step on the core (with a frozen
+reference policy and its KL term too) written out by hand and on two expert-parallel ranks."""
 
 from __future__ import annotations
 
@@ -113,9 +114,7 @@ def test_a_rank_is_dead_when_its_process_is_gone_on_this_host_or_its_heartbeat_e
     assert [r for r, _ in dead_ranks(records, alive, me=0)] == [1, 2]
 
 
-def test_kl_without_a_reference_policy_and_an_ep_that_does_not_divide_are_refused():
-    with pytest.raises(ConfigError, match="kl_coef"):
-        load_config(None, ["trainer.rl.kl_coef=0.1"])
+def test_an_ep_that_does_not_divide_the_experts_is_refused():
     with pytest.raises(ConfigError, match="trainer.parallel.ep = 3"):
         load_config(None, ["trainer.parallel.ep=3"])
 
@@ -128,11 +127,32 @@ def test_an_ep_size_that_does_not_divide_the_ranks_is_refused_naming_both():
         build_plan(model, _Fake(0, 3), ep=2, transport="auto")
 
 
-@pytest.mark.parametrize("mini_batches", [1, 3])
-def test_the_rl_step_on_the_core_is_the_decoupled_ppo_update_written_out_by_hand(mini_batches):
-    """Proximal log-probs of every micro-batch first (no grad, eval mode, the weights that began the step),
-    then per mini-batch of whole groups the PPO loss of each micro-batch normalised by the mini-batch's
-    token count and one optimizer step: written out by hand here."""
+def _frozen_reference(core: TrainingCore, seed: int):
+    """A frozen reference policy beside `core`'s model, sharded like it, holding the weights of a model built
+    from `seed` (another policy than the core's, so that the KL to it is far from 0)."""
+    from trainer.rl.reference import ReferencePolicy
+
+    reference = ReferencePolicy(core.model, core.plan, torch.device("cpu"), torch.float32)
+    reference.copy_from(reference.shard(build_model(core.cfg.trainer.model, seed=seed)))
+    return reference
+
+
+@pytest.mark.parametrize(
+    ("mini_batches", "kl_coef", "aggregation"),
+    [
+        (1, 0.0, "token-mean"),
+        (3, 0.0, "token-mean"),
+        (1, 2.0, "token-mean"),
+        (3, 2.0, "token-mean"),
+        (3, 2.0, "seq-mean-token-sum"),
+        (3, 0.0, "seq-mean-token-mean"),
+    ],
+)
+def test_the_rl_step_on_the_core_is_the_decoupled_ppo_update_written_out_by_hand(mini_batches, kl_coef, aggregation):
+    """Proximal (and, with a KL term, the frozen reference's) log-probs of every micro-batch first (no grad,
+    eval mode, the weights that began the step), then per mini-batch of whole groups the PPO loss (plus
+    kl_coef times the k3 KL to the reference) of each micro-batch normalised by the mini-batch's token (or,
+    seq-mean-*, sample) count and one optimizer step: written out by hand here."""
     import copy
 
     from trainer.model.sampling import RowSampling
@@ -141,7 +161,9 @@ def test_the_rl_step_on_the_core_is_the_decoupled_ppo_update_written_out_by_hand
     from trainer.rl.update import mini_batch_rows, proximal_fn, rl_updates
 
     cfg = Config()
+    cfg.trainer.rl.kl_coef, cfg.trainer.rl.aggregation = kl_coef, aggregation
     by_hand = build_model(cfg.trainer.model, seed=0)
+    ref_model = build_model(cfg.trainer.model, seed=1).eval()
     on_core = copy.deepcopy(by_hand)
     g = torch.Generator().manual_seed(1)
     N, L = 40, 12
@@ -167,25 +189,26 @@ def test_the_rl_step_on_the_core_is_the_decoupled_ppo_update_written_out_by_hand
     assert all((r.stop - r.start) % 8 == 0 for r in rows)  # whole groups
     with torch.no_grad():
         by_hand.eval()
-        proximal = torch.cat(
-            [
-                by_hand.token_logprobs(tokens[c], targets[c], sampling=rows_sampling(c))
-                for c in (slice(i, i + mb) for i in range(0, N, mb))
-            ]
-        )
+        chunks = [slice(i, i + mb) for i in range(0, N, mb)]
+        proximal = torch.cat([by_hand.token_logprobs(tokens[c], targets[c], sampling=rows_sampling(c)) for c in chunks])
+        ref = torch.cat([ref_model.token_logprobs(tokens[c], targets[c], sampling=rows_sampling(c)) for c in chunks])
     by_hand.train()
     opt = Optimizer(by_hand, cfg.trainer.optim)
     outside = 0
     for r in rows:
-        total = float(mask[r].sum())
+        total = float(mask[r].sum()) if aggregation == "token-mean" else float(r.stop - r.start)
         for i in range(r.start, r.stop, mb):
             c = slice(i, min(i + mb, r.stop))
             logp = by_hand.token_logprobs(tokens[c], targets[c], sampling=rows_sampling(c))
             outside += int(by_hand.sampling_outside().sum())
-            ppo_loss(logp, proximal[c], behaviour[c], adv[c], mask[c], rl, total=total).loss.backward()
-        opt.step(int(total))
+            ref_logp = ref[c] if kl_coef > 0 else None
+            ppo_loss(
+                logp, proximal[c], behaviour[c], adv[c], mask[c], rl, ref_logp=ref_logp, total=total
+            ).loss.backward()
+        opt.step(int(mask[r].sum()))  # the schedule counts trained tokens whatever the aggregation
 
     core = TrainingCore(cfg, Ranks.single(torch.device("cpu")), on_core)
+    reference = _frozen_reference(core, seed=1).model if kl_coef > 0 else None
     batch = {
         "tokens": tokens,
         "targets": targets,
@@ -196,11 +219,14 @@ def test_the_rl_step_on_the_core_is_the_decoupled_ppo_update_written_out_by_hand
         "step_tokens": torch.full((N,), float(mask.sum())),
         **sampling,
     }
-    result = core.step_updates(rl_updates(batch, rows, rl), mb, prepare=proximal_fn(rl))
+    result = core.step_updates(rl_updates(batch, rows, rl), mb, prepare=proximal_fn(rl, reference))
     assert len(result.updates) == mini_batches and core.optimizer.steps == mini_batches
     assert result.figures["tokens"] == float(mask.sum())
     # Random targets: many fall outside the truncated rows' top-k / top-p sets, each counted once.
     assert result.figures["sampling_outside_tokens"] == outside > 0
+    if kl_coef > 0:
+        assert result.figures["kl"] > 0.01 and result.figures["kl"] == result.figures["kl_k3"]
+        assert all(not p.requires_grad for p in reference.parameters()) and not reference.training
     a = torch.cat([p.detach().flatten() for p in by_hand.parameters()])
     b = torch.cat([p.detach().flatten() for p in on_core.parameters()])
     start = torch.cat([p.detach().flatten() for p in build_model(cfg.trainer.model, seed=0).parameters()])
@@ -242,7 +268,7 @@ def _rl_batch() -> tuple[dict[str, torch.Tensor], list[slice]]:
     return batch, mini_batch_rows([4] * 6, 3)
 
 
-def _rl_step_on_ranks(rank: int, world: int, store: str, out: str) -> None:
+def _rl_step_on_ranks(rank: int, world: int, store: str, out: str, kl_coef: float) -> None:
     import torch.distributed as dist
 
     from trainer.rl.update import proximal_fn, rl_updates
@@ -252,13 +278,16 @@ def _rl_step_on_ranks(rank: int, world: int, store: str, out: str) -> None:
     try:
         cfg = Config()
         cfg.trainer.parallel.ep = world
+        cfg.trainer.rl.kl_coef = kl_coef
         core = TrainingCore(
             cfg,
             Ranks(RankInfo(rank, world, rank, "launcher"), torch.device("cpu"), dist.group.WORLD),
             build_model(cfg.trainer.model, seed=0),
         )
+        reference = _frozen_reference(core, seed=1).model if kl_coef > 0 else None
         batch, rows = _rl_batch()
-        result = core.step_updates(rl_updates(batch, rows, cfg.trainer.rl), 3, prepare=proximal_fn(cfg.trainer.rl))
+        prepare = proximal_fn(cfg.trainer.rl, reference)
+        result = core.step_updates(rl_updates(batch, rows, cfg.trainer.rl), 3, prepare=prepare)
         torch.save({"part": core.hf_part(), "figures": result.figures}, f"{out}/rank{rank}.pt")
         dist.barrier()
     finally:
@@ -276,22 +305,26 @@ def _rl_step_on_ranks(rank: int, world: int, store: str, out: str) -> None:
 EP_STEP_BOUND = 1e-3
 
 
-def test_an_rl_step_on_two_expert_parallel_ranks_is_the_one_rank_step(tmp_path):
+@pytest.mark.parametrize("kl_coef", [0.0, 0.5])
+def test_an_rl_step_on_two_expert_parallel_ranks_is_the_one_rank_step(tmp_path, kl_coef):
     """An RL step of several mini-batches: each mini-batch is split over the ranks on its own, so 2 ranks
     (EP = 2, real gloo processes) make the same three updates as one rank: the same weights (up to
-    EP_STEP_BOUND, derived above) and the same step statistics."""
+    EP_STEP_BOUND, derived above) and the same step statistics. With a KL term each rank's frozen reference
+    holds that rank's experts of the reference policy, and the KL figures agree too."""
     import torch.multiprocessing as mp
 
     from trainer.hf import hf_tensors
     from trainer.rl.update import proximal_fn, rl_updates
 
-    mp.spawn(_rl_step_on_ranks, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_rl_step_on_ranks, args=(2, str(tmp_path / "store"), str(tmp_path), kl_coef), nprocs=2, join=True)
     parts = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     cfg = Config()
+    cfg.trainer.rl.kl_coef = kl_coef
     core = _core(cfg)
+    reference = _frozen_reference(core, seed=1).model if kl_coef > 0 else None
     start = {name: t.clone() for name, t in hf_tensors(core.model)}
     batch, rows = _rl_batch()
-    one = core.step_updates(rl_updates(batch, rows, cfg.trainer.rl), 3, prepare=proximal_fn(cfg.trainer.rl))
+    one = core.step_updates(rl_updates(batch, rows, cfg.trainer.rl), 3, prepare=proximal_fn(cfg.trainer.rl, reference))
     assert len(one.updates) == 3
     two = parts[0]["part"] | parts[1]["part"]
     mine = dict(hf_tensors(core.model))
@@ -305,5 +338,7 @@ def test_an_rl_step_on_two_expert_parallel_ranks_is_the_one_rank_step(tmp_path):
     print(f"worst relative difference {differences[worst]:.3g} ({worst}), bound {EP_STEP_BOUND:g}")
     assert differences[worst] <= EP_STEP_BOUND, worst
     # The step statistics are sums over the step's tokens taken before each update: 2e-8 apart, measured.
-    for k in ("loss", "tokens", "clip_fraction", "ratio_mean", "fresh_tokens"):
+    names = ("loss", "tokens", "clip_fraction", "ratio_mean", "fresh_tokens")
+    for k in names + (("kl", "kl_k1", "kl_k3") if kl_coef > 0 else ()):
+        print(f"{k}: 2 ranks {parts[0]['figures'][k]:.9g}, 1 rank {one.figures[k]:.9g}")
         assert abs(parts[0]["figures"][k] - one.figures[k]) <= 1e-5 * max(1.0, abs(one.figures[k])), k

@@ -1,5 +1,6 @@
 """GRPO group advantages: each sample's reward minus its group's mean, optionally divided by the
-group's standard deviation; groups whose rewards are all equal carry no signal and can be dropped."""
+group's standard deviation; groups whose rewards are all equal carry no signal and can be dropped.
+Rewards may be clipped before (trainer.rl.reward_clip) and advantages after (trainer.rl.advantage_clip)."""
 
 from __future__ import annotations
 
@@ -25,3 +26,19 @@ def group_advantages(rewards: torch.Tensor, normalize_std: bool = True, eps: flo
 def zero_variance_groups(rewards: torch.Tensor) -> torch.Tensor:
     """bool [groups]: True where every sample of the group got the same reward."""
     return (rewards == rewards[:, :1]).all(dim=1)
+
+
+def clip_rewards(rewards: torch.Tensor, bounds: list[float]) -> torch.Tensor:
+    """Rewards clamped to bounds = [low, high] (trainer.rl.reward_clip), before any advantage; [] = unchanged."""
+    if not bounds:
+        return rewards
+    if len(bounds) != 2 or bounds[0] >= bounds[1]:
+        raise ValueError(f"reward clip bounds must be [low, high] with low < high, got {bounds}")
+    return rewards.clamp(bounds[0], bounds[1])
+
+
+def clip_advantages(advantages: torch.Tensor, bound: float) -> torch.Tensor:
+    """Advantages clamped to [-bound, bound] (trainer.rl.advantage_clip, after they are computed); 0 = unchanged."""
+    if bound < 0:
+        raise ValueError(f"the advantage clip must be >= 0 (0 = off), got {bound}")
+    return advantages.clamp(-bound, bound) if bound > 0 else advantages

@@ -52,6 +52,7 @@ from trainer.commands import (
     ResetMoments,
     RLStep,
     Save,
+    StartReference,
     Stop,
     StopRequested,
     SupervisedStep,
@@ -62,7 +63,7 @@ from trainer.core import StepResult
 from trainer.optim import RouterStats, router_figures
 from trainer.ranks import Ranks
 from trainer.report import write_report
-from trainer.rl.advantages import group_advantages, zero_variance_groups
+from trainer.rl.advantages import clip_advantages, clip_rewards, group_advantages, zero_variance_groups
 from trainer.rl.batch import (
     gen_figures,
     ledger_record,
@@ -139,9 +140,12 @@ class RLTrainer(TrainerRank):
         lineage and the prompt ledger then follow the state's step."""
         resumed = self.core.resume(self.ckpt_root)
         if resumed is not None:
-            self.state = resumed
-        elif self.cfg.trainer.warmup.steps > 0:
-            self.warm_start()
+            self.state = resumed  # with the frozen reference policy the run had, when it keeps one
+        else:
+            if self.cfg.trainer.warmup.steps > 0:
+                self.warm_start()
+            if self.cfg.trainer.rl.keeps_reference:
+                self.command(StartReference())
         self.lineage = Lineage.from_state(self.state.lineage)
         rewind_ledger(self.audit, self.state.step)
         return resumed is not None
@@ -228,8 +232,9 @@ class RLTrainer(TrainerRank):
         origin = self.flow_origin()
         assert origin is not None, "train steps are flow callbacks: the flow's clock runs"
         rewards = torch.tensor([[r.reward for r in g.samples] for g in groups])
-        advantages = group_advantages(rewards, rl.normalize_std)
-        keep = ~zero_variance_groups(rewards) if rl.filter_zero_variance else torch.ones(len(groups), dtype=torch.bool)
+        clipped = clip_rewards(rewards, rl.reward_clip)  # what the advantages see; the figures keep the task's
+        advantages = clip_advantages(group_advantages(clipped, rl.normalize_std), rl.advantage_clip)
+        keep = ~zero_variance_groups(clipped) if rl.filter_zero_variance else torch.ones(len(groups), dtype=torch.bool)
         used = [(g, advantages[i]) for i, g in enumerate(groups) if keep[i]]
         rollouts = [r for g, _ in used for r in g.samples]
         # With no group carrying a signal the step trains nothing: the weights of step + 1 are those of step.

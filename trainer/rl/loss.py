@@ -5,7 +5,8 @@ weight versions old), the proximal policy (the trainer's weights before this upd
 are recomputed by the trainer), and the policy being optimised. The PPO ratio and its clip are taken
 against the proximal policy, so staleness does not widen the trust region; the behaviour-to-proximal
 importance weight corrects the off-policy sampling and is truncated at `tis_cap` to bound variance.
-Optionally a k3 estimate of KL to a frozen reference is added.
+Optionally an estimate of KL to a frozen reference policy (trainer/rl/kl.py) is added, aggregated like the
+policy-gradient term.
 
 Beside the truncation, two corrections leave tokens out of the loss when behaviour and proximal policy
 disagree too much (train/inference mismatch, or a sample too stale): token masking by a band on the
@@ -24,17 +25,22 @@ import torch
 
 from common.config import RLConfig
 from trainer.core import LossOutput
+from trainer.rl.kl import kl_estimate, kl_k1, kl_k3
 
 
-def _aggregate(values: torch.Tensor, mask: torch.Tensor, how: str, total: float | None) -> torch.Tensor:
-    # `total` is the token (token_mean) or sequence (seq_mean) count of the whole batch, so that
-    # micro-batches summed together give exactly the full batch's mean.
-    if how == "token_mean":
+def aggregate(values: torch.Tensor, mask: torch.Tensor, how: str, total: float | None) -> torch.Tensor:
+    """Per-token terms [B, T] -> one number by trainer.rl.aggregation: token-mean (sum over completion tokens /
+    tokens), seq-mean-token-sum (per sample the sum of its tokens, / samples) or seq-mean-token-mean (per
+    sample the mean of its tokens, / samples). `total`: the token (token-mean) or sample count of the whole
+    update, so that micro-batches summed together give exactly the update's value (default: this batch's)."""
+    if how == "token-mean":
         return (values * mask).sum() / (mask.sum().clamp(min=1) if total is None else total)
-    if how == "seq_mean":
+    if how == "seq-mean-token-sum":
+        return (values * mask).sum() / (mask.shape[0] if total is None else total)
+    if how == "seq-mean-token-mean":
         per_seq = (values * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
         return per_seq.sum() / (per_seq.numel() if total is None else total)
-    raise ValueError(f"unknown aggregation {how!r}; use token_mean or seq_mean")
+    raise ValueError(f"unknown aggregation {how!r}; use token-mean, seq-mean-token-sum or seq-mean-token-mean")
 
 
 def ppo_loss(
@@ -49,8 +55,11 @@ def ppo_loss(
 ) -> LossOutput:
     """All log-prob tensors are [batch, tokens] of the sampled tokens; advantages [batch]; mask [batch, tokens].
 
-    `total`: for a micro-batch, the token count (token_mean) or sequence count (seq_mean) of the whole
-    batch. Returns the scalar loss (to minimise) and float statistics of every term.
+    `ref_logp`: the frozen reference policy's log-probs; with them the statistics hold the KL to it (kl: the
+    configured estimator, kl_k1, kl_k3) and, with cfg.kl_coef > 0, the loss adds kl_coef times the estimator
+    aggregated like the policy-gradient term, over every completion token (the off-policy corrections mask
+    only the policy-gradient term). `total`: for a micro-batch, the token count (token-mean) or sample count
+    (seq-mean-*) of the whole update. Returns the scalar loss (to minimise) and float statistics of every term.
     """
     mask = mask.to(logp.dtype)
     adv = advantages.to(logp.dtype).unsqueeze(1)
@@ -63,15 +72,22 @@ def ppo_loss(
     iw_truncated = iw.clamp(max=cfg.tis_cap)
     token_kept, seq_kept = correction_masks(log_iw, mask, cfg)
     pg_per_token = -iw_truncated * surrogate * token_kept * seq_kept
-    pg_loss = _aggregate(pg_per_token, mask, cfg.aggregation, total)
+    pg_loss = aggregate(pg_per_token, mask, cfg.aggregation, total)
     loss = pg_loss
-    kl_value = torch.zeros((), dtype=logp.dtype, device=logp.device)
-    if cfg.kl_coef > 0:
-        if ref_logp is None:
-            raise ValueError("trainer.rl.kl_coef > 0 needs reference log-probs (ref_logp)")
-        delta = ref_logp - logp
-        kl_value = _aggregate(torch.exp(delta) - delta - 1.0, mask, cfg.aggregation, total)
-        loss = loss + cfg.kl_coef * kl_value
+    kl_stats: dict[str, float] = {}
+    if cfg.kl_coef > 0 and ref_logp is None:
+        raise ValueError("trainer.rl.kl_coef > 0 needs the reference policy's log-probs (ref_logp)")
+    if ref_logp is not None:
+        ref_logp = ref_logp.to(logp.dtype)
+        kl_value = aggregate(kl_estimate(cfg.kl_estimator, logp, ref_logp), mask, cfg.aggregation, total)
+        if cfg.kl_coef > 0:
+            loss = loss + cfg.kl_coef * kl_value
+        with torch.no_grad():
+            kl_stats = {
+                "kl": float(kl_value),
+                "kl_k1": float(aggregate(kl_k1(logp, ref_logp), mask, cfg.aggregation, total)),
+                "kl_k3": float(aggregate(kl_k3(logp, ref_logp), mask, cfg.aggregation, total)),
+            }
     with torch.no_grad():
         n = mask.sum().clamp(min=1)
         clip_active = ((ratio * adv) > (clipped * adv)).to(mask.dtype) * mask
@@ -85,7 +101,7 @@ def ppo_loss(
         stats = {
             "loss": float(loss),
             "pg_loss": float(pg_loss),
-            "kl": float(kl_value),
+            **kl_stats,
             "clip_fraction": float(clip_active.sum() / n),
             "ratio_mean": float((ratio * mask).sum() / n),
             "ratio_max": masked_max(ratio),

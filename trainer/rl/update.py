@@ -39,25 +39,28 @@ def row_sampling(mb: Batch) -> RowSampling:
     return RowSampling(mb["temperature"], mb["top_k"], mb["top_p"])
 
 
-def proximal_fn(rl: RLConfig) -> PrepareFn:
+def proximal_fn(rl: RLConfig, reference: Transformer | None = None) -> PrepareFn:
     """The RL step's first pass (the core's `prepare`): log-probs of the sampled tokens under the weights
     that began the step, for every micro-batch before any update; with a routing, each row's router
-    disagreement counts (token-layer pairs) beside them."""
+    disagreement counts (token-layer pairs) beside them; with a `reference` (the frozen reference policy,
+    trainer/rl/reference.py), its log-probs of the same tokens under "reference", routed as the policy is."""
 
     def prepare(model: Transformer, mb: Batch) -> Batch:
         routing = mb.get("routing")
+        replay = rl.routing_replay == "rollout"
+        sampling = row_sampling(mb)
         out = {
             "proximal": model.token_logprobs(
-                mb["tokens"],
-                mb["targets"],
-                routing=routing,
-                replay=rl.routing_replay == "rollout",
-                sampling=row_sampling(mb),
+                mb["tokens"], mb["targets"], routing=routing, replay=replay, sampling=sampling
             )
         }
         if routing is not None:
             differ, compared = model.routing_disagreement()
             out["routing_differ"], out["routing_compared"] = differ.float(), compared.float()
+        if reference is not None:
+            out["reference"] = reference.token_logprobs(
+                mb["tokens"], mb["targets"], routing=routing, replay=replay, sampling=sampling
+            )
         return out
 
     return prepare
@@ -73,8 +76,9 @@ def gap_quantile(hist: torch.Tensor, q: float) -> float:
 
 
 def rl_loss_fn(rl: RLConfig, total: float, step_total: float | None = None) -> LossFn:
-    """The RL update's second pass: the decoupled PPO loss against the proximal log-probs, normalised by
-    `total`, the token (token_mean) or sample (seq_mean) count of the update's rows over all ranks.
+    """The RL update's second pass: the decoupled PPO loss against the proximal log-probs (and the KL to the
+    reference's, when the first pass gave them), normalised by `total`, the token (token-mean) or sample
+    (seq-mean-*) count of the update's rows over all ranks (`update_count`).
     `step_total`: the same count for the whole step when it is cut into several updates (mini-batches;
     default `total`). Statistics are weighted so that, summed over micro-batches, updates and ranks, they
     are the step's means: per-token ones by the micro-batch's share of the step's tokens (`step_tokens`),
@@ -89,11 +93,13 @@ def rl_loss_fn(rl: RLConfig, total: float, step_total: float | None = None) -> L
         )
         # Sampled tokens the trainer's truncation set leaves out (kept in their own set instead): a count, summed.
         outside = float(model.sampling_outside().sum())
-        out = ppo_loss(logp, mb["proximal"], mb["behaviour"], mb["advantages"], mask, rl, total=total)
+        out = ppo_loss(
+            logp, mb["proximal"], mb["behaviour"], mb["advantages"], mask, rl, ref_logp=mb.get("reference"), total=total
+        )
         weight = float(mask.sum()) / float(mb["step_tokens"][0])
         stats = {
             k: v * share
-            if k in ("loss", "pg_loss", "kl")
+            if k in ("loss", "pg_loss", "kl", "kl_k1", "kl_k3")
             else v
             if k == "tokens" or k.endswith(("_max", "_min"))
             else v * weight
@@ -123,14 +129,23 @@ def mini_batch_rows(group_sizes: Sequence[int], mini_batches: int) -> list[slice
     return [slice(starts[c.start], starts[c.stop]) for c in cuts]
 
 
+def update_count(mask: torch.Tensor, aggregation: str) -> float:
+    """The normaliser of an update whose rows have completion mask [B, T]: its tokens (token-mean) or its
+    samples (seq-mean-token-sum, seq-mean-token-mean)."""
+    if aggregation == "token-mean":
+        return float(mask.sum())
+    if aggregation in ("seq-mean-token-sum", "seq-mean-token-mean"):
+        return float(mask.shape[0])
+    raise ValueError(f"unknown aggregation {aggregation!r}; use token-mean, seq-mean-token-sum or seq-mean-token-mean")
+
+
 def rl_updates(batch: Batch, rows: Sequence[slice], rl: RLConfig) -> list[Update]:
     """The optimizer updates of one RL step: one per mini-batch of rows, each normalised on its own."""
     mask = batch["mask"]
-    count = (lambda r: float(mask[r].sum())) if rl.aggregation == "token_mean" else (lambda r: float(r.stop - r.start))
-    step_total = sum(count(r) for r in rows)
+    step_total = sum(update_count(mask[r], rl.aggregation) for r in rows)
     updates = []
     for r in rows:
-        loss_fn = rl_loss_fn(rl, count(r), step_total)
+        loss_fn = rl_loss_fn(rl, update_count(mask[r], rl.aggregation), step_total)
         updates.append(Update({k: v[r] for k, v in batch.items()}, loss_fn, int(mask[r].sum())))
     return updates
 
