@@ -48,7 +48,7 @@ from evaluator.benchmark import EvalOptions, load_benchmark
 from evaluator.cache import ResultCache
 from evaluator.cli import build_parser, run_cli
 from evaluator.fleetview import FleetProbe
-from evaluator.runner import PIN_PAUSE_MODE, WeightInfoProbe, eval_plan, evaluate
+from evaluator.runner import PIN_PAUSE_MODE, WeightInfoProbe, eval_plan, evaluate, follows_chat_template
 from trainer.tinykit import resolve_model
 
 pytestmark = [pytest.mark.slow]
@@ -148,6 +148,9 @@ async def test_live_evaluator_records_each_version_exactly_and_resumes_from_its_
     cache = eval_dir / "evals" / "cache.jsonl"
     n_cases = len(load_benchmark("arithmetic", DATA).cases())
     cfg = load_config(run.config)
+    # The kit's tokenizer has a chat template and rollout.chat_template is "auto": held-out arithmetic is asked
+    # as a chat turn, on vLLM's chat route.
+    arithmetic_route = "/v1/chat/completions" if follows_chat_template(cfg, run.run_dir) else ROUTE
     weights = original_weights(run)
     evaluator = run.start_role("evaluator", "evaluator")
     try:
@@ -164,10 +167,10 @@ async def test_live_evaluator_records_each_version_exactly_and_resumes_from_its_
             time.sleep(1.0)  # the router sees the dropped connections and counts them
             have = cached_for(cache, v0 + 2)
             assert 8 <= have < n_cases, "the kill came too late to test resumption"
-            sent_before = proxied(run, ROUTE)
+            sent_before = proxied(run, arithmetic_route)
             evaluator = run.start_role("evaluator", "evaluator-restarted")
             run.wait_for("row of v0+2", lambda: (v0 + 2, "arithmetic") in evals(run), evaluator, 120)
-            regenerated = proxied(run, ROUTE) - sent_before
+            regenerated = proxied(run, arithmetic_route) - sent_before
             await pub.publish(v0 + 3, weights)
             assert evaluator.wait(timeout=120) == 0  # until_version = v0+3 reached
     finally:
