@@ -12,7 +12,7 @@ import shutil
 import time
 import tomllib
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,6 +52,28 @@ class TrainState:
     """Queued / in-flight / buffered prompts of the flow runtime (opaque)."""
     lineage: list[list[int]] = field(default_factory=list)
     """The RL run's lineage: [step, version] of every weight publication (common/weights/lineage.py)."""
+
+
+@dataclass
+class Companion:
+    """A model kept beside the policy and checkpointed with it: the critic (with its optimizer) or the
+    frozen reference policy (no optimizer)."""
+
+    model: nn.Module
+    optimizer: Optimizer | None = None
+
+
+def _companion_state(companions: Mapping[str, Companion]) -> dict[str, Any]:
+    """The DCP entries of the companions: f"{name}.model", and with an optimizer f"{name}.optim" and
+    f"{name}.meta" (its step and schedule-token counters)."""
+    out: dict[str, Any] = {}
+    for name, c in companions.items():
+        if c.optimizer is None:
+            out[f"{name}.model"] = get_model_state_dict(c.model)
+            continue
+        out[f"{name}.model"], out[f"{name}.optim"] = get_state_dict(c.model, c.optimizer.optimizers)
+        out[f"{name}.meta"] = {"optimizer_steps": c.optimizer.steps, "optimizer_tokens": c.optimizer.tokens}
+    return out
 
 
 class CheckpointSchedule:
@@ -127,13 +149,21 @@ def checkpoint_steps(root: str | Path) -> list[int]:
 
 
 def save_checkpoint(
-    root: str | Path, model: nn.Module, optimizer: Optimizer, state: TrainState, cfg: Config, keep: int = 0
+    root: str | Path,
+    model: nn.Module,
+    optimizer: Optimizer,
+    state: TrainState,
+    cfg: Config,
+    keep: int = 0,
+    companions: Mapping[str, Companion] | None = None,
 ) -> Path:
-    """Write checkpoint `root/step_<state.step>`; then keep only the newest `keep` (0 = all)."""
+    """Write checkpoint `root/step_<state.step>` (with the `companions` beside the model); then keep only the
+    newest `keep` (0 = all)."""
     path = checkpoint_dir(root, state.step)
     model_sd, optim_sd = get_state_dict(model, optimizer.optimizers)
     _dcp_save(
         {
+            **_companion_state(companions or {}),
             "model": model_sd,
             "optim": optim_sd,
             "meta": {
@@ -154,8 +184,15 @@ def save_checkpoint(
     return path
 
 
-def load_checkpoint(path: str | Path, model: nn.Module, optimizer: Optimizer | None, cfg: Config) -> TrainState:
-    """Restore a checkpoint into model (and optimizer, RNG); refuses one whose config identity differs."""
+def load_checkpoint(
+    path: str | Path,
+    model: nn.Module,
+    optimizer: Optimizer | None,
+    cfg: Config,
+    companions: Mapping[str, Companion] | None = None,
+) -> TrainState:
+    """Restore a checkpoint into model (and optimizer, RNG) and its `companions`; refuses one whose config
+    identity differs or that lacks a companion."""
     path = Path(path)
     if not (path / ".metadata").is_file():
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no .metadata); pick one of list_checkpoints()")
@@ -183,7 +220,34 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: Optimizer | N
         _set_rng_state(full["rng"])
     else:
         set_model_state_dict(model, full["model"])
+    _load_companions(path, companions or {})
     return full["meta"]["state"]
+
+
+def _load_companions(path: Path, companions: Mapping[str, Companion]) -> None:
+    if not companions:
+        return
+    saved = {key.split(".")[0] for key in dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata}
+    lacking = sorted(set(companions) - saved)
+    if lacking:
+        raise CheckpointMismatch(
+            f"checkpoint {path} holds no {', '.join(lacking)} model, which this run keeps beside the policy; resume "
+            "from a checkpoint of a run that had it, or start a new run directory"
+        )
+    state = _companion_state(companions)
+    _dcp_load(state, path)
+    for name, c in companions.items():
+        if c.optimizer is None:
+            set_model_state_dict(c.model, state[f"{name}.model"])
+            continue
+        set_state_dict(
+            c.model,
+            c.optimizer.optimizers,
+            model_state_dict=state[f"{name}.model"],
+            optim_state_dict=state[f"{name}.optim"],
+        )
+        c.optimizer.steps = state[f"{name}.meta"]["optimizer_steps"]
+        c.optimizer.tokens = state[f"{name}.meta"]["optimizer_tokens"]
 
 
 def load_model_weights(path: str | Path, model: nn.Module) -> None:

@@ -21,9 +21,10 @@ import torch
 from common.roles import RunContext
 from common.weights.index import PartReport
 from common.weights.writer import VersionPart, count_shards
-from trainer.checkpoint import TrainState
+from trainer.checkpoint import Companion, TrainState
 from trainer.core import StepResult, TrainingCore, cross_entropy_loss
 from trainer.ranks import Ranks
+from trainer.rl.critic import build_critic, copy_trunk, ppo_step, value_model
 from trainer.rl.update import proximal_fn, rl_updates
 from trainer.setup import initial_model
 from trainer.tinykit import resolve_model
@@ -58,7 +59,8 @@ class RLStep:
     batch: dict[str, torch.Tensor]
     """The step's global batch (the same rows on every rank; each trains its share)."""
     mini_batches: list[slice]
-    """The rows of each optimizer update (whole groups)."""
+    """The rows of each optimizer update (whole groups). With trainer.rl.algorithm = "ppo" the batch holds
+    "rewards" [B] instead of "advantages": the ranks compute per-token advantages with the critic."""
     step: int
     """The RL step (its samples made entirely by the weights of `step` are fresh)."""
 
@@ -116,6 +118,10 @@ class TrainerRank:
         self.model_dir = resolve_model(self.cfg, ctx.run_dir)
         # Version 0 must be the function the workers serve: start from their checkpoint unless told otherwise.
         self.core = TrainingCore(self.cfg, ranks, initial_model(self.cfg, self.device, self.model_dir))
+        # PPO's value model: its plan's process groups come after the policy's, in this order on every rank.
+        self.critic = build_critic(self.cfg, ranks, self.core.model) if self.cfg.trainer.rl.algorithm == "ppo" else None
+        if self.critic is not None:
+            self.core.companions["critic"] = Companion(self.critic.model, self.critic.optimizer)
         self.ckpt_root = ctx.run_dir / "checkpoints"
         self.shard_bytes = self.cfg.rollout.weight_shard_mb << 20
         self.handlers: dict[type[Command], Callable[[Any], StepResult | None]] = {
@@ -142,9 +148,14 @@ class TrainerRank:
 
     def reset_moments(self, cmd: ResetMoments) -> None:
         self.core.optimizer.reset_moments()
+        if self.critic is not None:  # RL starts from the warm start's weights: so does the critic's trunk
+            copy_trunk(self.core.model, value_model(self.critic.model))
 
     def rl_step(self, cmd: RLStep) -> StepResult:
         rl = self.cfg.trainer.rl
+        if self.critic is not None:
+            train_policy = cmd.step >= rl.critic.warmup_steps
+            return ppo_step(self.core, self.critic, cmd.batch, cmd.mini_batches, rl, train_policy)
         updates = rl_updates(cmd.batch, cmd.mini_batches, rl)
         return self.core.step_updates(updates, rl.micro_batch_samples, prepare=proximal_fn(rl))
 

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from common.config import Config
-from trainer.checkpoint import TrainState, list_checkpoints, load_checkpoint, save_checkpoint
+from trainer.checkpoint import Companion, TrainState, list_checkpoints, load_checkpoint, save_checkpoint
 from trainer.ep import ParallelPlan, apply_expert_parallel, make_transport
 from trainer.hf import hf_tensors
 from trainer.model import Transformer, compile_blocks
@@ -161,6 +161,8 @@ class TrainingCore:
         self.optimizer = Optimizer(model, tc.optim, self.plan)  # the one optimizer of the trainer
         self.aux_coef = tc.optim.seq_aux_loss_coef
         model.set_aux_loss(self.aux_coef > 0)
+        self.companions: dict[str, Companion] = {}
+        """Models checkpointed with this one (the critic of PPO, the frozen reference), by name."""
 
     # -- the step ------------------------------------------------------------------------------
 
@@ -234,12 +236,32 @@ class TrainingCore:
         figures = reduce_figures(self.ranks.all_gather(reduce_figures(parts)))
         return StepResult(done, figures, time.perf_counter() - t0)
 
+    def evaluate(
+        self, batch: Batch, fn: Callable[[Transformer, Batch], torch.Tensor], rows_per_forward: int
+    ) -> torch.Tensor:
+        """fn(model, micro-batch) -> a tensor per row, over every row of the global `batch`: each rank runs its
+        rows (no grad, eval mode), then the rows are gathered in rank order, so every rank holds them all."""
+        dtype = self.cfg.trainer.dtype
+        self.model.eval()
+        with torch.no_grad(), autocast(self.device, dtype):
+            mine = [fn(self.model, mb).cpu() for mb in self.my_micro_batches(batch, rows_per_forward)]
+        self.model.train()
+        return torch.cat(self.ranks.all_gather(torch.cat(mine)))
+
     # -- checkpoints ---------------------------------------------------------------------------
 
     def save(self, root: Path, state: TrainState) -> Path:
         """Checkpoint (every rank writes its shards; DCP, resharded on load)."""
         state.tokens = self.optimizer.tokens
-        return save_checkpoint(root, self.model, self.optimizer, state, self.cfg, keep=self.cfg.trainer.checkpoint.keep)
+        return save_checkpoint(
+            root,
+            self.model,
+            self.optimizer,
+            state,
+            self.cfg,
+            keep=self.cfg.trainer.checkpoint.keep,
+            companions=self.companions,
+        )
 
     def resume(self, root: Path) -> TrainState | None:
         """Load the newest checkpoint under root (any world size and EP size wrote it), if resuming is on."""
@@ -248,7 +270,7 @@ class TrainingCore:
         chosen = self.ranks.broadcast(str(found[-1]) if found else None)
         if chosen is None:
             return None
-        state = load_checkpoint(chosen, self.model, self.optimizer, self.cfg)
+        state = load_checkpoint(chosen, self.model, self.optimizer, self.cfg, companions=self.companions)
         log.info("resumed from %s at step %d", chosen, state.step)
         return state
 

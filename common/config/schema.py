@@ -260,7 +260,54 @@ class CheckpointConfig:
 
 
 @dataclass
+class CriticConfig:
+    """The value model of trainer.rl.algorithm = "ppo" (trainer/rl/critic.py): a copy of the policy's trunk
+    with a scalar head, trained beside the policy on the same mini-batches."""
+
+    lr: float = identity(5e-4)
+    """The critic's AdamW learning rate (every group: dense, router, experts; the other optimizer knobs and the
+    schedule are trainer.optim's). Half the demo's policy rate: its fresh head must first learn the scale of
+    the rewards, and a faster critic chases the noise of 8 samples per prompt."""
+    warmup_steps: int = identity(2)
+    """The first N RL steps train only the critic: the policy is not updated (its published weights do not
+    change), so its first updates see values that already know the reward's mean per prompt instead of the
+    zero-initialised head's 0."""
+    value_clip: float = identity(0.2)
+    """Clip of the new value around the old one in the value loss (PPO's value clipping; the seed's and verl's
+    cliprange_value); 0 = off."""
+
+    def check(self) -> None:
+        require(self.lr > 0, f"trainer.rl.critic.lr = {self.lr}: give the critic a positive learning rate (e.g. 5e-4)")
+        require(
+            self.warmup_steps >= 0,
+            f"trainer.rl.critic.warmup_steps = {self.warmup_steps}: give 0 (no warm-up) or a positive step count",
+        )
+        require(
+            self.value_clip >= 0,
+            f"trainer.rl.critic.value_clip = {self.value_clip}: give 0 (off) or a positive clip (e.g. 0.2)",
+        )
+
+
+@dataclass
 class RLConfig:
+    algorithm: Literal["grpo", "ppo"] = identity("grpo")
+    """grpo: critic-free group advantages (each sample's reward against its group's). ppo: a learned value
+    model (trainer.rl.critic) and per-token GAE advantages (gamma, gae_lambda), whitened over the step."""
+    gamma: float = identity(1.0)
+    """ppo: discount of GAE per token (1 = undiscounted, as the seed and verl use for RLVR)."""
+    gae_lambda: float = identity(1.0)
+    """ppo: GAE's lambda. 1 makes each token's advantage the sample's return minus the token's value (no bias
+    from an untrained critic, the variance of a Monte Carlo return); the seed and verl default to 1.0 too
+    (verl's lam); smaller values lean on the critic's later values."""
+    dual_clip: float = identity(0.0)
+    """Dual-clip PPO (both algorithms): for negative advantages the surrogate is bounded below by
+    dual_clip * A, so a token whose ratio grew far past the clip cannot dominate the update. 0 = off, else
+    a constant > 1 (3.0 in the dual-clip paper and verl's clip_ratio_c)."""
+    whiten_advantages: bool = identity(True)
+    """ppo: whiten the token advantages (subtract the mean, divide by the std) over every completion token of
+    the step, on every rank alike (global, token-level)."""
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    """ppo: the value model and its optimizer (ignored by grpo)."""
     normalize_std: bool = identity(True)
     """GRPO: divide group-centred rewards by the group's standard deviation."""
     filter_zero_variance: bool = identity(True)
@@ -297,6 +344,18 @@ class RLConfig:
         require(
             0 <= self.clip_low < 1 and self.clip_high >= 0, "trainer.rl.clip_low must be in [0, 1) and clip_high >= 0"
         )
+        require(
+            self.dual_clip == 0 or self.dual_clip > 1,
+            f"trainer.rl.dual_clip = {self.dual_clip}: give 0 (off) or a constant > 1 (e.g. 3.0); at or below 1 it "
+            "would bound the surrogate of negative advantages above the PPO clip itself",
+        )
+        require(
+            0 < self.gamma <= 1 and 0 <= self.gae_lambda <= 1,
+            f"trainer.rl.gamma = {self.gamma} and gae_lambda = {self.gae_lambda}: give gamma in (0, 1] and gae_lambda "
+            "in [0, 1] (1 and 1 for RLVR's single terminal reward)",
+        )
+        if self.algorithm == "ppo":
+            self.critic.check()
         require(self.tis_cap >= 1.0, f"trainer.rl.tis_cap ({self.tis_cap}) must be >= 1 (1 = weights capped at one)")
         require(self.micro_batch_samples >= 1, "trainer.rl.micro_batch_samples must be >= 1")
         for name in ("token_mask_band", "seq_mask_band"):
@@ -352,7 +411,7 @@ class TrainerConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpointing."""
     rl: RLConfig = field(default_factory=RLConfig)
-    """The RL objective (GRPO advantages, decoupled PPO loss)."""
+    """The RL objective (GRPO or critic-based PPO advantages, decoupled PPO loss)."""
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
     """Supervised warm start before RL, so that rewards are not all zero at the start."""
     final_eval_wait_s: float = 300.0
@@ -378,6 +437,11 @@ class TrainerConfig:
             m.n_routed_experts % self.parallel.ep == 0,
             f"trainer.parallel.ep = {self.parallel.ep} does not divide trainer.model.n_routed_experts = "
             f"{m.n_routed_experts}; pick an expert-parallel size that divides the expert count",
+        )
+        require(
+            self.rl.algorithm != "ppo" or self.rl.critic.warmup_steps < self.steps,
+            f"trainer.rl.critic.warmup_steps = {self.rl.critic.warmup_steps} leaves none of trainer.steps = "
+            f"{self.steps} RL steps to the policy; set fewer warm-up steps or more steps",
         )
         require(
             self.mode != "pretrain" or bool(self.data.path) or bool(self.data.sources),

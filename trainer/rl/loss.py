@@ -47,16 +47,20 @@ def ppo_loss(
     ref_logp: torch.Tensor | None = None,
     total: float | None = None,
 ) -> LossOutput:
-    """All log-prob tensors are [batch, tokens] of the sampled tokens; advantages [batch]; mask [batch, tokens].
+    """All log-prob tensors are [batch, tokens] of the sampled tokens; advantages [batch] (one per sample, GRPO)
+    or [batch, tokens] (per token, PPO with a critic); mask [batch, tokens].
 
     `total`: for a micro-batch, the token count (token_mean) or sequence count (seq_mean) of the whole
     batch. Returns the scalar loss (to minimise) and float statistics of every term.
     """
     mask = mask.to(logp.dtype)
-    adv = advantages.to(logp.dtype).unsqueeze(1)
+    adv = token_advantages(advantages, mask).to(logp.dtype)
     ratio = torch.exp(logp - proximal_logp)
     clipped = ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
     surrogate = torch.minimum(ratio * adv, clipped * adv)
+    # Dual clip: for A < 0 the surrogate falls without bound as the ratio grows; c * A (c > 1) bounds it.
+    dual_clipped = (adv < 0) & (surrogate < cfg.dual_clip * adv) if cfg.dual_clip > 0 else torch.zeros_like(mask) > 0
+    surrogate = torch.where(dual_clipped, cfg.dual_clip * adv, surrogate)
     # The importance weight is a constant of the update: gradients flow only through `ratio`.
     log_iw = (proximal_logp - behaviour_logp).detach()
     iw = torch.exp(log_iw)
@@ -87,6 +91,7 @@ def ppo_loss(
             "pg_loss": float(pg_loss),
             "kl": float(kl_value),
             "clip_fraction": float(clip_active.sum() / n),
+            "dual_clip_fraction": float((dual_clipped.to(mask.dtype) * mask).sum() / n),
             "ratio_mean": float((ratio * mask).sum() / n),
             "ratio_max": masked_max(ratio),
             "ratio_min": masked_min(ratio),
@@ -103,6 +108,17 @@ def ppo_loss(
             "tokens": float(mask.sum()),
         }
     return LossOutput(loss, stats)
+
+
+def token_advantages(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[B] (a sample's advantage on each of its tokens) or [B, T] (per token) -> [B, T] broadcastable to mask."""
+    if advantages.dim() == 1 and advantages.shape[0] == mask.shape[0]:
+        return advantages.unsqueeze(1)
+    if advantages.shape == mask.shape:
+        return advantages
+    raise ValueError(
+        f"advantages must be [B] or [B, T] like the mask {tuple(mask.shape)}; got {tuple(advantages.shape)}"
+    )
 
 
 def correction_masks(log_iw: torch.Tensor, mask: torch.Tensor, cfg: RLConfig) -> tuple[torch.Tensor, torch.Tensor]:
