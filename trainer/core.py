@@ -14,7 +14,9 @@ compute W = 1's update up to floating-point summation order.
 
 A step may be several optimizer updates (`step_updates`: the PPO mini-batches of an RL step); each
 update's rows are split over the ranks on their own, and `prepare` (the proximal log-probs) sees all
-of them with the weights that began the step.
+of them with the weights that began the step. `evaluate` is a no-grad pass over the global batch whose
+per-row results every rank receives (PPO's old values). Models checkpointed beside this one (PPO's
+critic) are its `companions`.
 
 Left out on purpose: FSDP sharding of the dense weights (they are replicated and their gradients
 all-reduced in flat buckets; the dense part of the MoEs trained here is small next to the experts),

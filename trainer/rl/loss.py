@@ -5,6 +5,8 @@ weight versions old), the proximal policy (the trainer's weights before this upd
 are recomputed by the trainer), and the policy being optimised. The PPO ratio and its clip are taken
 against the proximal policy, so staleness does not widen the trust region; the behaviour-to-proximal
 importance weight corrects the off-policy sampling and is truncated at `tis_cap` to bound variance.
+Advantages are one per sample (GRPO) or one per token (PPO with a critic); with `dual_clip` the surrogate of
+a negative advantage is bounded below by dual_clip * A (dual-clip PPO).
 Optionally a k3 estimate of KL to a frozen reference is added.
 
 Beside the truncation, two corrections leave tokens out of the loss when behaviour and proximal policy
