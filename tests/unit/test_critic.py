@@ -374,3 +374,43 @@ def test_a_ppo_step_on_two_expert_parallel_ranks_is_the_one_rank_step(tmp_path):
     assert worst(two_critic, mine, start_critic) <= EP_STEP_BOUND
     for k in ("loss", "pg_loss", "critic/value_loss", "critic/explained_variance", "rl/advantage_std", "tokens"):
         assert abs(parts[0]["figures"][k] - one.figures[k]) <= 1e-5 * max(1.0, abs(one.figures[k])), k
+
+
+# -- the driver ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_the_rl_trainer_runs_ppo_logs_the_critic_and_resumes_it_from_its_checkpoint(tmp_path):
+    """An in-process RL run (fake router, 2 prompts x 4 samples a step) with algorithm = ppo and one warm-up
+    step: step 0 trains only the critic, later steps both; every step logs the critic's figures. Extended
+    from 2 to 3 steps, the run resumes the critic from the checkpoint (a missing one would fail the load)."""
+    from common.config import RendezvousConfig
+    from common.metrics import step_series
+    from common.rendezvous import Rendezvous
+    from tests.unit.test_gen_metrics import context, rl_config, trainer_world
+    from trainer.rl.driver import RLTrainer
+
+    rz = Rendezvous(tmp_path / "meet", RendezvousConfig())
+    rz.connect(timeout_s=10)
+    run_dir = tmp_path / "run"
+    try:
+        with trainer_world(rz) as (io_loop, router, _):
+            for steps in (2, 3):
+                cfg = rl_config(tmp_path)
+                cfg.trainer.steps = steps
+                cfg.trainer.rl.algorithm = "ppo"
+                cfg.trainer.rl.critic.warmup_steps = 1
+                cfg.trainer.rl.filter_zero_variance = False  # the fake router's answers are all wrong
+                ctx = context(cfg, rz, run_dir)
+                rz.connect().set(ctx.keys.router(cfg.router.name), router.url)
+                trainer = RLTrainer(ctx, io_loop, Ranks.single(torch.device("cpu")))
+                assert trainer.critic is not None and "critic" in trainer.core.companions
+                assert trainer.run() == 0
+                assert trainer.critic.optimizer.steps == steps  # one mini-batch a step, resumed counts
+    finally:
+        rz.close()
+    tags = ["critic/value_loss", "critic/explained_variance", "critic/grad_norm", "rl/policy_trained", "loss/pg_loss"]
+    series = step_series(run_dir, tags, role="trainer")
+    assert sorted(series["critic/value_loss"]) == [0, 1, 2]
+    assert series["rl/policy_trained"] == {0: 0.0, 1: 1.0, 2: 1.0}
+    assert sorted(series["loss/pg_loss"]) == [1, 2]  # the policy's loss only where it trained
