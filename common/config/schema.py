@@ -294,11 +294,11 @@ class RLConfig:
     """grpo: critic-free group advantages (each sample's reward against its group's). ppo: a learned value
     model (trainer.rl.critic) and per-token GAE advantages (gamma, gae_lambda), whitened over the step."""
     gamma: float = identity(1.0)
-    """ppo: discount of GAE per token (1 = undiscounted, as the seed and verl use for RLVR)."""
+    """ppo: discount of GAE per token (1 = undiscounted, verl's default: an RLVR reward comes at the end)."""
     gae_lambda: float = identity(1.0)
     """ppo: GAE's lambda. 1 makes each token's advantage the sample's return minus the token's value (no bias
-    from an untrained critic, the variance of a Monte Carlo return); the seed and verl default to 1.0 too
-    (verl's lam); smaller values lean on the critic's later values."""
+    from an untrained critic, the variance of a Monte Carlo return), verl's default (its algorithm.lam);
+    smaller values lean on the critic's later values, which helps only once the critic is good."""
     dual_clip: float = identity(0.0)
     """Dual-clip PPO (both algorithms): for negative advantages the surrogate is bounded below by
     dual_clip * A, so a token whose ratio grew far past the clip cannot dominate the update. 0 = off, else

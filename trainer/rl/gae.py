@@ -50,7 +50,8 @@ def gae(
     next_value = torch.zeros_like(values[:, 0])
     next_advantage = torch.zeros_like(values[:, 0])
     advantages = torch.zeros_like(values)
-    for t in range(mask.shape[1] - 1, -1, -1):
+    columns = present.any(dim=0).nonzero().flatten()  # only completion columns: the prompts are long
+    for t in range(int(columns.max()), int(columns.min()) - 1, -1) if len(columns) else ():
         delta = rewards[:, t] + gamma * next_value - values[:, t]
         a = delta + gamma * lam * next_advantage
         here = present[:, t]
