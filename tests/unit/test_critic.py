@@ -130,7 +130,8 @@ def test_ppo_config_refusals_name_the_field_and_the_fix():
         load_config(None, ["trainer.rl.algorithm=ppo", "trainer.rl.critic.warmup_steps=5", "trainer.steps=5"])
     with pytest.raises(ConfigError, match="gae_lambda"):
         load_config(None, ["trainer.rl.algorithm=ppo", "trainer.rl.gae_lambda=1.5"])
-    assert load_config(None, ["trainer.rl.algorithm=ppo"]).trainer.rl.critic.warmup_steps >= 0
+    cfg = load_config(None, ["trainer.rl.algorithm=ppo", "trainer.rl.critic.warmup_steps=4", "trainer.steps=5"])
+    assert cfg.trainer.rl.critic.warmup_steps == 4  # one step left to the policy is enough
 
 
 # -- the PPO step on the core ----------------------------------------------------------------------
