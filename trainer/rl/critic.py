@@ -106,7 +106,8 @@ def build_critic(cfg: Config, ranks: Ranks, policy: Transformer) -> TrainingCore
 def old_values(critic: TrainingCore, batch: Batch, rows_per_forward: int) -> torch.Tensor:
     """The critic's values [B, T] of every row of the global batch (no grad, with the weights that begin the
     step), identical on every rank; 0 outside the mask."""
-    values = critic.evaluate(batch, lambda model, mb: value_model(model)(mb["tokens"]), rows_per_forward)
+    tokens = {"tokens": batch["tokens"]}  # all the critic reads: the rest of the batch stays where it is
+    values = critic.evaluate(tokens, lambda model, mb: value_model(model)(mb["tokens"]), rows_per_forward)
     return values * batch["mask"].to(values.dtype)
 
 
