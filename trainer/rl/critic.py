@@ -20,6 +20,7 @@ critic sharing the policy's trunk (a second trunk doubles memory but keeps the p
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Sequence
 
 import torch
@@ -178,17 +179,17 @@ def ppo_step(
     place of "advantages"; `rows` its mini-batches. `train_policy` False (the critic's warm-up) leaves the
     policy untouched. The result's updates are the policy's (none in the warm-up); its figures the policy's
     (when trained), the critic's, and the step's advantage figures, with rl/policy_trained 1 or 0."""
+    t0 = time.perf_counter()
     values = old_values(critic, batch, rl.micro_batch_samples)
     adv = ppo_advantages(batch["rewards"], values, batch["mask"], rl)
     policy_batch = {k: v for k, v in batch.items() if k != "rewards"} | {"advantages": adv.advantages}
     figures: dict[str, float] = {}
     updates = []
-    seconds = 0.0
     if train_policy:
         result = policy.step_updates(
             rl_updates(policy_batch, rows, rl), rl.micro_batch_samples, prepare=proximal_fn(rl)
         )
-        figures, updates, seconds = dict(result.figures), result.updates, result.seconds
+        figures, updates = dict(result.figures), result.updates
     critic_batch = {"tokens": batch["tokens"], "mask": batch["mask"], "returns": adv.returns, "old_values": values}
     trained = critic.step_updates(critic_updates(critic_batch, rows, rl.critic.value_clip), rl.micro_batch_samples)
     # The critic's core names its own terms (its aux_loss among them) beside the policy's: under critic/.
@@ -196,4 +197,4 @@ def ppo_step(
     figures |= adv.figures
     figures["critic/grad_norm"] = sum(u.grad_norm for u in trained.updates) / len(trained.updates)
     figures["rl/policy_trained"] = float(train_policy)
-    return StepResult(updates, figures, seconds + trained.seconds)
+    return StepResult(updates, figures, time.perf_counter() - t0)
