@@ -201,6 +201,22 @@ def test_the_critic_starts_as_the_policys_trunk_with_a_zero_value_head():
         assert float(critic.model(batch["tokens"]).abs().max()) == 0.0
 
 
+def test_copying_the_trunk_again_after_the_warm_start_takes_the_policys_new_weights():
+    """The end of the warm start (ResetMoments) copies the trained policy's trunk into the critic again."""
+    from trainer.core import cross_entropy_loss
+    from trainer.rl.critic import copy_trunk
+
+    cfg = _ppo_config()
+    core, critic = _one_rank(cfg)
+    batch, _ = _ppo_batch()
+    sft = {"tokens": batch["tokens"], "targets": batch["targets"]}
+    core.step(sft, cross_entropy_loss(int(batch["mask"].sum())), 8, tokens=0, lr=1e-2)
+    trunk = {k: v for k, v in core.model.state_dict().items() if not k.startswith("lm_head.")}
+    assert any(not torch.equal(v, critic.model.state_dict()[k]) for k, v in trunk.items())
+    copy_trunk(core.model, value_model(critic.model))
+    assert all(torch.equal(v, critic.model.state_dict()[k]) for k, v in trunk.items())
+
+
 def test_the_ppo_step_on_the_core_is_the_one_written_out_by_hand():
     """Old values (no grad, eval mode), GAE and whitening, then per mini-batch the policy's PPO update with
     token advantages and the critic's clipped value update, each normalised by the mini-batch's tokens."""
