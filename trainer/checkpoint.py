@@ -1,8 +1,7 @@
 """Training checkpoints through torch.distributed.checkpoint (DCP): the model (with the router
 biases), the AdamW state, the schedule position, every RNG, the data cursor, an opaque slot for the
 flow runtime's state, and the config (its identity fingerprint decides whether a resume is allowed).
-Models kept beside the policy (`Companion`: the frozen reference policy, the critic) are saved and loaded
-with it under their own names. DCP writes one directory per checkpoint and works in a single process without a process group; under
+DCP writes one directory per checkpoint and works in a single process without a process group; under
 data/expert parallelism every rank calls the same functions. Resume is exact: N steps, save, load,
 N more steps gives bitwise the weights of 2N uninterrupted steps (on CPU)."""
 
@@ -65,14 +64,16 @@ class Companion:
 
 
 def _companion_state(companions: Mapping[str, Companion]) -> dict[str, Any]:
-    """The DCP entries of the companions: f"{name}.model", and f"{name}.optim" with an optimizer."""
-    state: dict[str, Any] = {}
+    """The DCP entries of the companions: f"{name}.model", and with an optimizer f"{name}.optim" and
+    f"{name}.meta" (its step and schedule-token counters)."""
+    out: dict[str, Any] = {}
     for name, c in companions.items():
         if c.optimizer is None:
-            state[f"{name}.model"] = get_model_state_dict(c.model)
-        else:
-            state[f"{name}.model"], state[f"{name}.optim"] = get_state_dict(c.model, c.optimizer.optimizers)
-    return state
+            out[f"{name}.model"] = get_model_state_dict(c.model)
+            continue
+        out[f"{name}.model"], out[f"{name}.optim"] = get_state_dict(c.model, c.optimizer.optimizers)
+        out[f"{name}.meta"] = {"optimizer_steps": c.optimizer.steps, "optimizer_tokens": c.optimizer.tokens}
+    return out
 
 
 class CheckpointSchedule:
@@ -156,12 +157,13 @@ def save_checkpoint(
     keep: int = 0,
     companions: Mapping[str, Companion] | None = None,
 ) -> Path:
-    """Write checkpoint `root/step_<state.step>` (with the `companions` under their names); then keep only the
+    """Write checkpoint `root/step_<state.step>` (with the `companions` beside the model); then keep only the
     newest `keep` (0 = all)."""
     path = checkpoint_dir(root, state.step)
     model_sd, optim_sd = get_state_dict(model, optimizer.optimizers)
     _dcp_save(
         {
+            **_companion_state(companions or {}),
             "model": model_sd,
             "optim": optim_sd,
             "meta": {
@@ -172,7 +174,6 @@ def save_checkpoint(
                 "config": to_toml(cfg),
             },
             "rng": _rng_state(),
-            **_companion_state(companions or {}),
         },
         path,
     )
@@ -190,8 +191,8 @@ def load_checkpoint(
     cfg: Config,
     companions: Mapping[str, Companion] | None = None,
 ) -> TrainState:
-    """Restore a checkpoint into model (and optimizer, RNG) and the `companions`; refuses one whose config
-    identity differs, or that lacks a companion the run expects."""
+    """Restore a checkpoint into model (and optimizer, RNG) and its `companions`; refuses one whose config
+    identity differs or that lacks a companion."""
     path = Path(path)
     if not (path / ".metadata").is_file():
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no .metadata); pick one of list_checkpoints()")
@@ -205,17 +206,7 @@ def load_checkpoint(
             f"{identity_fingerprint(cfg)}): identity fields differ: {', '.join(identity_diff(old, cfg))}. "
             "Restore those values, or start a new run directory."
         )
-    companions = companions or {}
-    keys = _saved_keys(path) if companions else []
-    for name in companions:
-        if not any(k.startswith(f"{name}.model.") for k in keys):
-            raise CheckpointMismatch(
-                f"checkpoint {path} holds no {name!r} model, which this run keeps beside the policy (e.g. the "
-                "reference for trainer.rl.kl_coef > 0 or log_kl); start from a checkpoint that has it, or a new run "
-                "directory"
-            )
     full: dict[str, Any] = {"meta": {"state": None, "optimizer_steps": 0, "optimizer_tokens": 0}}
-    full.update(_companion_state(companions))
     if optimizer is not None:
         full["model"], full["optim"] = get_state_dict(model, optimizer.optimizers)
         full["rng"] = _rng_state()
@@ -229,22 +220,34 @@ def load_checkpoint(
         _set_rng_state(full["rng"])
     else:
         set_model_state_dict(model, full["model"])
-    for name, c in companions.items():
-        if c.optimizer is None:
-            set_model_state_dict(c.model, full[f"{name}.model"])
-        else:
-            set_state_dict(
-                c.model,
-                c.optimizer.optimizers,
-                model_state_dict=full[f"{name}.model"],
-                optim_state_dict=full[f"{name}.optim"],
-            )
+    _load_companions(path, companions or {})
     return full["meta"]["state"]
 
 
-def _saved_keys(path: Path) -> list[str]:
-    """The flattened names of every entry a checkpoint holds ("model.<param>", "reference.model.<param>", ...)."""
-    return list(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+def _load_companions(path: Path, companions: Mapping[str, Companion]) -> None:
+    if not companions:
+        return
+    saved = {key.split(".")[0] for key in dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata}
+    lacking = sorted(set(companions) - saved)
+    if lacking:
+        raise CheckpointMismatch(
+            f"checkpoint {path} holds no {', '.join(lacking)} model, which this run keeps beside the policy; resume "
+            "from a checkpoint of a run that had it, or start a new run directory"
+        )
+    state = _companion_state(companions)
+    _dcp_load(state, path)
+    for name, c in companions.items():
+        if c.optimizer is None:
+            set_model_state_dict(c.model, state[f"{name}.model"])
+            continue
+        set_state_dict(
+            c.model,
+            c.optimizer.optimizers,
+            model_state_dict=state[f"{name}.model"],
+            optim_state_dict=state[f"{name}.optim"],
+        )
+        c.optimizer.steps = state[f"{name}.meta"]["optimizer_steps"]
+        c.optimizer.tokens = state[f"{name}.meta"]["optimizer_tokens"]
 
 
 def load_model_weights(path: str | Path, model: nn.Module) -> None:

@@ -25,6 +25,7 @@ from trainer.checkpoint import Companion, TrainState
 from trainer.core import StepResult, TrainingCore, cross_entropy_loss
 from trainer.model import compile_blocks
 from trainer.ranks import Ranks
+from trainer.rl.critic import build_critic, copy_trunk, ppo_step, value_model
 from trainer.rl.reference import ReferencePolicy
 from trainer.rl.update import proximal_fn, rl_updates
 from trainer.setup import initial_model
@@ -66,7 +67,8 @@ class RLStep:
     batch: dict[str, torch.Tensor]
     """The step's global batch (the same rows on every rank; each trains its share)."""
     mini_batches: list[slice]
-    """The rows of each optimizer update (whole groups)."""
+    """The rows of each optimizer update (whole groups). With trainer.rl.algorithm = "ppo" the batch holds
+    "rewards" [B] instead of "advantages": the ranks compute per-token advantages with the critic."""
     step: int
     """The RL step (its samples made entirely by the weights of `step` are fresh)."""
 
@@ -124,8 +126,7 @@ class TrainerRank:
         self.model_dir = resolve_model(self.cfg, ctx.run_dir)
         # Version 0 must be the function the workers serve: start from their checkpoint unless told otherwise.
         self.core = TrainingCore(self.cfg, ranks, initial_model(self.cfg, self.device, self.model_dir))
-        # Made before any resume so that a checkpoint's "reference" loads into it; StartReference sets it otherwise.
-        self.reference = self.make_reference()
+        self.keep_companions()
         self.ckpt_root = ctx.run_dir / "checkpoints"
         self.shard_bytes = self.cfg.rollout.weight_shard_mb << 20
         self.handlers: dict[type[Command], Callable[[Any], StepResult | None]] = {
@@ -153,6 +154,18 @@ class TrainerRank:
 
     def reset_moments(self, cmd: ResetMoments) -> None:
         self.core.optimizer.reset_moments()
+        if self.critic is not None:  # RL starts from the warm start's weights: so does the critic's trunk
+            copy_trunk(self.core.model, value_model(self.critic.model))
+
+    def keep_companions(self) -> None:
+        """The models RL keeps beside the policy, made before any resume so that a checkpoint's copies load into
+        them: the frozen reference policy (`make_reference`; StartReference sets its weights on a fresh run)
+        and PPO's value model, whose plan's process groups come after the policy's, in this order on every rank."""
+        self.reference = self.make_reference()
+        self.critic = None
+        if self.cfg.trainer.rl.algorithm == "ppo":
+            self.critic = build_critic(self.cfg, self.core.ranks, self.core.model)
+            self.core.companions["critic"] = Companion(self.critic.model, self.critic.optimizer)
 
     def make_reference(self) -> ReferencePolicy | None:
         """The frozen reference policy when trainer.rl keeps one (kl_coef > 0 or log_kl), checkpointed with the
@@ -180,6 +193,18 @@ class TrainerRank:
         every = rl.reference_refresh_steps
         if self.reference is not None and every > 0 and cmd.step > 0 and cmd.step % every == 0:
             self.reference.copy_from(self.core.model)  # before the first pass: this step's KL is to the policy of now
+        if self.critic is not None:
+            train_policy = cmd.step >= rl.critic.warmup_steps
+            return ppo_step(
+                self.core,
+                self.critic,
+                cmd.batch,
+                cmd.mini_batches,
+                rl,
+                train_policy,
+                reference=None if self.reference is None else self.reference.model,
+                min_micro_batches=self.cfg.trainer.optim.grad_accum,
+            )
         updates = rl_updates(cmd.batch, cmd.mini_batches, rl)
         return self.core.step_updates(
             updates,

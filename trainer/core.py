@@ -14,9 +14,9 @@ compute W = 1's update up to floating-point summation order.
 
 A step may be several optimizer updates (`step_updates`: the PPO mini-batches of an RL step); each
 update's rows are split over the ranks on their own, and `prepare` (the proximal log-probs) sees all
-of them with the weights that began the step.
-
-Models kept beside the policy (`companions`: the RL's frozen reference policy) are checkpointed with it.
+of them with the weights that began the step. `evaluate` is a no-grad pass over the global batch whose
+per-row results every rank receives (PPO's old values). Models checkpointed beside this one (PPO's
+critic, the frozen reference policy of the KL term) are its `companions`.
 
 Left out on purpose: FSDP sharding of the dense weights (they are replicated and their gradients
 all-reduced in flat buckets; the dense part of the MoEs trained here is small next to the experts).
@@ -163,7 +163,7 @@ class TrainingCore:
         self.aux_coef = tc.optim.seq_aux_loss_coef
         model.set_aux_loss(self.aux_coef > 0)
         self.companions: dict[str, Companion] = {}
-        """Models checkpointed beside the policy, by name ("reference": trainer/rl/reference.py)."""
+        """Models checkpointed with this one (the critic of PPO, the frozen reference), by name."""
 
     # -- the step ------------------------------------------------------------------------------
 
@@ -239,6 +239,18 @@ class TrainingCore:
             done.append(self.optimizer.step(update.tokens, lr=lr))
         figures = reduce_figures(self.ranks.all_gather(reduce_figures(parts)))
         return StepResult(done, figures, time.perf_counter() - t0)
+
+    def evaluate(
+        self, batch: Batch, fn: Callable[[Transformer, Batch], torch.Tensor], rows_per_forward: int
+    ) -> torch.Tensor:
+        """fn(model, micro-batch) -> a tensor per row, over every row of the global `batch`: each rank runs its
+        rows (no grad, eval mode), then the rows are gathered in rank order, so every rank holds them all."""
+        dtype = self.cfg.trainer.dtype
+        self.model.eval()
+        with torch.no_grad(), autocast(self.device, dtype):
+            mine = [fn(self.model, mb).cpu() for mb in self.my_micro_batches(batch, rows_per_forward)]
+        self.model.train()
+        return torch.cat(self.ranks.all_gather(torch.cat(mine)))
 
     # -- checkpoints ---------------------------------------------------------------------------
 

@@ -226,16 +226,22 @@ class RLTrainer(TrainerRank):
 
     def train_step(self, step: int, groups: list[Group[Problem, Rollout]], dropped_groups: int) -> None:
         """One RL step on `groups`; `dropped_groups` zero-variance groups were dropped by flow.dynamic_sampling
-        (and replaced by new prompts) while the batch formed."""
+        (and replaced by new prompts) while the batch formed. trainer.rl.filter_zero_variance applies to both
+        algorithms; under PPO such a group's tokens would still have advantages (reward minus value) and would
+        teach the critic, so keeping them (filter_zero_variance = false) is a choice PPO makes sense of."""
         rl = self.cfg.trainer.rl
         t0 = time.monotonic()
         origin = self.flow_origin()
         assert origin is not None, "train steps are flow callbacks: the flow's clock runs"
         rewards = torch.tensor([[r.reward for r in g.samples] for g in groups])
         clipped = clip_rewards(rewards, rl.reward_clip)  # what the advantages see; the figures keep the task's
-        advantages = clip_advantages(group_advantages(clipped, rl.normalize_std), rl.advantage_clip)
+        # GRPO trains on group advantages; PPO's ranks make per-token advantages from the rewards with the critic.
+        if rl.algorithm == "ppo":
+            signal = clipped
+        else:
+            signal = clip_advantages(group_advantages(clipped, rl.normalize_std), rl.advantage_clip)
         keep = ~zero_variance_groups(clipped) if rl.filter_zero_variance else torch.ones(len(groups), dtype=torch.bool)
-        used = [(g, advantages[i]) for i, g in enumerate(groups) if keep[i]]
+        used = [(g, signal[i]) for i, g in enumerate(groups) if keep[i]]
         rollouts = [r for g, _ in used for r in g.samples]
         # With no group carrying a signal the step trains nothing: the weights of step + 1 are those of step.
         sizes = [len(g.samples) for g, _ in used]
@@ -261,7 +267,8 @@ class RLTrainer(TrainerRank):
             # Every sample of the batch, used by the update or not: what the simulator's step cost counts.
             "perf/step_tokens": sum(len(r.sample.prompt_token_ids) + len(r.sample.token_ids) for r in all_rollouts),
             "perf/samples_per_s": self._samples_trained / (time.monotonic() - self._t0),
-            **{f"loss/{k}": v for k, v in stats.items()},
+            # The critic's and the advantages' figures (PPO) carry their own critic/ and rl/ prefixes.
+            **{k if k.startswith(("critic/", "rl/")) else f"loss/{k}": v for k, v in stats.items()},
             **(router_figures(self._router) | self._perf if rollouts else {}),
         }
         self.metrics.log_many(step, figures)
@@ -283,15 +290,20 @@ class RLTrainer(TrainerRank):
             len(groups),
             dropped_groups,
             max(staleness),
-            " ".join(f"{k}={v:.4g}" for k, v in stats.items() if k in ("loss", "clip_fraction", "iw_mean")),
+            " ".join(
+                f"{k}={v:.4g}"
+                for k, v in stats.items()
+                if k in ("loss", "clip_fraction", "iw_mean", "critic/value_loss")
+            ),
         )
 
     def _update(
-        self, step: int, rollouts: list[Rollout], advantages: torch.Tensor, group_sizes: list[int]
+        self, step: int, rollouts: list[Rollout], signal: torch.Tensor, group_sizes: list[int]
     ) -> dict[str, float]:
         """The step's optimizer updates (trainer.rl.mini_batches of whole groups) on the decoupled PPO loss
-        over every rank; returns the loss statistics (the step's parts and router telemetry go to `_perf`
-        and `_router`, which train_step logs under perf/ and router/)."""
+        over every rank; `signal` [B] holds the samples' GRPO advantages, or their rewards under PPO (the
+        ranks then compute token advantages with the critic). Returns the loss statistics (the step's parts
+        and router telemetry go to `_perf` and `_router`, which train_step logs under perf/ and router/)."""
         t0 = time.perf_counter()
         tokens, targets, behaviour, mask = padded_batch(rollouts, self.tokenizer.pad_token_id)
         n_tokens = int(mask.sum())
@@ -301,7 +313,7 @@ class RLTrainer(TrainerRank):
             "targets": targets,
             "behaviour": behaviour,
             "mask": mask,
-            "advantages": advantages,
+            "rewards" if self.cfg.trainer.rl.algorithm == "ppo" else "advantages": signal,
             "fresh": fresh,
             "step_tokens": torch.full((len(rollouts),), float(n_tokens)),
             **sampling_rows(rollouts),
@@ -320,7 +332,8 @@ class RLTrainer(TrainerRank):
         t2 = time.perf_counter()
         assert result is not None
         figures = rl_step_figures(result)
-        self._router = result.optim.router  # logged by train_step beside the step's figures, as pretraining does
+        # Logged by train_step beside the step's figures, as pretraining does; none when only the critic trained.
+        self._router = result.optim.router if result.updates else []
         # The parts of a step: building the batch, the proximal pass and the updates on every rank (the rest of
         # perf/step_s is rewards, advantages and bookkeeping); trained tokens per second of the whole update.
         self._perf = {

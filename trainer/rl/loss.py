@@ -5,8 +5,9 @@ weight versions old), the proximal policy (the trainer's weights before this upd
 are recomputed by the trainer), and the policy being optimised. The PPO ratio and its clip are taken
 against the proximal policy, so staleness does not widen the trust region; the behaviour-to-proximal
 importance weight corrects the off-policy sampling and is truncated at `tis_cap` to bound variance.
-Optionally an estimate of KL to a frozen reference policy (trainer/rl/kl.py) is added, aggregated like the
-policy-gradient term.
+Advantages are one per sample (GRPO) or one per token (PPO with a critic); with `dual_clip` the surrogate of
+a negative advantage is bounded below by dual_clip * A (dual-clip PPO). Optionally an estimate of KL to a
+frozen reference policy (trainer/rl/kl.py) is added, aggregated like the policy-gradient term.
 
 Beside the truncation, two corrections leave tokens out of the loss when behaviour and proximal policy
 disagree too much (train/inference mismatch, or a sample too stale): token masking by a band on the
@@ -53,19 +54,23 @@ def ppo_loss(
     ref_logp: torch.Tensor | None = None,
     total: float | None = None,
 ) -> LossOutput:
-    """All log-prob tensors are [batch, tokens] of the sampled tokens; advantages [batch]; mask [batch, tokens].
+    """All log-prob tensors are [batch, tokens] of the sampled tokens; advantages [batch] (one per sample, GRPO)
+    or [batch, tokens] (per token, PPO with a critic); mask [batch, tokens].
 
     `ref_logp`: the frozen reference policy's log-probs; with them the statistics hold the KL to it (kl: the
-    configured estimator, kl_k1, kl_k3) and, with cfg.kl_coef > 0, the loss adds kl_coef times the estimator
+    configured estimator, kl_k1, kl_k3) and, with cfg.kl_coef > 0 and kl_mode "loss", the loss adds kl_coef times the estimator
     aggregated like the policy-gradient term, over every completion token (the off-policy corrections mask
     only the policy-gradient term). `total`: for a micro-batch, the token count (token-mean) or sample count
     (seq-mean-*) of the whole update. Returns the scalar loss (to minimise) and float statistics of every term.
     """
     mask = mask.to(logp.dtype)
-    adv = advantages.to(logp.dtype).unsqueeze(1)
+    adv = token_advantages(advantages, mask).to(logp.dtype)
     ratio = torch.exp(logp - proximal_logp)
     clipped = ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
     surrogate = torch.minimum(ratio * adv, clipped * adv)
+    # Dual clip: for A < 0 the surrogate falls without bound as the ratio grows; c * A (c > 1) bounds it.
+    dual_clipped = (adv < 0) & (surrogate < cfg.dual_clip * adv) if cfg.dual_clip > 0 else torch.zeros_like(mask) > 0
+    surrogate = torch.where(dual_clipped, cfg.dual_clip * adv, surrogate)
     # The importance weight is a constant of the update: gradients flow only through `ratio`.
     log_iw = (proximal_logp - behaviour_logp).detach()
     iw = torch.exp(log_iw)
@@ -80,7 +85,7 @@ def ppo_loss(
     if ref_logp is not None:
         ref_logp = ref_logp.to(logp.dtype)
         kl_value = aggregate(kl_estimate(cfg.kl_estimator, logp, ref_logp), mask, cfg.aggregation, total)
-        if cfg.kl_coef > 0:
+        if cfg.kl_coef > 0 and cfg.kl_mode == "loss":  # "reward": the penalty is in the advantages already
             loss = loss + cfg.kl_coef * kl_value
         with torch.no_grad():
             kl_stats = {
@@ -103,6 +108,7 @@ def ppo_loss(
             "pg_loss": float(pg_loss),
             **kl_stats,
             "clip_fraction": float(clip_active.sum() / n),
+            "dual_clip_fraction": float((dual_clipped.to(mask.dtype) * mask).sum() / n),
             "ratio_mean": float((ratio * mask).sum() / n),
             "ratio_max": masked_max(ratio),
             "ratio_min": masked_min(ratio),
@@ -119,6 +125,17 @@ def ppo_loss(
             "tokens": float(mask.sum()),
         }
     return LossOutput(loss, stats)
+
+
+def token_advantages(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[B] (a sample's advantage on each of its tokens) or [B, T] (per token) -> [B, T] broadcastable to mask."""
+    if advantages.dim() == 1 and advantages.shape[0] == mask.shape[0]:
+        return advantages.unsqueeze(1)
+    if advantages.shape == mask.shape:
+        return advantages
+    raise ValueError(
+        f"advantages must be [B] or [B, T] like the mask {tuple(mask.shape)}; got {tuple(advantages.shape)}"
+    )
 
 
 def correction_masks(log_iw: torch.Tensor, mask: torch.Tensor, cfg: RLConfig) -> tuple[torch.Tensor, torch.Tensor]:

@@ -155,6 +155,8 @@ def rl_step_figures(result: StepResult) -> dict[str, float]:
     trainer-vs-vLLM mismatch on fresh samples, the p99 log-prob gap and the routing disagreement."""
     figures = dict(result.figures)
     figures["updates"] = len(result.updates)
+    if not result.updates:  # PPO's critic warm-up: the policy did not train, the critic's figures are all
+        return figures
     abs_sum, fresh_tokens = figures.pop("fresh_abs_diff_sum", 0.0), figures.pop("fresh_tokens", 0.0)
     if fresh_tokens > 0:
         figures["fresh_logprob_mismatch"] = abs_sum / fresh_tokens
