@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_rl_e2e import demo_prompts_per_step
+from test_rl_e2e import demo_prompts_per_step, end_of_run_rise
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 10
@@ -36,21 +36,6 @@ TTL_S = 2.0
 # tells a learning run from a flat one without failing one run in ten. (The demo's learning is asserted at
 # 15 steps by tests/e2e/test_rl_e2e.py.)
 MIN_RISE = 0.05
-# The end of a run is judged on its last LAST versions: one version's score on the 200 held-out problems
-# moves by 4-6 points between neighbouring versions (a W=2 run measured 0.745, 0.735, 0.735, 0.680 for
-# versions 12-15), a mean of three by less.
-LAST = 3
-
-
-def end_of_run_rise(scores: dict[int, float], first: int, last: int) -> tuple[float, str]:
-    """The held-out rise from version `first` to the mean of the LAST versions ending at `last`, and a
-    description of it for the failure message."""
-    tail = list(range(last - LAST + 1, last + 1))
-    assert first in scores and all(v in scores for v in tail), f"held-out results for versions {sorted(scores)}"
-    end = sum(scores[v] for v in tail) / LAST
-    return end - scores[first], f"{scores[first]:.3f} at version {first} -> {end:.3f} over versions {tail} " + (
-        f"({', '.join(f'{scores[v]:.3f}' for v in tail)})"
-    )
 
 
 def ip(*args: str) -> None:
