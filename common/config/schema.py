@@ -267,17 +267,17 @@ class CriticConfig:
     """The value model of trainer.rl.algorithm = "ppo" (trainer/rl/critic.py): a copy of the policy's trunk
     with a scalar head, trained beside the policy on the same mini-batches."""
 
-    lr: float = identity(2e-3)
+    lr: float = identity(2e-3, added=True)
     """The critic's AdamW learning rate (every group: dense, router, experts; the other optimizer knobs and the
     schedule are trainer.optim's). A critic learns faster than the policy may (verl's critic rate is 10x the
     actor's): its head starts at 0. On the demo's task 2e-3 (13x the demo's policy rate) learned as well as
     GRPO in 15 steps, 5e-4 a little less (bench/ppo_learning.py)."""
-    warmup_steps: int = identity(0)
+    warmup_steps: int = identity(0, added=True)
     """The first N RL steps train only the critic: the policy is not updated (its published weights do not
     change), so its first updates see a trained critic instead of the zero-initialised head's 0. Off by
     default: with whitened advantages a critic that knows only the mean reward is no better than none, and
     two warm-up steps of the demo's 15 learned less (+14 against +17 held-out points, one seed)."""
-    value_clip: float = identity(0.2)
+    value_clip: float = identity(0.2, added=True)
     """Clip of the new value around the old one in the value loss (PPO's value clipping; the seed's and verl's
     cliprange_value); 0 = off."""
 
@@ -295,20 +295,20 @@ class CriticConfig:
 
 @dataclass
 class RLConfig:
-    algorithm: Literal["grpo", "ppo"] = identity("grpo")
+    algorithm: Literal["grpo", "ppo"] = identity("grpo", added=True)
     """grpo: critic-free group advantages (each sample's reward against its group's). ppo: a learned value
     model (trainer.rl.critic) and per-token GAE advantages (gamma, gae_lambda), whitened over the step."""
-    gamma: float = identity(1.0)
+    gamma: float = identity(1.0, added=True)
     """ppo: discount of GAE per token (1 = undiscounted, verl's default: an RLVR reward comes at the end)."""
-    gae_lambda: float = identity(1.0)
+    gae_lambda: float = identity(1.0, added=True)
     """ppo: GAE's lambda. 1 makes each token's advantage the sample's return minus the token's value (no bias
     from an untrained critic, the variance of a Monte Carlo return), verl's default (its algorithm.lam);
     smaller values lean on the critic's later values, which helps only once the critic is good."""
-    dual_clip: float = identity(0.0)
+    dual_clip: float = identity(0.0, added=True)
     """Dual-clip PPO (both algorithms): for negative advantages the surrogate is bounded below by
     dual_clip * A, so a token whose ratio grew far past the clip cannot dominate the update. 0 = off, else
     a constant > 1 (3.0 in the dual-clip paper and verl's clip_ratio_c)."""
-    whiten_advantages: bool = identity(True)
+    whiten_advantages: bool = identity(True, added=True)
     """ppo: whiten the token advantages (subtract the mean, divide by the std) over every completion token of
     the step, on every rank alike (global, token-level)."""
     critic: CriticConfig = field(default_factory=CriticConfig)
