@@ -47,16 +47,20 @@ class DispatchPlan:
     """max over ranks of max(rows_in, rows_out): the size a symmetric buffer must have on every rank."""
 
 
-def _positions(starts: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
-    """cat(arange(starts[i], starts[i] + sizes[i]) for i) without a Python loop."""
+def _positions(starts: torch.Tensor, sizes: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """cat(arange(starts[i], starts[i] + sizes[i]) for i), built on `device` from the small host tables
+    starts, sizes [n] (int64): no Python loop, no host work per row, and no device-to-host sync (the output's
+    length is known on the host and given to repeat_interleave)."""
     total = int(sizes.sum())
+    starts, sizes = starts.to(device), sizes.to(device)
     seg_begin = torch.cumsum(sizes, 0) - sizes  # where each segment begins in the output
-    within = torch.arange(total) - torch.repeat_interleave(seg_begin, sizes)
-    return torch.repeat_interleave(starts, sizes) + within
+    within = torch.arange(total, device=device) - torch.repeat_interleave(seg_begin, sizes, output_size=total)
+    return torch.repeat_interleave(starts, sizes, output_size=total) + within
 
 
 def make_plan(counts: torch.Tensor, rank: int, device: torch.device | str) -> DispatchPlan:
-    """The plan of `rank` from counts [W, E] (int, host): every rank computes the same global layout."""
+    """The plan of `rank` from counts [W, E] (int, host): every rank computes the same global layout. The
+    host works on [W, W, E/W] tables only; the per-row indices are built on `device`."""
     counts = counts.to("cpu", torch.int64)
     W, E = counts.shape
     if E % W:
@@ -68,8 +72,10 @@ def make_plan(counts: torch.Tensor, rank: int, device: torch.device | str) -> Di
     expert_start = torch.cumsum(totals, 1) - totals  # [owner, El]
     source_start = torch.cumsum(cl, 0) - cl  # [source, owner, El]: rows of lower sources for that expert
     base = expert_start.unsqueeze(0) + source_start  # [source, owner, El]: where (s, r, j) rows start at r
-    put_index = [_positions(base[rank, r], cl[rank, r]).to(device) for r in range(W)]
-    recv_index = torch.cat([_positions(base[s, rank], cl[s, rank]) for s in range(W)]).to(device)
+    # What this rank sends, owner after owner, then cut per owner; what it receives, source after source.
+    put_all = _positions(base[rank].reshape(-1), cl[rank].reshape(-1), device)
+    put_index = list(put_all.split(per_pair[rank].tolist()))
+    recv_index = _positions(base[:, rank].reshape(-1), cl[:, rank].reshape(-1), device)
     send = per_pair[rank].tolist()
     recv = per_pair[:, rank].tolist()
     rows_in = per_pair.sum(0)  # [owner]
