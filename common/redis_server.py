@@ -81,13 +81,7 @@ class RedisServer:
                 lines += ['save ""', "appendonly no"]
             # The password lives in a 0600 file, not on the command line where `ps` would show it.
             write_atomic(conf, "\n".join(lines) + "\n")
-            server = subprocess.Popen(
-                [binary, str(conf)],
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-                preexec_fn=die_with_parent,
-            )
+            server = _spawn(binary, conf)
             info = RedisInfo(
                 host=advertise,
                 port=port,
@@ -153,13 +147,7 @@ class RedisServer:
             if self._closing.is_set() or self._server is not server or self.info is None:
                 return
             t0 = time.monotonic()
-            restarted = subprocess.Popen(
-                [binary, str(conf)],
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-                preexec_fn=die_with_parent,
-            )
+            restarted = _spawn(binary, conf)
             info = replace(self.info, pid=restarted.pid, started_at=time.time())
             if not self._wait_ready(restarted, info):
                 restarted.kill()
@@ -240,3 +228,14 @@ class RedisServer:
                 except (redis.ConnectionError, redis.TimeoutError):
                     time.sleep(POLL_S)
         return False
+
+
+def _spawn(binary: str, conf: Path) -> subprocess.Popen[bytes]:
+    """redis-server on its config file, silent, dying with this process (the first start and every restart)."""
+    return subprocess.Popen(
+        [binary, str(conf)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        preexec_fn=die_with_parent,
+    )
