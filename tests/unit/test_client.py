@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import base64
 import io
+from collections.abc import Awaitable, Callable
 
 import numpy as np
 import pytest
+from aiohttp import web
 
 from rollout.client import RolloutClient, RolloutError, parse_choice
 
@@ -107,31 +109,39 @@ def test_http_errors_worth_retrying_are_transient_for_the_controller(status, tra
     assert is_transient(RolloutError("x", status=status)) is transient
 
 
+async def one_token_worker(seen: Callable[[dict], Awaitable[None]]) -> tuple[web.AppRunner, str]:
+    """A worker on loopback whose generate route answers every request with one token (version 0), after
+    handing its JSON body to `seen`; returns its runner (to clean up) and its URL."""
+
+    async def generate(request: web.Request) -> web.Response:
+        await seen(await request.json())
+        return web.json_response({"choices": [choice([5], [-0.5], [{"version": "0", "start": 0, "end": 1}])]})
+
+    app = web.Application()
+    app.router.add_post("/inference/v1/generate", generate)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    return runner, f"http://127.0.0.1:{port}"
+
+
 async def test_the_router_url_is_read_once_per_ttl_and_again_at_once_after_a_failed_request(redis_client):
     """Two routers stand-ins (real aiohttp servers on loopback) and the experiment's real Redis: the client reads
     the published URL once for many requests, and a request that fails on a gone router makes the next one read
     the URL again, so a restarted router is found without waiting for the TTL."""
     import aiohttp
-    from aiohttp import web
 
     from common.keys import Keys
 
     served: list[str] = []
 
     async def start(name: str) -> tuple[web.AppRunner, str]:
-        async def generate(request: web.Request) -> web.Response:
+        async def seen(body: dict) -> None:
             served.append(name)
-            await request.read()
-            return web.json_response({"choices": [choice([5], [-0.5], [{"version": "0", "start": 0, "end": 1}])]})
 
-        app = web.Application()
-        app.router.add_post("/inference/v1/generate", generate)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        return runner, f"http://127.0.0.1:{port}"
+        return await one_token_worker(seen)
 
     keys = Keys("url-cache")
     first, first_url = await start("first")
@@ -159,23 +169,14 @@ async def test_the_router_url_is_read_once_per_ttl_and_again_at_once_after_a_fai
 async def test_every_sampling_parameter_is_sent_and_each_sample_records_its_own():
     """A parameter left out of a request may take the model's generation_config.json default, which the
     trainer would not reproduce: every one is sent, those the trainer does not model at neutral values."""
-    from aiohttp import web
-
     bodies: list[dict] = []
 
-    async def generate(request: web.Request) -> web.Response:
-        bodies.append(await request.json())
-        return web.json_response({"choices": [choice([5], [-0.5], [{"version": "0", "start": 0, "end": 1}])]})
+    async def seen(body: dict) -> None:
+        bodies.append(body)
 
-    app = web.Application()
-    app.router.add_post("/inference/v1/generate", generate)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    runner, url = await one_token_worker(seen)
     try:
-        async with RolloutClient("m", url=f"http://127.0.0.1:{port}") as client:
+        async with RolloutClient("m", url=url) as client:
             (sample,) = await client.generate([1, 2], temperature=0.7, top_k=20, top_p=0.9, max_tokens=1)
     finally:
         await runner.cleanup()

@@ -366,7 +366,7 @@ def test_a_ppo_step_on_two_expert_parallel_ranks_is_the_one_rank_step(tmp_path):
     critic's updates each split over the ranks: 2 ranks (EP = 2, real gloo processes) make one rank's step."""
     import torch.multiprocessing as mp
 
-    from tests.unit.test_core import EP_STEP_BOUND
+    from tests.unit.test_core import EP_STEP_BOUND, worst_relative_difference
     from trainer.hf import hf_tensors
 
     mp.spawn(_ppo_on_ranks, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
@@ -379,25 +379,17 @@ def test_a_ppo_step_on_two_expert_parallel_ranks_is_the_one_rank_step(tmp_path):
     batch, rows = _ppo_batch()
     one = ppo_step(core, critic, batch, rows, cfg.trainer.rl, train_policy=True)
 
-    def worst(two: dict[str, torch.Tensor], mine: dict[str, torch.Tensor], start: dict[str, torch.Tensor]) -> float:
-        differences = {}
-        for name, t in mine.items():
-            moved = float((t - start[name]).norm())
-            assert moved > 0, name
-            differences[name] = float((two[name] - t).norm()) / moved
-        name = max(differences, key=differences.__getitem__)
-        print(f"worst relative difference {differences[name]:.3g} ({name}), bound {EP_STEP_BOUND:g}")
-        return differences[name]
-
     two_policy = parts[0]["part"] | parts[1]["part"]
-    assert worst(two_policy, dict(hf_tensors(core.model)), start_policy) <= EP_STEP_BOUND
+    worst, difference = worst_relative_difference(two_policy, dict(hf_tensors(core.model)), start_policy)
+    assert difference <= EP_STEP_BOUND, worst
     # Experts: rank r holds experts [r * E/2, (r + 1) * E/2) of each layer; the rest is replicated.
     two_critic = {}
     for name, t in parts[0]["critic"].items():
         other = parts[1]["critic"][name]
         two_critic[name] = torch.cat([t, other]) if ".mlp.experts." in name else t
     mine = {name: p.detach() for name, p in critic.model.named_parameters()}
-    assert worst(two_critic, mine, start_critic) <= EP_STEP_BOUND
+    worst, difference = worst_relative_difference(two_critic, mine, start_critic)
+    assert difference <= EP_STEP_BOUND, worst
     for k in ("loss", "pg_loss", "critic/value_loss", "critic/explained_variance", "rl/advantage_std", "tokens"):
         assert abs(parts[0]["figures"][k] - one.figures[k]) <= 1e-5 * max(1.0, abs(one.figures[k])), k
 

@@ -32,6 +32,30 @@ def cfg(**kw) -> RLConfig:
     return RLConfig(**({"clip_low": 0.2, "clip_high": 0.2, "tis_cap": 2.0} | kw))
 
 
+def one_row_micro_batches(
+    logp: torch.Tensor,
+    adv: torch.Tensor,
+    mask: torch.Tensor,
+    rl: RLConfig,
+    total: float,
+    ref_logp: torch.Tensor | None = None,
+) -> float:
+    """The on-policy loss of each row alone as a micro-batch (normalised by the whole batch's `total`), summed."""
+    return sum(
+        ppo_loss(
+            logp[i : i + 1],
+            logp[i : i + 1],
+            logp[i : i + 1],
+            adv[i : i + 1],
+            mask[i : i + 1],
+            rl,
+            ref_logp=None if ref_logp is None else ref_logp[i : i + 1],
+            total=total,
+        ).loss.item()
+        for i in range(len(logp))
+    )
+
+
 def test_on_policy_loss_is_minus_mean_advantage_and_gradient_is_the_policy_gradient():
     logp = torch.log(torch.tensor([[0.5, 0.25], [0.5, 0.5]])).requires_grad_()
     adv = torch.tensor([1.0, -2.0])
@@ -153,19 +177,7 @@ def test_the_loss_with_a_kl_term_by_hand_value_and_gradient(estimator, aggregati
     assert torch.allclose(logp.grad, want, atol=1e-6)
     total = 5.0 if aggregation == "token-mean" else 2.0
     rl = cfg(kl_coef=c, kl_estimator=estimator, aggregation=aggregation)
-    parts = sum(
-        ppo_loss(
-            logp[i : i + 1],
-            logp[i : i + 1],
-            logp[i : i + 1],
-            adv[i : i + 1],
-            mask[i : i + 1],
-            rl,
-            ref_logp=torch.log(ref[i : i + 1]),
-            total=total,
-        ).loss.item()
-        for i in range(2)
-    )
+    parts = one_row_micro_batches(logp, adv, mask, rl, total, ref_logp=torch.log(ref))
     assert parts == pytest.approx(out.loss.item(), rel=1e-5)
 
 
@@ -194,18 +206,7 @@ def test_the_three_aggregations_and_micro_batches_summing_to_the_batch():
     for how, total in (("token-mean", 5.0), ("seq-mean-token-sum", 2.0), ("seq-mean-token-mean", 2.0)):
         whole = ppo_loss(logp, logp, logp, adv, mask, cfg(aggregation=how)).loss.item()
         assert whole == pytest.approx(want[how]), how
-        parts = sum(
-            ppo_loss(
-                logp[i : i + 1],
-                logp[i : i + 1],
-                logp[i : i + 1],
-                adv[i : i + 1],
-                mask[i : i + 1],
-                cfg(aggregation=how),
-                total=total,
-            ).loss.item()
-            for i in range(2)
-        )
+        parts = one_row_micro_batches(logp, adv, mask, cfg(aggregation=how), total)
         assert parts == pytest.approx(whole), how
 
 
