@@ -2,10 +2,10 @@
 
 Rank 0 (the RL driver, trainer/rl/driver.py) decides; it broadcasts one command record over the control
 group and every rank (`TrainerRank`) executes it through one handler per command: a supervised step of the
-warm start, the end of the warm start (the optimizer's moments reset), the start of the frozen reference
-policy, an RL step (each rank trains its share of the global batch), its part of a publish (its experts into
-the version's files), a sharded checkpoint, or the end. Commands are plain records: they travel pickled, so they hold tensors and numbers,
-never behaviour.
+warm start, the end of the warm start (the optimizer's moments reset), the start of RL (the frozen reference
+policy and the critic made from the policy), an RL step (each rank trains its share of the global batch),
+its part of a publish (its experts into the version's files), a sharded checkpoint, or the end. Commands are
+plain records: they travel pickled, so they hold tensors and numbers, never behaviour.
 """
 
 from __future__ import annotations
@@ -55,9 +55,9 @@ class ResetMoments:
 
 
 @dataclass
-class StartReference:
-    """RL starts (no resume): the frozen reference policy becomes the policy as it is now (after the warm
-    start), or the weights at trainer.rl.reference."""
+class StartRL:
+    """RL starts (no resume), from the policy as it is now (after the warm start): the frozen reference policy
+    becomes it (or the weights at trainer.rl.reference), PPO's critic takes its trunk."""
 
 
 @dataclass
@@ -93,7 +93,7 @@ class Stop:
     """The run is over: the ranks that follow rank 0 return."""
 
 
-Command = SupervisedStep | ResetMoments | StartReference | RLStep | WritePart | Save | Stop
+Command = SupervisedStep | ResetMoments | StartRL | RLStep | WritePart | Save | Stop
 
 
 class RankPeers:
@@ -132,7 +132,7 @@ class TrainerRank:
         self.handlers: dict[type[Command], Callable[[Any], StepResult | None]] = {
             SupervisedStep: self.supervised_step,
             ResetMoments: self.reset_moments,
-            StartReference: self.start_reference,
+            StartRL: self.start_rl,
             RLStep: self.rl_step,
             WritePart: self.write_part,
             Save: self.save_shard,
@@ -154,12 +154,10 @@ class TrainerRank:
 
     def reset_moments(self, cmd: ResetMoments) -> None:
         self.core.optimizer.reset_moments()
-        if self.critic is not None:  # RL starts from the warm start's weights: so does the critic's trunk
-            copy_trunk(self.core.model, value_model(self.critic.model))
 
     def keep_companions(self) -> None:
         """The models RL keeps beside the policy, made before any resume so that a checkpoint's copies load into
-        them: the frozen reference policy (`make_reference`; StartReference sets its weights on a fresh run)
+        them: the frozen reference policy (`make_reference`; StartRL sets its weights on a fresh run)
         and PPO's value model, whose plan's process groups come after the policy's, in this order on every rank."""
         self.reference = self.make_reference()
         self.critic = None
@@ -179,7 +177,9 @@ class TrainerRank:
         self.core.companions["reference"] = Companion(reference.model)
         return reference
 
-    def start_reference(self, cmd: StartReference) -> None:
+    def start_rl(self, cmd: StartRL) -> None:
+        if self.critic is not None:
+            copy_trunk(self.core.model, value_model(self.critic.model))
         if self.reference is None:
             return
         path = self.cfg.trainer.rl.reference

@@ -207,7 +207,7 @@ def test_the_critic_starts_as_the_policys_trunk_with_a_zero_value_head():
 
 
 def test_copying_the_trunk_again_after_the_warm_start_takes_the_policys_new_weights():
-    """The end of the warm start (ResetMoments) copies the trained policy's trunk into the critic again."""
+    """The start of RL (StartRL, after the warm start) copies the trained policy's trunk into the critic again."""
     from trainer.core import cross_entropy_loss
     from trainer.rl.critic import copy_trunk
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from common.config import Config
-from trainer.commands import RLStep, StartReference, TrainerRank
+from trainer.commands import RLStep, StartRL, TrainerRank
 from trainer.core import TrainingCore
 from trainer.model import build_model
 from trainer.ranks import Ranks
@@ -84,7 +84,7 @@ def test_the_reference_starts_as_the_policy_and_a_refresh_makes_the_next_first_p
     the update). Step 1: the policy moved, KL > 0. Step 2 refreshes (every 2 steps) before its first pass:
     KL 0 again; step 3 does not: KL > 0."""
     rank = _rank(_cfg(kl_coef=0.1, reference_refresh_steps=2))
-    rank.start_reference(StartReference())
+    rank.start_rl(StartRL())
     kls = [_step(rank, step) for step in range(4)]
     print("kl_k3 per step:", [f"{f['kl_k3']:.3g}" for f in kls])
     for f in (kls[0], kls[2]):
@@ -99,7 +99,7 @@ def test_a_resumed_run_has_exactly_the_reference_it_saved(tmp_path):
 
     cfg = _cfg(kl_coef=0.2)
     first = _rank(cfg)
-    first.start_reference(StartReference())
+    first.start_rl(StartRL())
     _step(first, 0, seed=3)
     _step(first, 1, seed=4)
     first.core.save(tmp_path, TrainState(step=2))
@@ -139,7 +139,7 @@ def _resume_on_ranks(rank: int, world: int, store: str, out: str) -> None:
             return Ranks(RankInfo(rank, world, rank, "launcher"), torch.device("cpu"), dist.group.WORLD)
 
         first = _rank(cfg, ranks=ranks())
-        first.start_reference(StartReference())
+        first.start_rl(StartRL())
         figures = [_step(first, 0, seed=3), _step(first, 1, seed=4)]
         first.core.save(Path(out) / "ckpt", TrainState(step=2))
         figures += [_step(first, 2, seed=5), _step(first, 3, seed=6)]
@@ -161,7 +161,7 @@ def test_on_two_expert_parallel_ranks_the_reference_refreshes_and_resumes_as_on_
     mp.spawn(_resume_on_ranks, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
     got = torch.load(tmp_path / "rank0.pt")
     one = _rank(_cfg(kl_coef=0.2, reference_refresh_steps=3))
-    one.start_reference(StartReference())
+    one.start_rl(StartRL())
     want = [_step(one, step, seed=3 + step) for step in range(4)]
     for step, (two, single) in enumerate(zip(got["figures"], want, strict=True)):
         print(f"step {step}: kl_k3 2 ranks {two['kl_k3']:.9g}, 1 rank {single['kl_k3']:.9g}")
@@ -186,11 +186,11 @@ def test_the_reference_loads_from_a_checkpoint_or_hf_path(tmp_path, kind):
     else:
         path = export_hf(other.core.model, tmp_path / "hf")
     rank = _rank(_cfg(kl_coef=0.1, reference=str(path)))
-    rank.start_reference(StartReference())
+    rank.start_rl(StartRL())
     assert torch.equal(_weights(rank.reference.model), _weights(other.core.model))
     assert not torch.equal(_weights(rank.reference.model), _weights(rank.core.model))
     with pytest.raises(FileNotFoundError, match="trainer.rl.reference"):
-        _rank(_cfg(kl_coef=0.1, reference=str(tmp_path / "nothing"))).start_reference(StartReference())
+        _rank(_cfg(kl_coef=0.1, reference=str(tmp_path / "nothing"))).start_rl(StartRL())
 
 
 def test_the_kl_term_keeps_the_policy_nearer_its_reference():
@@ -199,7 +199,7 @@ def test_the_kl_term_keeps_the_policy_nearer_its_reference():
     runs = {}
     for coef in (0.0, 1.0):
         rank = _rank(_cfg(kl_coef=coef, log_kl=True, kl_estimator="k2"))
-        rank.start_reference(StartReference())
+        rank.start_rl(StartRL())
         runs[coef] = [_step(rank, step, seed=3 + step % 2)["kl_k3"] for step in range(6)]
     for coef, kls in runs.items():
         print(f"kl_coef {coef}: KL (k3) to the reference per step", " ".join(f"{v:.4g}" for v in kls))
@@ -215,7 +215,7 @@ def test_grad_accum_cuts_each_update_into_more_micro_batches_and_gives_the_same_
         cfg = _cfg(kl_coef=0.1, micro_batch_samples=64)
         cfg.trainer.optim.grad_accum = accum
         rank = _rank(cfg)
-        rank.start_reference(StartReference())
+        rank.start_rl(StartRL())
         rank.core.model.register_forward_hook(lambda *_, i=i: forwards.__setitem__(i, forwards[i] + 1))
         _step(rank, 0)
         weights.append(_weights(rank.core.model))

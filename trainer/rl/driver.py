@@ -52,7 +52,7 @@ from trainer.commands import (
     ResetMoments,
     RLStep,
     Save,
-    StartReference,
+    StartRL,
     Stop,
     StopRequested,
     SupervisedStep,
@@ -140,12 +140,11 @@ class RLTrainer(TrainerRank):
         lineage and the prompt ledger then follow the state's step."""
         resumed = self.core.resume(self.ckpt_root)
         if resumed is not None:
-            self.state = resumed  # with the frozen reference policy the run had, when it keeps one
+            self.state = resumed  # with the frozen reference policy and the critic the run had, when it keeps them
         else:
             if self.cfg.trainer.warmup.steps > 0:
                 self.warm_start()
-            if self.cfg.trainer.rl.keeps_reference:
-                self.command(StartReference())
+            self.command(StartRL())
         self.lineage = Lineage.from_state(self.state.lineage)
         rewind_ledger(self.audit, self.state.step)
         return resumed is not None
