@@ -4,8 +4,9 @@ The worker starts vLLM with the RL endpoints (`VLLM_SERVER_DEV_MODE=1`), the wei
 engine of `rollout.weight_backend`, processed log-probs (after temperature, as importance ratios
 need), the token-in/token-out route (`--enable-scale-out`), for MoE models the routed experts of every
 position (`rollout.return_routed_experts`), a bounded KV cache, and every cache and temp dir under the
-run dir, offline. It is ready only after /health passes and one real completion
-succeeds (some bad configs pass /health and crash on the first request). A worker of the train pool
+run dir, offline. It is ready only after /health passes, one real completion succeeds (some bad
+configs pass /health and crash on the first request) and RL's sampling shapes have run alone and
+batched (vLLM's CPU sampler compiles them on first sight, a stall of seconds). A worker of the train pool
 (`rollout.pool`, the default) then catches up to `weights:current` if the run has published weights,
 registers in the `workers` hash and heartbeats `worker_alive(id)`. While serving it watches three
 things: vLLM exiting (the role exits non-zero), its registry entry vanishing (a publisher evicted it:
@@ -30,6 +31,7 @@ import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
@@ -265,8 +267,40 @@ def worker_vllm(
     return VllmProcess(cmd, env, url, log_path, f"[vllm {name}]", echo)
 
 
+# The sampling shapes of RL traffic that the sampler compiles on first sight: vLLM's CPU sampler
+# torch.compiles the sampled token's rank (any request with log-probs) and the unseeded random sample,
+# once for a batch of one and again, with a dynamic batch, for the first larger batch. Each compile
+# stalls the engine for 5-15 s on two cores, so a worker that skipped them would stall the first
+# rollouts it serves (and a publish timed against them).
+WARMUP_SAMPLING: tuple[dict[str, Any], ...] = (
+    {"temperature": 1.0, "top_k": 4, "top_p": 0.9, "seed": 0, "logprobs": 0},
+    {"temperature": 1.0, "logprobs": 0},
+    {"temperature": 0.7, "seed": 1, "logprobs": 0},
+)
+
+
+async def _complete(session: aiohttp.ClientSession, vllm: VllmProcess, served_model: str, sampling: dict) -> None:
+    """One short completion; WorkerStartError naming the HTTP status and the log when vLLM refuses it."""
+    body = {"model": served_model, "prompt": "1+1=", "max_tokens": 4, **sampling}
+    async with session.post(f"{vllm.url}/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=120)) as r:
+        if r.status != 200:
+            raise WorkerStartError(
+                f"vLLM's completion {sampling} failed with HTTP {r.status}: {(await r.text())[:500]}; "
+                f"the model config is probably unsupported here (see {vllm.log_path})"
+            )
+        await r.json()
+
+
+async def warm_sampler(session: aiohttp.ClientSession, vllm: VllmProcess, served_model: str) -> None:
+    """Run RL's sampling shapes alone and then together (batch sizes one and several), so the sampler's
+    compiles happen before the worker takes traffic."""
+    await _complete(session, vllm, served_model, WARMUP_SAMPLING[0])
+    await asyncio.gather(*(_complete(session, vllm, served_model, s) for s in WARMUP_SAMPLING))
+
+
 async def wait_ready(session: aiohttp.ClientSession, vllm: VllmProcess, served_model: str, timeout_s: float) -> float:
-    """Wait for /health and one real completion; seconds taken. WorkerStartError if vLLM dies or is late."""
+    """Wait for /health, one real completion and the sampler's warm-up (`warm_sampler`); seconds taken.
+    WorkerStartError if vLLM dies or is late."""
     start = time.monotonic()
     deadline = start + timeout_s
     stage = "waiting for /health"
@@ -288,17 +322,9 @@ async def wait_ready(session: aiohttp.ClientSession, vllm: VllmProcess, served_m
                         stage = "running the first completion"
                         continue
             else:
-                body = {"model": served_model, "prompt": "1+1=", "max_tokens": 2, "temperature": 0.0}
-                async with session.post(
-                    f"{vllm.url}/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=120)
-                ) as r:
-                    if r.status == 200:
-                        await r.json()
-                        return time.monotonic() - start
-                    raise WorkerStartError(
-                        f"vLLM's first completion failed with HTTP {r.status}: {(await r.text())[:500]}; "
-                        f"the model config is probably unsupported here (see {vllm.log_path})"
-                    )
+                await _complete(session, vllm, served_model, {"temperature": 0.0})
+                await warm_sampler(session, vllm, served_model)
+                return time.monotonic() - start
         except (aiohttp.ClientConnectionError, TimeoutError):
             if stage != "waiting for /health":
                 # The engine died during the first request: report it with vLLM's own last words.

@@ -198,6 +198,9 @@ async def _in_flight_publish(run, mode: str, max_tokens: int):
     model = hf_model(model_dir(run))
     async with RolloutClient("policy", redis_client=r, keys=run.keys) as client, publisher(run, r, mode) as pub:
         old = int(await r.get(run.keys.weights_current) or 0)
+        # The new weights are made before the requests start: torch in this process, on two cores that a
+        # busy vLLM engine shares, took 14-21 s for this (measured), long enough for the requests to end.
+        weights = perturb(model, seed=old + 1)
         tasks = [
             asyncio.create_task(client.generate(PROMPT, max_tokens=max_tokens, seed=i, ignore_eos=True))
             for i in range(8)
@@ -205,7 +208,7 @@ async def _in_flight_publish(run, mode: str, max_tokens: int):
         await until_running(worker_url(run), 8, requests=tasks)
         await asyncio.sleep(0.1)  # a few decode steps on the old weights
         assert not any(t.done() for t in tasks), "requests finished before the publish; raise max_tokens"
-        result = await pub.publish(old + 1, perturb(model, seed=old + 1))
+        result = await pub.publish(old + 1, weights)
         samples = [s for (s,) in await asyncio.gather(*tasks)]
         try:
             assert not result.evicted
@@ -221,7 +224,6 @@ async def test_keep_mode_pause_completes_all_in_flight_requests_across_the_versi
     assert len(samples) == 8
     for i, s in enumerate(samples):
         assert s.finish_reason == "length" and len(s.token_ids) == LONG
-        # (Seen once in CI, not reproduced: a sample with no token of the new version. The message says more.)
         assert new in s.versions, (
             f"request {i} has no token of version {new}: {[(v, s.versions.count(v)) for v in sorted(set(s.versions))]}"
             f"; all requests: {[sorted(set(x.versions)) for x in samples]}; publish {result}"
