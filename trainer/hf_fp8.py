@@ -103,6 +103,21 @@ def quantize_tensors(
         yield name + SCALE_SUFFIX, scale
 
 
+def dequantize_entry(name: str, q: torch.Tensor, scale: torch.Tensor | None, where: str) -> torch.Tensor:
+    """One e4m3 checkpoint entry `name` and its weight_scale_inv -> fp32 weights; refuses a missing scale, one of
+    the wrong shape, and one that is not finite non-negative fp32, naming the tensor."""
+    if scale is None:
+        raise FP8FormatError(f"{where}: e4m3 tensor {name} has no {name + SCALE_SUFFIX}")
+    if q.dim() != 2 or tuple(scale.shape) != scale_shape(q.shape[-2:]):
+        raise FP8FormatError(
+            f"{where}: {name + SCALE_SUFFIX} has shape {tuple(scale.shape)}; a weight of shape "
+            f"{tuple(q.shape)} needs {scale_shape(q.shape[-2:])} (128 x 128 blocks)"
+        )
+    if scale.dtype != torch.float32 or not (torch.isfinite(scale).all() and (scale >= 0).all()):
+        raise FP8FormatError(f"{where}: {name + SCALE_SUFFIX} must be finite non-negative float32 scales")
+    return dequantize(q, scale)
+
+
 def dequantize_tensors(tensors: dict[str, torch.Tensor], quant: dict | None, where: str) -> dict[str, torch.Tensor]:
     """The checkpoint's tensors with every e4m3 weight dequantized to fp32 and its scale consumed. `quant` is
     config.json's quantization_config (None when it has none). Refuses an e4m3 tensor without a scale of the
@@ -120,17 +135,7 @@ def dequantize_tensors(tensors: dict[str, torch.Tensor], quant: dict | None, whe
         )
     out = {name: t for name, t in tensors.items() if name not in fp8 and name not in scales}
     for name in fp8:
-        scale = tensors.get(name + SCALE_SUFFIX)
-        if scale is None:
-            raise FP8FormatError(f"{where}: e4m3 tensor {name} has no {name + SCALE_SUFFIX}")
-        if tensors[name].dim() != 2 or tuple(scale.shape) != scale_shape(tensors[name].shape):
-            raise FP8FormatError(
-                f"{where}: {name + SCALE_SUFFIX} has shape {tuple(scale.shape)}; a weight of shape "
-                f"{tuple(tensors[name].shape)} needs {scale_shape(tensors[name].shape[-2:])} (128 x 128 blocks)"
-            )
-        if scale.dtype != torch.float32 or not (torch.isfinite(scale).all() and (scale >= 0).all()):
-            raise FP8FormatError(f"{where}: {name + SCALE_SUFFIX} must be finite non-negative float32 scales")
-        out[name] = dequantize(tensors[name], scale)
+        out[name] = dequantize_entry(name, tensors[name], tensors.get(name + SCALE_SUFFIX), where)
     orphans = [s for s in scales if s[: -len(SCALE_SUFFIX)] not in fp8]
     if orphans:
         raise FP8FormatError(f"{where}: scales {orphans[:5]} belong to no float8_e4m3fn weight")

@@ -14,6 +14,7 @@ from common.config import ModelConfig
 from trainer.experts.fp8 import quantize_blocks
 from trainer.hf import export_hf, hf_config, import_hf
 from trainer.hf_fp8 import FP8FormatError, dequantize, is_quantized
+from trainer.model import build_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -156,7 +157,9 @@ def test_import_then_export_gives_the_same_bytes_and_scales(released, tmp_path):
 
 def test_fp8_expert_copy_of_imported_masters_keeps_the_released_values(released):
     """trainer.experts.precision = "fp8" requantizes the masters every step (trainer/experts/fp8.py): on an
-    imported checkpoint that gives back the released e4m3 bytes, with scales within 1 ulp."""
+    imported checkpoint that gives back the released e4m3 bytes, with scales within 1 ulp (it multiplies by 1/448).
+    down_proj only: the stacked gate_up's 128-row blocks straddle gate and up unless moe_intermediate_size is a
+    multiple of 128 (it is in the released DeepSeek-V3, 2048; not here, 136)."""
     _, fp8_dir = released
     fp8 = load_file(str(fp8_dir / "model.safetensors"))
     down = import_hf(fp8_dir).model.layers[1].mlp.experts.down_proj.detach()
@@ -214,3 +217,37 @@ def test_dequantize_uses_128_blocks_on_partial_edges():
     scale = torch.tensor([[1.0, 3.0], [5.0, 7.0]])
     w = dequantize(q, scale)
     assert (w[127, 127].item(), w[127, 128].item(), w[128, 127].item(), w[129, 199].item()) == (2.0, 6.0, 10.0, 14.0)
+
+
+def test_transformers_fp8_loader_gives_our_logits_on_whole_blocks(tmp_path):
+    """transformers' own FineGrainedFP8 loader (dequantize=True, CPU; needs accelerate) reads our export. Every
+    dimension here is a multiple of 128: transformers 5.19 infers the block size as rows // scale rows, so on
+    partial blocks it raises or dequantizes with the wrong block (0.29 logit error measured)."""
+    pytest.importorskip("accelerate")
+    cfg = ModelConfig(
+        arch="deepseek_v3",
+        vocab_size=128,
+        hidden_size=256,
+        num_layers=3,
+        first_k_dense=1,
+        intermediate_size=384,
+        moe_intermediate_size=128,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        num_heads=2,
+        q_lora_rank=128,
+        kv_lora_rank=64,
+        qk_nope_head_dim=64,
+        qk_rope_head_dim=64,
+        v_head_dim=64,
+        n_group=4,
+        topk_group=2,
+    )
+    export_hf(build_model(cfg, seed=3), tmp_path, dtype="bfloat16", fp8_blocks=True)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, dtype=torch.float32, quantization_config=transformers.FineGrainedFP8Config(dequantize=True)
+    ).eval()
+    tokens = torch.randint(0, 128, (2, 33), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert (import_hf(tmp_path).eval()(tokens) - hf(tokens).logits).abs().max().item() <= TOL
