@@ -15,11 +15,14 @@ round-trip bit for bit."""
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
 
 BLOCK = 128
 E4M3_MAX = 448.0
@@ -118,6 +121,19 @@ def dequantize_entry(name: str, q: torch.Tensor, scale: torch.Tensor | None, whe
     return dequantize(q, scale)
 
 
+def off_recipe_blocks(q: torch.Tensor, scale: torch.Tensor) -> int:
+    """How many blocks of an e4m3 weight an FP8 export of its fp32 dequantization would not write back as they
+    are: blocks whose largest |q| is not 448 or whose scale is not a fixed point of s -> fl(fl(448 s) / 448)
+    (an all-zero block: whose scale is not 1.0). Zero for a checkpoint made by the released recipe."""
+    out, inp = q.shape
+    nb, kb = scale_shape(q.shape)
+    qmax = F.pad(q.float().abs(), (0, kb * BLOCK - inp, 0, nb * BLOCK - out)).view(nb, BLOCK, kb, BLOCK).amax((1, 3))
+    e4m3_max = torch.full_like(scale, E4M3_MAX)
+    fixed = (scale > 0) & (scale * e4m3_max / e4m3_max == scale)
+    kept = torch.where(qmax == 0, scale == 1.0, (qmax == E4M3_MAX) & fixed)
+    return int((~kept).sum())
+
+
 def dequantize_tensors(tensors: dict[str, torch.Tensor], quant: dict | None, where: str) -> dict[str, torch.Tensor]:
     """The checkpoint's tensors with every e4m3 weight dequantized to fp32 and its scale consumed. `quant` is
     config.json's quantization_config (None when it has none). Refuses an e4m3 tensor without a scale of the
@@ -134,8 +150,19 @@ def dequantize_tensors(tensors: dict[str, torch.Tensor], quant: dict | None, whe
             "quantization_config; add DeepSeek-V3's {'quant_method': 'fp8', 'weight_block_size': [128, 128], ...}"
         )
     out = {name: t for name, t in tensors.items() if name not in fp8 and name not in scales}
+    off = total = 0
     for name in fp8:
         out[name] = dequantize_entry(name, tensors[name], tensors.get(name + SCALE_SUFFIX), where)
+        off += off_recipe_blocks(tensors[name], tensors[name + SCALE_SUFFIX])
+        total += tensors[name + SCALE_SUFFIX].numel()
+    if off:
+        log.info(
+            "%s: %d of %d FP8 blocks do not have the recipe's scale (amax / 448 with the block maximum at 448); "
+            "an FP8 export rewrites their scales and e4m3 values",
+            where,
+            off,
+            total,
+        )
     orphans = [s for s in scales if s[: -len(SCALE_SUFFIX)] not in fp8]
     if orphans:
         raise FP8FormatError(f"{where}: scales {orphans[:5]} belong to no float8_e4m3fn weight")

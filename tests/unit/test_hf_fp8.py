@@ -13,7 +13,7 @@ from torch import nn
 from common.config import ModelConfig
 from trainer.experts.fp8 import quantize_blocks
 from trainer.hf import export_hf, hf_config, import_hf
-from trainer.hf_fp8 import FP8FormatError, dequantize, is_quantized
+from trainer.hf_fp8 import FP8FormatError, dequantize, is_quantized, off_recipe_blocks
 from trainer.model import build_model
 
 transformers = pytest.importorskip("transformers")
@@ -251,3 +251,30 @@ def test_transformers_fp8_loader_gives_our_logits_on_whole_blocks(tmp_path):
     tokens = torch.randint(0, 128, (2, 33), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         assert (import_hf(tmp_path).eval()(tokens) - hf(tokens).logits).abs().max().item() <= TOL
+
+
+def test_blocks_off_the_recipe_are_counted_and_rewritten_on_export(released, tmp_path, caplog):
+    """A block whose maximum does not sit at 448 (here: q halved, scale doubled) cannot come back byte for byte
+    from the dequantized weights: import says how many, export writes the recipe's quantization of them."""
+    _, fp8_dir = released
+    tensors = load_file(str(fp8_dir / "model.safetensors"))
+    name = "model.layers.0.mlp.down_proj.weight"
+    q, scale = tensors[name], tensors[name + "_scale_inv"]
+    assert off_recipe_blocks(q, scale) == 0
+    half = q.float()
+    half[:128, :128] /= 2
+    tensors[name] = half.to(torch.float8_e4m3fn)
+    tensors[name + "_scale_inv"] = scale.clone()
+    tensors[name + "_scale_inv"][0, 0] *= 2
+    assert off_recipe_blocks(tensors[name], tensors[name + "_scale_inv"]) == 1
+    (tmp_path / "in").mkdir()
+    save_file(tensors, str(tmp_path / "in" / "model.safetensors"))
+    (tmp_path / "in" / "config.json").write_text((fp8_dir / "config.json").read_text())
+    with caplog.at_level("INFO", logger="trainer.hf_fp8"):
+        model = import_hf(tmp_path / "in")
+    assert "1 of " in caplog.text
+    export_hf(model, tmp_path / "out", dtype="bfloat16", fp8_blocks=True)
+    out = load_file(str(tmp_path / "out" / "model.safetensors"))
+    want_q, want_scale = _reference_quantize(_reference_dequantize(tensors[name], tensors[name + "_scale_inv"]))
+    assert _bytes(out[name]) == _bytes(want_q) and torch.equal(out[name + "_scale_inv"], want_scale)
+    assert out[name + "_scale_inv"][0, 0] != tensors[name + "_scale_inv"][0, 0]
