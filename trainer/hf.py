@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 
 from common.config import ModelConfig
-from trainer.hf_fp8 import QUANTIZATION_CONFIG, dequantize_tensors, quantize_tensors
+from trainer.hf_fp8 import dequantize_tensors, quantization_config, quantize_tensors
 from trainer.model import Transformer, build_model
 from trainer.model.moe import refresh_expert_weight_copies
 
@@ -235,7 +235,7 @@ def export_hf(
     if fp8_blocks:  # quantized from the masters, not from a cast to `dtype` (the round trip needs their fp32 values)
         masters = ((name, t.detach().to("cpu")) for name, t in hf_tensors(model))
         pairs = quantize_tensors(masters, lambda name, t: _hf_cast(name, t, cast))
-        extra = {"quantization_config": dict(QUANTIZATION_CONFIG), **(extra or {})}
+        extra = {"quantization_config": quantization_config(model.cfg.arch, model.moe_layer_ids()), **(extra or {})}
     else:
         pairs = hf_tensors(model, cast)
     tensors = {name: t.detach().to("cpu").contiguous() for name, t in pairs}

@@ -33,18 +33,29 @@ QUANTIZATION_CONFIG = {
     "activation_scheme": "dynamic",
     "weight_block_size": [BLOCK, BLOCK],
 }
-# The Linear weights DeepSeek-V3's release stores in e4m3 (what transformers' FineGrainedFP8 and vLLM's fp8
-# loader convert: nn.Linear layers of the decoder; the router gate is a bare parameter, lm_head is skipped).
-_QUANTIZED = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\.(.+\.)?[a-z_]*proj(_with_mqa)?\.weight$")
+# The Linear weights the released layout stores in e4m3, as transformers' FineGrainedFP8 and vLLM's fp8 loader
+# decide: every 2-D weight of a decoder layer (attention projections, dense, shared and routed experts) except
+# the router gate, which stays in full precision (as do embeddings, lm_head, norms and the correction bias).
+_LAYER_WEIGHT = re.compile(r"^model\.layers\.\d+\..+\.weight$")
 
 
 class FP8FormatError(ValueError):
     """An FP8 checkpoint or its quantization_config is not the released block layout; the message names it."""
 
 
-def is_quantized(name: str) -> bool:
-    """Whether the released layout stores HF tensor `name` in e4m3 with block scales."""
-    return bool(_QUANTIZED.match(name))
+def is_quantized(name: str, ndim: int) -> bool:
+    """Whether the released layout stores HF tensor `name` (of `ndim` dimensions) in e4m3 with block scales."""
+    return ndim == 2 and bool(_LAYER_WEIGHT.match(name)) and not name.endswith(".gate.weight")
+
+
+def quantization_config(arch: str, moe_layers: list[int]) -> dict:
+    """config.json's quantization_config for an FP8 export. vLLM builds DeepSeek-V3's router unquantized but
+    hands Qwen3-MoE's router the checkpoint's quantization unless `modules_to_not_convert` names it, as Qwen's
+    FP8 releases do; so other families list their routers (and lm_head) there."""
+    quant: dict = dict(QUANTIZATION_CONFIG)
+    if arch != "deepseek_v3":
+        quant["modules_to_not_convert"] = ["lm_head"] + [f"model.layers.{layer}.mlp.gate" for layer in moe_layers]
+    return quant
 
 
 def check_quantization_config(quant: dict) -> None:
@@ -96,7 +107,7 @@ def quantize_tensors(
     """The released layout of (HF name, tensor) pairs: each quantized weight becomes (name, q) and
     (name + "_scale_inv", scale); the others become (name, cast(name, tensor))."""
     for name, t in tensors:
-        if not is_quantized(name):
+        if not is_quantized(name, t.dim()):
             yield name, cast(name, t)
             continue
         if not torch.isfinite(t).all():

@@ -105,8 +105,8 @@ def test_exporter_quantizes_what_transformers_quantizes_as_the_plain_recipe_does
     linear = {f"{n}.weight" for n, m in hf.named_modules() if type(m) is nn.Linear and n != "lm_head"}
     experts = {n for n in fp8 if ".mlp.experts." in n and n.endswith("proj.weight")}
     assert {n for n, t in fp8.items() if t.dtype == torch.float8_e4m3fn} == linear | experts
-    assert all(is_quantized(n) for n in linear | experts)
-    assert not any(is_quantized(n) for n in fp8 if n not in linear | experts)
+    assert all(is_quantized(n, 2) for n in linear | experts)
+    assert not any(is_quantized(n, fp32[n].dim()) for n in fp32 if n not in linear | experts)
     for name in sorted(linear | experts):
         q, scale = _reference_quantize(fp32[name])
         assert _bytes(fp8[name]) == _bytes(q), name
@@ -278,3 +278,15 @@ def test_blocks_off_the_recipe_are_counted_and_rewritten_on_export(released, tmp
     want_q, want_scale = _reference_quantize(_reference_dequantize(tensors[name], tensors[name + "_scale_inv"]))
     assert _bytes(out[name]) == _bytes(want_q) and torch.equal(out[name + "_scale_inv"], want_scale)
     assert out[name + "_scale_inv"][0, 0] != tensors[name + "_scale_inv"][0, 0]
+
+
+def test_qwen3_moe_fp8_export_round_trips_and_keeps_its_routers_unquantized(tmp_path):
+    cfg = ModelConfig(arch="qwen3_moe", n_shared_experts=0, num_layers=3, first_k_dense=1, hidden_size=160)
+    export_hf(build_model(cfg, seed=4), tmp_path / "a", dtype="bfloat16", fp8_blocks=True)
+    export_hf(import_hf(tmp_path / "a"), tmp_path / "b", dtype="bfloat16", fp8_blocks=True)
+    assert (tmp_path / "a" / "model.safetensors").read_bytes() == (tmp_path / "b" / "model.safetensors").read_bytes()
+    tensors = load_file(str(tmp_path / "a" / "model.safetensors"))
+    assert tensors["model.layers.1.self_attn.k_proj.weight"].dtype == torch.float8_e4m3fn
+    assert tensors["model.layers.1.mlp.gate.weight"].dtype == torch.bfloat16
+    quant = json.loads((tmp_path / "a" / "config.json").read_text())["quantization_config"]
+    assert quant["modules_to_not_convert"] == ["lm_head", "model.layers.1.mlp.gate", "model.layers.2.mlp.gate"]
