@@ -3,7 +3,8 @@
 Qwen3MoeForCausalLM. Our state dict already uses HF's names; the only translation is between our
 stacked expert tensors (gate_up_proj [E, 2I, H], down_proj [E, H, I]) and the per-expert
 `model.layers.L.mlp.experts.N.{gate,up,down}_proj.weight` of released checkpoints. Import also takes
-transformers' own stacked layout. `export_fresh_hf` writes a deterministic freshly initialised model
+transformers' own stacked layout, and DeepSeek-V3's FP8 block-quantized layout (trainer/hf_fp8.py: dequantized
+on import, written on request). `export_fresh_hf` writes a deterministic freshly initialised model
 from a ModelConfig and a seed (tiny test checkpoints for vLLM)."""
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 
 from common.config import ModelConfig
+from trainer.hf_fp8 import dequantize_tensors, quantization_config, quantize_tensors
 from trainer.model import Transformer, build_model
 from trainer.model.moe import refresh_expert_weight_copies
 
@@ -202,23 +204,41 @@ def hf_tensors(
             prefix = name[: -len(".down_proj")]
             for e in range(t.shape[0]):
                 yield f"{prefix}.{first + e}.down_proj.weight", _cast(t[e], dtype)
-        elif name.endswith("e_score_correction_bias"):
-            yield name, t.float()
         else:
-            yield name, _cast(t, dtype)
+            yield name, _hf_cast(name, t, dtype)
 
 
 def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return t if dtype is None or not t.is_floating_point() else t.to(dtype)
 
 
+def _hf_cast(name: str, t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """HF keeps the expert-score bias in fp32; the other floating tensors take `dtype`."""
+    return t.float() if name.endswith("e_score_correction_bias") else _cast(t, dtype)
+
+
 def export_hf(
-    model: Transformer, out_dir: str | os.PathLike[str], dtype: str = "float32", extra: dict | None = None
+    model: Transformer,
+    out_dir: str | os.PathLike[str],
+    dtype: str = "float32",
+    extra: dict | None = None,
+    fp8_blocks: bool = False,
 ) -> Path:
-    """Write config.json and model.safetensors (per-expert names) into out_dir; returns the directory."""
+    """Write config.json and model.safetensors (per-expert names) into out_dir; returns the directory.
+    `fp8_blocks`: DeepSeek-V3's released FP8 layout (trainer/hf_fp8.py): the decoder's Linear weights
+    quantized from the masters to e4m3 with 128 x 128 block scales, the other tensors in `dtype`."""
+    if dtype not in _DTYPES:
+        raise HFFormatError(f"dtype {dtype!r} is not one of {', '.join(_DTYPES)}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {name: t.detach().to("cpu").contiguous() for name, t in hf_tensors(model, _DTYPES[dtype])}
+    cast = _DTYPES[dtype]
+    if fp8_blocks:  # quantized from the masters, not from a cast to `dtype` (the round trip needs their fp32 values)
+        masters = ((name, t.detach().to("cpu")) for name, t in hf_tensors(model))
+        pairs = quantize_tensors(masters, lambda name, t: _hf_cast(name, t, cast))
+        extra = {"quantization_config": quantization_config(model.cfg.arch, model.moe_layer_ids()), **(extra or {})}
+    else:
+        pairs = hf_tensors(model, cast)
+    tensors = {name: t.detach().to("cpu").contiguous() for name, t in pairs}
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(hf_config(model.cfg, dtype, extra), indent=2) + "\n")
     return out
@@ -260,9 +280,12 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 def load_hf_state(model: Transformer, path: str | os.PathLike[str]) -> None:
-    """Copy the weights of an HF directory into `model` (shapes must match; names are checked both ways)."""
+    """Copy the weights of an HF directory into `model` (shapes must match; names are checked both ways); FP8
+    block-quantized weights are dequantized (q * scale) into the masters."""
     cfg = model.cfg
-    src = _read_tensors(Path(path))
+    cfg_file = Path(path) / "config.json"
+    quant = json.loads(cfg_file.read_text()).get("quantization_config") if cfg_file.is_file() else None
+    src = dequantize_tensors(_read_tensors(Path(path)), quant, str(path))  # FP8 block weights -> fp32
     target = model.state_dict()
     loaded: set[str] = set()
     unexpected: list[str] = []
