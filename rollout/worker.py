@@ -66,9 +66,10 @@ def is_deepseek(model_dir: Path) -> bool:
 
 
 def has_moe(model_dir: Path) -> bool:
-    """Whether the checkpoint has routed experts (DeepSeek's n_routed_experts, Qwen3-MoE's num_experts)."""
+    """Whether the checkpoint has routed experts (DeepSeek's n_routed_experts, Qwen3-MoE's num_experts,
+    Mixtral's num_local_experts)."""
     cfg = json.loads((model_dir / "config.json").read_text())
-    return int(cfg.get("n_routed_experts") or cfg.get("num_experts") or 0) > 0
+    return int(cfg.get("n_routed_experts") or cfg.get("num_experts") or cfg.get("num_local_experts") or 0) > 0
 
 
 def serving_dtype(dtype: str, model_dir: Path) -> str:

@@ -1,10 +1,11 @@
 """HF checkpoint interop: our model to and from a directory that transformers and vLLM load
-(config.json + safetensors with one name per expert), for DeepseekV3ForCausalLM and
-Qwen3MoeForCausalLM. Our state dict already uses HF's names; the only translation is between our
-stacked expert tensors (gate_up_proj [E, 2I, H], down_proj [E, H, I]) and the per-expert
-`model.layers.L.mlp.experts.N.{gate,up,down}_proj.weight` of released checkpoints. Import also takes
-transformers' own stacked layout, and DeepSeek-V3's FP8 block-quantized layout (trainer/hf_fp8.py: dequantized
-on import, written on request). `export_fresh_hf` writes a deterministic freshly initialised model
+(config.json + safetensors with one name per expert), for DeepseekV3ForCausalLM, Qwen3MoeForCausalLM
+and MixtralForCausalLM (its config and released names: trainer/hf_mixtral.py). Our state dict already
+uses HF's names; the only translation is between our stacked expert tensors (gate_up_proj [E, 2I, H],
+down_proj [E, H, I]) and the per-expert `model.layers.L.mlp.experts.N.{gate,up,down}_proj.weight` of
+released checkpoints (Mixtral's: `block_sparse_moe.experts.N.{w1,w3,w2}`). Import also takes
+transformers' own stacked layout, and DeepSeek-V3's FP8 block-quantized layout (trainer/hf_fp8.py:
+dequantized on import, written on request). `export_fresh_hf` writes a deterministic freshly initialised model
 from a ModelConfig and a seed (tiny test checkpoints for vLLM)."""
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 
 from common.config import ModelConfig
+from trainer import hf_mixtral
 from trainer.hf_fp8 import dequantize_tensors, quantization_config, quantize_tensors
 from trainer.model import Transformer, build_model
 from trainer.model.moe import refresh_expert_weight_copies
@@ -85,6 +87,10 @@ def hf_config(cfg: ModelConfig, dtype: str = "float32", extra: dict | None = Non
             "rope_interleave": True,
             "num_nextn_predict_layers": 0,
         }
+    elif cfg.arch == "mixtral":
+        if problems := hf_mixtral.export_problems(cfg):
+            raise HFFormatError(f"trainer.model cannot be written as {hf_mixtral.ARCHITECTURE}: " + "; ".join(problems))
+        out = hf_mixtral.hf_config(cfg, common)
     else:
         problems = []
         if cfg.n_shared_experts:
@@ -114,7 +120,7 @@ def hf_config(cfg: ModelConfig, dtype: str = "float32", extra: dict | None = Non
 
 
 def model_config_from_hf(hf: dict, max_seq_len: int | None = None) -> ModelConfig:
-    """Our ModelConfig from an HF config.json dict of DeepseekV3 or Qwen3Moe."""
+    """Our ModelConfig from an HF config.json dict of DeepseekV3, Qwen3Moe or Mixtral."""
     model_type = hf.get("model_type")
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
@@ -125,7 +131,8 @@ def model_config_from_hf(hf: dict, max_seq_len: int | None = None) -> ModelConfi
         hidden_size=hf["hidden_size"],
         num_layers=hf["num_hidden_layers"],
         intermediate_size=hf["intermediate_size"],
-        moe_intermediate_size=hf["moe_intermediate_size"],
+        # Mixtral has one MLP width, its experts'.
+        moe_intermediate_size=hf["intermediate_size" if model_type == "mixtral" else "moe_intermediate_size"],
         num_experts_per_tok=hf["num_experts_per_tok"],
         num_heads=hf["num_attention_heads"],
         rope_theta=theta,
@@ -173,7 +180,11 @@ def model_config_from_hf(hf: dict, max_seq_len: int | None = None) -> ModelConfi
             routed_scaling_factor=1.0,
             **base,
         )
-    raise HFFormatError(f"model_type {model_type!r} is not supported; use deepseek_v3 or qwen3_moe")
+    if model_type == "mixtral":
+        if problems := hf_mixtral.import_problems(hf, base["max_seq_len"]):
+            raise HFFormatError(f"{hf_mixtral.ARCHITECTURE} config: " + "; ".join(problems))
+        return hf_mixtral.model_config(hf, base)
+    raise HFFormatError(f"model_type {model_type!r} is not supported; use deepseek_v3, qwen3_moe or mixtral")
 
 
 def hf_tensors(
@@ -182,7 +193,16 @@ def hf_tensors(
     """(HF name, tensor) pairs of the model, experts split per expert; `dtype` casts floating tensors
     except the expert-score bias, which HF keeps in fp32. `dense` / `experts` select the part: under
     expert parallelism a rank holds a shard of the experts (a DTensor on dim 0), and yields only those,
-    under their global expert numbers."""
+    under their global expert numbers. Mixtral's router and experts take its released names."""
+    pairs = _hf_tensors(model, dtype, dense, experts)
+    if model.cfg.arch == "mixtral":
+        return ((hf_mixtral.released_name(name), t) for name, t in pairs)
+    return pairs
+
+
+def _hf_tensors(
+    model: Transformer, dtype: torch.dtype | None, dense: bool, experts: bool
+) -> Iterator[tuple[str, torch.Tensor]]:
     state = model.state_dict()
     if model.cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
@@ -286,6 +306,8 @@ def load_hf_state(model: Transformer, path: str | os.PathLike[str]) -> None:
     cfg_file = Path(path) / "config.json"
     quant = json.loads(cfg_file.read_text()).get("quantization_config") if cfg_file.is_file() else None
     src = dequantize_tensors(_read_tensors(Path(path)), quant, str(path))  # FP8 block weights -> fp32
+    if cfg.arch == "mixtral":  # its released names onto ours (transformers' in-memory ones already are)
+        src = {hf_mixtral.our_name(name): t for name, t in src.items()}
     target = model.state_dict()
     loaded: set[str] = set()
     unexpected: list[str] = []
@@ -327,6 +349,8 @@ def load_hf_state(model: Transformer, path: str | os.PathLike[str]) -> None:
         elif not (cfg.tie_word_embeddings and name == "lm_head.weight"):
             expected.add(name)
     missing = sorted(expected - loaded)
+    if cfg.arch == "mixtral":
+        missing = [hf_mixtral.released_name(name) for name in missing]
     if missing or unexpected:
         raise HFFormatError(
             f"{path}: {len(missing)} missing tensors {missing[:5]} and {len(unexpected)} unexpected {unexpected[:5]}; "
@@ -352,7 +376,7 @@ def import_hf(
     device: str | torch.device = "cpu",
     max_seq_len: int | None = None,
 ) -> Transformer:
-    """Build our model from an HF DeepseekV3/Qwen3Moe directory (fp32 master weights on `device`)."""
+    """Build our model from an HF DeepseekV3/Qwen3Moe/Mixtral directory (fp32 master weights on `device`)."""
     path = Path(path)
     cfg_file = path / "config.json"
     if not cfg_file.is_file():

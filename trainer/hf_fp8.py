@@ -54,7 +54,8 @@ def quantization_config(arch: str, moe_layers: list[int]) -> dict:
     FP8 releases do; so other families list their routers (and lm_head) there."""
     quant: dict = dict(QUANTIZATION_CONFIG)
     if arch != "deepseek_v3":
-        quant["modules_to_not_convert"] = ["lm_head"] + [f"model.layers.{layer}.mlp.gate" for layer in moe_layers]
+        moe = "block_sparse_moe" if arch == "mixtral" else "mlp"  # Mixtral's released module name
+        quant["modules_to_not_convert"] = ["lm_head"] + [f"model.layers.{layer}.{moe}.gate" for layer in moe_layers]
     return quant
 
 

@@ -2,7 +2,7 @@
 with the model it exports: the serving side (rollout/worker.py, `slipstream eval`) asks the model's owner for
 a checkpoint, and nothing here reaches back into rollout/.
 
-`rollout.model = "tiny-deepseek"` or `"tiny-qwen3"` resolves here to a checkpoint directory
+`rollout.model = "tiny-deepseek"`, `"tiny-qwen3"` or `"tiny-mixtral"` resolves here to a checkpoint directory
 (config.json, model.safetensors, tokenizer files) shaped by the config's `trainer.model`
 (a `ModelConfig`) and seeded by `run.seed`. Checkpoints are cached under `<run dir>/models/` in a
 directory named by a hash of everything that determines their bytes, so a cached copy is reused
@@ -24,7 +24,7 @@ from pathlib import Path
 
 from common.config import Config, ConfigError, ModelConfig
 
-TINY_MODELS = {"tiny-deepseek": "deepseek_v3", "tiny-qwen3": "qwen3_moe"}
+TINY_MODELS = {"tiny-deepseek": "deepseek_v3", "tiny-qwen3": "qwen3_moe", "tiny-mixtral": "mixtral"}
 # Bump when the generator or tokenizer changes in a way that changes the files' bytes.
 KIT_VERSION = 2
 

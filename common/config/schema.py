@@ -24,8 +24,11 @@ from common.config.sections import (
 
 @dataclass
 class ModelConfig:
-    arch: Literal["deepseek_v3", "qwen3_moe"] = identity("deepseek_v3")
-    """Architecture; decides the attention type and the HF naming (DeepseekV3 / Qwen3Moe)."""
+    arch: Literal["deepseek_v3", "qwen3_moe", "mixtral"] = identity("deepseek_v3")
+    """Architecture; decides the attention, the routing and the HF naming. deepseek_v3: MLA, sigmoid routing
+    (DeepseekV3ForCausalLM); qwen3_moe: GQA with per-head q/k RMSNorm, softmax routing (Qwen3MoeForCausalLM);
+    mixtral: GQA without q/k norm, softmax top-k renormalised, every layer MoE, no shared experts
+    (MixtralForCausalLM: experts `block_sparse_moe.experts.N.{w1,w2,w3}`)."""
     vocab_size: int = identity(128)
     """Vocabulary size (must match the tokenizer)."""
     hidden_size: int = identity(64)
@@ -90,9 +93,27 @@ class ModelConfig:
             self.n_routed_experts % self.n_group == 0 and 1 <= self.topk_group <= self.n_group,
             "trainer.model.n_group must divide n_routed_experts and topk_group must be within [1, n_group]",
         )
-        if self.arch == "qwen3_moe":
+        if self.arch in ("qwen3_moe", "mixtral"):
             require(
                 self.num_heads % self.num_kv_heads == 0, "trainer.model.num_heads must be a multiple of num_kv_heads"
+            )
+        if self.arch == "mixtral":
+            self._check_mixtral()
+
+    def _check_mixtral(self) -> None:
+        """Mixtral has none of these knobs: each one set would train a model that MixtralForCausalLM (and vLLM)
+        cannot express."""
+        fixed = (
+            ("first_k_dense", 0, "0", "every Mixtral layer is MoE"),
+            ("n_shared_experts", 0, "0", "Mixtral has no shared experts"),
+            ("n_group", 1, "1", "Mixtral has no group-limited routing"),
+            ("routed_scaling_factor", 1.0, "1.0", "Mixtral does not scale routing weights"),
+            ("norm_topk_prob", True, "true", "Mixtral always renormalises its top-k weights"),
+        )
+        for name, value, toml, why in fixed:
+            require(
+                getattr(self, name) == value,
+                f"trainer.model.{name} = {getattr(self, name)!r} with arch = 'mixtral': {why}; set {name} = {toml}",
             )
 
 

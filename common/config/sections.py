@@ -301,7 +301,7 @@ SAMPLING_FLAGS = ("--logprobs-mode", "--logits-processors")
 @dataclass
 class RolloutConfig:
     model: str = identity("tiny-deepseek")
-    """Initial policy: an HF checkpoint directory, or a tiny-model kit name (tiny-deepseek, tiny-qwen3)."""
+    """Initial policy: an HF checkpoint directory, or a tiny-model kit name (tiny-deepseek, tiny-qwen3, tiny-mixtral)."""
     served_model_name: str = "policy"
     """Model name that vLLM serves and clients put in requests."""
     max_model_len: int = 512

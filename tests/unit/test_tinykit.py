@@ -86,3 +86,17 @@ def test_vllm_returns_routed_experts_for_moe_checkpoints_unless_turned_off(tmp_p
     assert "--enable-return-routed-experts" not in vllm_command(cfg.rollout, dense, "127.0.0.1", 8000, cpu=True)
     cfg.rollout.return_routed_experts = False
     assert "--enable-return-routed-experts" not in vllm_command(cfg.rollout, moe, "127.0.0.1", 8000, cpu=True)
+
+
+def test_tiny_mixtral_is_a_mixtral_checkpoint_served_with_routed_experts_and_no_deepseek_flags(tmp_path: Path):
+    cfg = Config()
+    cfg.rollout.model = "tiny-mixtral"
+    with pytest.raises(ConfigError, match="trainer.model.arch=mixtral"):
+        resolve_model(cfg, tmp_path)
+    cfg.trainer.model = ModelConfig(arch="mixtral", first_k_dense=0, n_shared_experts=0)
+    model = resolve_model(cfg, tmp_path)
+    hf = json.loads((model / "config.json").read_text())
+    assert (hf["architectures"], hf["num_local_experts"]) == (["MixtralForCausalLM"], 8)
+    joined = " ".join(vllm_command(cfg.rollout, model, "127.0.0.1", 8000, cpu=True))
+    assert "--enable-return-routed-experts" in joined
+    assert "rotary_embedding" not in joined and "CPU_MLA" not in joined

@@ -1,6 +1,6 @@
 """Causal self-attention in the two shapes we train: MLA (DeepSeek-V3: low-rank compressed keys and
 values, a rotary part shared by all heads, q/k head = nope + rope dims, v head separate) and GQA
-(Qwen3-MoE: grouped key/value heads with RMSNorm on each query and key head). Both end in
+(grouped key/value heads; Qwen3-MoE adds RMSNorm on each query and key head, Mixtral has none). Both end in
 `F.scaled_dot_product_attention`; the kernel is chosen from outside (see `attention_backends`)."""
 
 from __future__ import annotations
@@ -79,7 +79,8 @@ class MLA(nn.Module):
 
 
 class GQA(nn.Module):
-    """Grouped-query attention with per-head q/k RMSNorm, HF Qwen3MoeAttention's parameter names."""
+    """Grouped-query attention with HF Qwen3MoeAttention's / MixtralAttention's parameter names; per-head q/k
+    RMSNorm (`q_norm`, `k_norm`) for Qwen3-MoE only (Mixtral has no such weights, so no such modules)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -90,13 +91,18 @@ class GQA(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if cfg.arch == "qwen3_moe":
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, S, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(B, S, self.num_heads, self.head_dim))
-        k = self.k_norm(self.k_proj(x).view(B, S, self.num_kv_heads, self.head_dim))
+        q = self.q_proj(x).view(B, S, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(B, S, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         v = self.v_proj(x).view(B, S, self.num_kv_heads, self.head_dim)
         q = apply_rope(q, cos, sin, interleaved=False)
         k = apply_rope(k, cos, sin, interleaved=False)

@@ -5,8 +5,8 @@ Routing follows the two architectures we export to. DeepSeek-V3: sigmoid scores;
 on score + `e_score_correction_bias` (optionally only inside the best `topk_group` of `n_group`
 groups), weighted by the unbiased scores, normalised over the top-k, then multiplied by
 `routed_scaling_factor`. The bias is not trained by gradients: `update_bias` nudges it by a fixed
-step against each expert's load error (aux-loss-free balancing). Qwen3-MoE: softmax scores, top-k,
-optional renormalisation, no bias. An optional DeepSeek sequence-wise balance loss is computed on
+step against each expert's load error (aux-loss-free balancing). Qwen3-MoE and Mixtral: softmax scores,
+top-k, optional renormalisation (Mixtral: always), no bias. An optional DeepSeek sequence-wise balance loss is computed on
 request. Tokens are permuted to expert order with one stable sort, run through the chosen expert
 backend, and combined back with gathers whose backward is also a gather, so the result does not
 depend on atomic-add order.
@@ -113,7 +113,7 @@ class Router(nn.Module):
         return self.weigh(scores, ids), ids, scores
 
     def scores(self, x: torch.Tensor) -> torch.Tensor:
-        """Per-expert scores [T, E] fp32: softmax (Qwen3-MoE) or sigmoid (DeepSeek-V3) of the router logits."""
+        """Per-expert scores [T, E] fp32: softmax (Qwen3-MoE, Mixtral) or sigmoid (DeepSeek-V3) of the router logits."""
         # Routing decisions are made in fp32 even under bf16 autocast: near-ties flip experts otherwise.
         with torch.autocast(x.device.type, enabled=False):
             logits = router_logits(x, self.weight)

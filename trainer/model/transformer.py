@@ -1,8 +1,9 @@
 """The decoder: token embedding, `num_layers` pre-norm blocks (attention, then a dense MLP for the
 first `first_k_dense` layers and an MoE for the rest), final norm, output head. Module and parameter
 names are HF's (`model.layers.L.self_attn.kv_b_proj.weight`, ...) so a state dict maps 1:1 onto
-DeepseekV3ForCausalLM / Qwen3MoeForCausalLM; only the routed experts are stored stacked (HF's own
-in-memory layout), and trainer/hf.py splits them into per-expert names on export."""
+DeepseekV3ForCausalLM / Qwen3MoeForCausalLM (and onto transformers' in-memory MixtralForCausalLM); only the
+routed experts are stored stacked (HF's own in-memory layout), and trainer/hf.py splits them into per-expert
+names on export (renamed to Mixtral's released `block_sparse_moe.experts.N.w1` layout for that family)."""
 
 from __future__ import annotations
 
