@@ -280,13 +280,22 @@ def test_blocks_off_the_recipe_are_counted_and_rewritten_on_export(released, tmp
     assert out[name + "_scale_inv"][0, 0] != tensors[name + "_scale_inv"][0, 0]
 
 
-def test_qwen3_moe_fp8_export_round_trips_and_keeps_its_routers_unquantized(tmp_path):
-    cfg = ModelConfig(arch="qwen3_moe", n_shared_experts=0, num_layers=3, first_k_dense=1, hidden_size=160)
+@pytest.mark.parametrize(
+    ("cfg", "router"),
+    [
+        (ModelConfig(arch="qwen3_moe", n_shared_experts=0, num_layers=3, first_k_dense=1, hidden_size=160), "mlp"),
+        (ModelConfig(arch="mixtral", n_shared_experts=0, num_layers=2, first_k_dense=0, hidden_size=160), None),
+    ],
+    ids=["qwen3_moe", "mixtral"],
+)
+def test_other_families_fp8_export_round_trips_and_keeps_their_routers_unquantized(cfg, router, tmp_path):
+    router = router or "block_sparse_moe"  # Mixtral's released module name
     export_hf(build_model(cfg, seed=4), tmp_path / "a", dtype="bfloat16", fp8_blocks=True)
     export_hf(import_hf(tmp_path / "a"), tmp_path / "b", dtype="bfloat16", fp8_blocks=True)
     assert (tmp_path / "a" / "model.safetensors").read_bytes() == (tmp_path / "b" / "model.safetensors").read_bytes()
     tensors = load_file(str(tmp_path / "a" / "model.safetensors"))
     assert tensors["model.layers.1.self_attn.k_proj.weight"].dtype == torch.float8_e4m3fn
-    assert tensors["model.layers.1.mlp.gate.weight"].dtype == torch.bfloat16
+    assert tensors[f"model.layers.1.{router}.gate.weight"].dtype == torch.bfloat16
     quant = json.loads((tmp_path / "a" / "config.json").read_text())["quantization_config"]
-    assert quant["modules_to_not_convert"] == ["lm_head", "model.layers.1.mlp.gate", "model.layers.2.mlp.gate"]
+    moe_layers = range(cfg.first_k_dense, cfg.num_layers)
+    assert quant["modules_to_not_convert"] == ["lm_head"] + [f"model.layers.{i}.{router}.gate" for i in moe_layers]
