@@ -5,6 +5,7 @@ are read, import then export gives the checkpoint's tensors back, and the config
 read differently are refused by name."""
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -123,7 +124,10 @@ def test_yarn_magnitude_and_frequencies_both_change_the_logits(tmp_path):
     ours = _ours("deepseek_v3")
     export_hf(ours, tmp_path)
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
-    plain = build_model(ModelConfig(**{**vars(CONFIGS["deepseek_v3"]), "rope_scaling": "none", **_NO_YARN}), seed=None)
+    no_yarn = replace(
+        CONFIGS["deepseek_v3"], rope_scaling="none", rope_factor=1.0, rope_original_max_len=0, rope_mscale_all_dim=0.0
+    )
+    plain = build_model(no_yarn, seed=None)
     plain.load_state_dict(ours.state_dict())
     assert _max_diff(plain.eval(), hf) > 100 * TOL
     qk_dim = CONFIGS["deepseek_v3"].qk_nope_head_dim + CONFIGS["deepseek_v3"].qk_rope_head_dim
@@ -131,16 +135,6 @@ def test_yarn_magnitude_and_frequencies_both_change_the_logits(tmp_path):
         assert block.self_attn.scale > qk_dim**-0.5 * 1.4  # m(1)^2 = (1 + 0.1 ln 8)^2 = 1.46
         block.self_attn.scale = qk_dim**-0.5
     assert _max_diff(ours, hf) > 100 * TOL
-
-
-_NO_YARN = dict(
-    rope_factor=1.0,
-    rope_original_max_len=0,
-    rope_beta_fast=32.0,
-    rope_beta_slow=1.0,
-    rope_mscale=1.0,
-    rope_mscale_all_dim=0.0,
-)
 
 
 def test_multi_token_prediction_layers_are_skipped_with_a_note(tmp_path, caplog):
@@ -208,3 +202,51 @@ def test_yarn_factor_defaults_to_the_context_ratio_as_in_transformers():
 def test_model_config_refuses_inconsistent_rope_fields_naming_them(fields, named):
     with pytest.raises(ConfigError, match=named):
         ModelConfig(**fields).check()
+
+
+# Released rope settings at their real sizes: DeepSeek-V3 / R1, Kimi-K2 (beta_fast = beta_slow = 1, a step
+# instead of a ramp) and Qwen3's suggested long context (mscale fields absent).
+RELEASED = {
+    "deepseek_v3": (
+        "deepseek_v3",
+        64,
+        163840,
+        {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1}
+        | {"mscale": 1.0, "mscale_all_dim": 1.0, "rope_theta": 10000.0},
+    ),
+    "kimi_k2": (
+        "deepseek_v3",
+        64,
+        131072,
+        {"type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096, "beta_fast": 1.0, "beta_slow": 1.0}
+        | {"mscale": 1.0, "mscale_all_dim": 1.0, "rope_theta": 50000.0},
+    ),
+    "qwen3_moe": (
+        "qwen3_moe",
+        128,
+        131072,
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768, "rope_theta": 1000000.0},
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(RELEASED))
+def test_released_yarn_settings_give_transformers_frequencies_and_magnitudes(name):
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import yarn_apply_mscale
+
+    from trainer.model.rope import rope_tables, yarn_of
+
+    arch, rope_dim, max_pos, rope = RELEASED[name]
+    shape = dict(qk_rope_head_dim=rope_dim, head_dim=rope_dim, max_seq_len=max_pos)
+    ours_cfg = ModelConfig(arch=arch, n_shared_experts=int(arch == "deepseek_v3"), **shape)
+    hf = hf_config(ours_cfg) | {"rope_scaling": rope, "rope_parameters": None, "rope_theta": rope["rope_theta"]}
+    cfg = model_config_from_hf(hf)
+    theirs = transformers.AutoConfig.for_model(**hf)
+    inv_freq, cos_sin_scale = ROPE_INIT_FUNCTIONS["yarn"](theirs, "cpu")
+    yarn = yarn_of(cfg)
+    assert yarn is not None
+    assert torch.equal(rope_tables(rope_dim, 2, cfg.rope_theta, yarn=yarn)[1], inv_freq)
+    assert yarn.cos_sin_scale == pytest.approx(cos_sin_scale, rel=1e-12)
+    if arch == "deepseek_v3":
+        assert yarn.softmax_scale == pytest.approx(yarn_apply_mscale(theirs.rope_parameters, 1.0), rel=1e-12)
