@@ -11,6 +11,7 @@ from a ModelConfig and a seed (tiny test checkpoints for vLLM)."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from collections.abc import Iterator
@@ -21,21 +22,21 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 
-from common.config import ModelConfig
+from common.config import ConfigError, ModelConfig
 from trainer import hf_mixtral
+from trainer.hf_errors import HFFormatError
 from trainer.hf_fp8 import dequantize_tensors, quantization_config, quantize_tensors
+from trainer.hf_rope import hf_rope_parameters, rope_fields_from_hf
 from trainer.model import Transformer, build_model
 from trainer.model.moe import refresh_expert_weight_copies
+
+log = logging.getLogger(__name__)
 
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # vLLM's CPU kernels (docs/vllm-cpu.md): these shapes run, others fail at the first request.
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
-
-
-class HFFormatError(ValueError):
-    """An HF directory or config cannot be mapped onto our model; the message names the field."""
 
 
 def hf_config(cfg: ModelConfig, dtype: str = "float32", extra: dict | None = None) -> dict:
@@ -56,8 +57,8 @@ def hf_config(cfg: ModelConfig, dtype: str = "float32", extra: dict | None = Non
         "initializer_range": 0.02,
         "rms_norm_eps": cfg.rms_norm_eps,
         "rope_theta": cfg.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-        "rope_scaling": None,
+        "rope_parameters": hf_rope_parameters(cfg),
+        "rope_scaling": None if cfg.rope_scaling == "none" else hf_rope_parameters(cfg),
         "tie_word_embeddings": cfg.tie_word_embeddings,
         "attention_bias": False,
         "attention_dropout": 0.0,
@@ -121,11 +122,16 @@ def hf_config(cfg: ModelConfig, dtype: str = "float32", extra: dict | None = Non
 
 def model_config_from_hf(hf: dict, max_seq_len: int | None = None) -> ModelConfig:
     """Our ModelConfig from an HF config.json dict of DeepseekV3, Qwen3Moe or Mixtral."""
+    cfg = _model_config_from_hf(hf, max_seq_len)
+    try:
+        cfg.check()
+    except ConfigError as e:
+        raise HFFormatError(f"the HF config maps onto a model we cannot build: {e}") from e
+    return cfg
+
+
+def _model_config_from_hf(hf: dict, max_seq_len: int | None) -> ModelConfig:
     model_type = hf.get("model_type")
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
-        raise HFFormatError(f"rope type {rope.get('rope_type')!r} is not supported; only default RoPE is")
-    theta = float(hf.get("rope_theta") or rope.get("rope_theta") or 10000.0)
     base = dict(
         vocab_size=hf["vocab_size"],
         hidden_size=hf["hidden_size"],
@@ -135,7 +141,7 @@ def model_config_from_hf(hf: dict, max_seq_len: int | None = None) -> ModelConfi
         moe_intermediate_size=hf["intermediate_size" if model_type == "mixtral" else "moe_intermediate_size"],
         num_experts_per_tok=hf["num_experts_per_tok"],
         num_heads=hf["num_attention_heads"],
-        rope_theta=theta,
+        **rope_fields_from_hf(hf),
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         max_seq_len=max_seq_len or int(hf.get("max_position_embeddings", 4096)),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
@@ -311,11 +317,15 @@ def load_hf_state(model: Transformer, path: str | os.PathLike[str]) -> None:
     target = model.state_dict()
     loaded: set[str] = set()
     unexpected: list[str] = []
+    beyond: dict[int, int] = {}  # layer -> tensors skipped
     with torch.no_grad():
         for name, t in src.items():
             layer = re.match(r"^model\.layers\.(\d+)\.", name)
             if layer and int(layer.group(1)) >= cfg.num_layers:
-                continue  # multi-token-prediction layers of DeepSeek checkpoints: not part of the decoder
+                # DeepSeek's multi-token-prediction layers (num_nextn_predict_layers) follow the decoder's;
+                # neither transformers nor we run them.
+                beyond[int(layer.group(1))] = beyond.get(int(layer.group(1)), 0) + 1
+                continue
             if "rotary_emb" in name:
                 continue
             m = _EXPERT.match(name)
@@ -355,6 +365,15 @@ def load_hf_state(model: Transformer, path: str | os.PathLike[str]) -> None:
         raise HFFormatError(
             f"{path}: {len(missing)} missing tensors {missing[:5]} and {len(unexpected)} unexpected {unexpected[:5]}; "
             "is this checkpoint of the same architecture and shape as config.json says?"
+        )
+    if beyond:
+        log.info(
+            "%s: skipped %d tensors of layers %s beyond the decoder's %d (multi-token-prediction layers, "
+            "num_nextn_predict_layers; not trained or exported)",
+            path,
+            sum(beyond.values()),
+            sorted(beyond),
+            cfg.num_layers,
         )
     refresh_expert_weight_copies(model)  # the masters were written in place, not through load_state_dict
 

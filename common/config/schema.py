@@ -65,6 +65,26 @@ class ModelConfig:
     """MLA per-head value dimension."""
     rope_theta: float = identity(10000.0)
     """RoPE base."""
+    rope_scaling: Literal["none", "yarn"] = identity("none", added=True)
+    """RoPE context extension: none, or yarn (every released DeepSeek-V3 / R1 / Kimi-K2 / Moonlight checkpoint,
+    Qwen3's long context): slow rotary frequencies divided by rope_factor, cos/sin and (MLA) the softmax scale
+    corrected by the rope_mscale terms. The rope_* fields below apply to yarn only."""
+    rope_factor: float = identity(1.0, added=True)
+    """YaRN: how many times the original context is extended (> 1); positions reach rope_factor *
+    rope_original_max_len (HF `factor`)."""
+    rope_original_max_len: int = identity(0, added=True)
+    """YaRN: the context length the model was pretrained with (HF `original_max_position_embeddings`)."""
+    rope_beta_fast: float = identity(32.0, added=True)
+    """YaRN: frequencies turning at least this many times over the original context keep their speed."""
+    rope_beta_slow: float = identity(1.0, added=True)
+    """YaRN: frequencies turning at most this many times over the original context are divided by rope_factor;
+    a linear ramp over the frequency index blends the two between beta_fast and beta_slow."""
+    rope_mscale: float = identity(1.0, added=True)
+    """YaRN: cos and sin are scaled by m(rope_mscale) / m(rope_mscale_all_dim), m(s) = 1 + 0.1 s ln(rope_factor)
+    (HF `mscale`)."""
+    rope_mscale_all_dim: float = identity(0.0, added=True)
+    """YaRN: MLA's softmax scale is multiplied by m(rope_mscale_all_dim)^2; 0 leaves it and makes the cos/sin
+    scale m(rope_mscale) alone (HF `mscale_all_dim`; DeepSeek-V3 and Kimi-K2 set it and rope_mscale to 1)."""
     rms_norm_eps: float = identity(1e-6)
     """RMSNorm epsilon."""
     routed_scaling_factor: float = identity(1.0)
@@ -99,6 +119,7 @@ class ModelConfig:
             )
         if self.arch == "mixtral":
             self._check_mixtral()
+        self._check_rope_scaling()
 
     def _check_mixtral(self) -> None:
         """Mixtral has none of these knobs: each one set would train a model that MixtralForCausalLM (and vLLM)
@@ -115,6 +136,62 @@ class ModelConfig:
                 getattr(self, name) == value,
                 f"trainer.model.{name} = {getattr(self, name)!r} with arch = 'mixtral': {why}; set {name} = {toml}",
             )
+
+    def _check_rope_scaling(self) -> None:
+        yarn_fields = {
+            "rope_factor": 1.0,
+            "rope_original_max_len": 0,
+            "rope_beta_fast": 32.0,
+            "rope_beta_slow": 1.0,
+            "rope_mscale": 1.0,
+            "rope_mscale_all_dim": 0.0,
+        }
+        if self.rope_scaling == "none":
+            for name, default in yarn_fields.items():
+                require(
+                    getattr(self, name) == default,
+                    f"trainer.model.{name} = {getattr(self, name)} has no effect with rope_scaling = 'none': set "
+                    f"rope_scaling = 'yarn' or leave {name} at {default}",
+                )
+            return
+        require(
+            self.rope_factor > 1.0,
+            f"trainer.model.rope_factor = {self.rope_factor}: YaRN extends the context, so it must be > 1 "
+            "(rope_scaling = 'none' for no extension)",
+        )
+        require(
+            self.rope_original_max_len >= 1,
+            "trainer.model.rope_original_max_len must be the pretraining context length (HF "
+            f"original_max_position_embeddings) under rope_scaling = 'yarn', is {self.rope_original_max_len}",
+        )
+        require(
+            self.max_seq_len <= self.rope_factor * self.rope_original_max_len,
+            f"trainer.model.max_seq_len = {self.max_seq_len} exceeds rope_factor * rope_original_max_len = "
+            f"{self.rope_factor * self.rope_original_max_len}, the longest context YaRN extends to (vLLM serves no "
+            "further): raise rope_factor or lower max_seq_len",
+        )
+        require(
+            0 < self.rope_beta_slow <= self.rope_beta_fast,
+            f"trainer.model.rope_beta_slow = {self.rope_beta_slow} must be > 0 and <= rope_beta_fast = "
+            f"{self.rope_beta_fast} (rotation counts; DeepSeek-V3: beta_fast 32, beta_slow 1)",
+        )
+        require(
+            self.rope_mscale > 0 and self.rope_mscale_all_dim >= 0,
+            f"trainer.model.rope_mscale = {self.rope_mscale} must be > 0 and rope_mscale_all_dim = "
+            f"{self.rope_mscale_all_dim} >= 0",
+        )
+        # transformers reads mscale only together with mscale_all_dim (alone it is taken as 1), vLLM always:
+        # a lone mscale other than 1 would serve a different model than the one trained.
+        require(
+            self.rope_mscale_all_dim > 0 or self.rope_mscale == 1.0,
+            f"trainer.model.rope_mscale = {self.rope_mscale} with rope_mscale_all_dim = 0: transformers ignores "
+            "mscale unless mscale_all_dim is set; set rope_mscale = 1 or a rope_mscale_all_dim > 0",
+        )
+        require(
+            self.arch == "deepseek_v3" or self.rope_mscale_all_dim == 0,
+            f"trainer.model.rope_mscale_all_dim = {self.rope_mscale_all_dim}: only MLA (arch = 'deepseek_v3') scales "
+            "its softmax by it (vLLM's Qwen3-MoE reads neither mscale field); set 0 for arch = 'qwen3_moe'",
+        )
 
 
 @dataclass

@@ -15,7 +15,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from common.config import ModelConfig
 from trainer.model.norm import RMSNorm
-from trainer.model.rope import apply_rope
+from trainer.model.rope import apply_rope, yarn_of
 
 # DeepSeek's reference code builds the latent norms with the default epsilon, not rms_norm_eps; HF
 # follows it, so we do too (the two agree for every released DeepSeek config, where both are 1e-6).
@@ -45,7 +45,8 @@ class MLA(nn.Module):
         self.v_dim = cfg.v_head_dim
         self.kv_lora_rank = cfg.kv_lora_rank
         qk_dim = self.nope_dim + self.rope_dim
-        self.scale = qk_dim**-0.5
+        yarn = yarn_of(cfg)
+        self.scale = qk_dim**-0.5 if yarn is None else qk_dim**-0.5 * yarn.softmax_scale
         if cfg.q_lora_rank > 0:
             self.q_a_proj = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=False)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, LATENT_NORM_EPS)

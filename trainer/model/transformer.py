@@ -14,7 +14,7 @@ from common.config import ModelConfig
 from trainer.model.attention import GQA, MLA, attention_backends
 from trainer.model.moe import MLP, MoE
 from trainer.model.norm import RMSNorm
-from trainer.model.rope import rope_tables
+from trainer.model.rope import rope_tables, yarn_of
 from trainer.model.sampling import RowSampling, logprobs_of, sampled_logprobs
 
 
@@ -68,7 +68,10 @@ class Transformer(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         rope_dim = cfg.qk_rope_head_dim if cfg.arch == "deepseek_v3" else cfg.head_dim
-        self.register_buffer("rope_angles", rope_tables(rope_dim, cfg.max_seq_len, cfg.rope_theta), persistent=False)
+        yarn = yarn_of(cfg)
+        angles = rope_tables(rope_dim, cfg.max_seq_len, cfg.rope_theta, yarn=yarn)
+        self.register_buffer("rope_angles", angles, persistent=False)
+        self.rope_scale = 1.0 if yarn is None else yarn.cos_sin_scale  # YaRN's magnitude on cos and sin
 
     def moe_layers(self) -> list[MoE]:
         return [blk.mlp for blk in self.model.layers if isinstance(blk.mlp, MoE)]
@@ -97,7 +100,7 @@ class Transformer(nn.Module):
             if int(positions.max()) >= self.cfg.max_seq_len:
                 raise ValueError(f"position {int(positions.max())} exceeds trainer.model.max_seq_len")
             angles = self.rope_angles[positions]
-        cos, sin = angles.cos(), angles.sin()
+        cos, sin = angles.cos() * self.rope_scale, angles.sin() * self.rope_scale
         x = self.model.embed_tokens(tokens)
         if routing is not None and routing.shape[2] != len(self.moe_layers()):
             raise ValueError(f"routing has {routing.shape[2]} MoE layers, the model {len(self.moe_layers())}")
