@@ -120,6 +120,10 @@ def hf_config(cfg: ModelConfig, dtype: str = "float32", extra: dict | None = Non
     return out
 
 
+# model_type values of released checkpoints whose architecture is DeepseekV3ForCausalLM.
+DEEPSEEK_V3_ALIASES = ("kimi_k2",)
+
+
 def model_config_from_hf(hf: dict, max_seq_len: int | None = None) -> ModelConfig:
     """Our ModelConfig from an HF config.json dict of DeepseekV3, Qwen3Moe or Mixtral."""
     cfg = _model_config_from_hf(hf, max_seq_len)
@@ -132,6 +136,10 @@ def model_config_from_hf(hf: dict, max_seq_len: int | None = None) -> ModelConfi
 
 def _model_config_from_hf(hf: dict, max_seq_len: int | None) -> ModelConfig:
     model_type = hf.get("model_type")
+    if model_type in DEEPSEEK_V3_ALIASES and hf.get("architectures", ["DeepseekV3ForCausalLM"]) == [
+        "DeepseekV3ForCausalLM"
+    ]:
+        model_type = "deepseek_v3"  # Kimi-K2 ships DeepSeek-V3's architecture under its own model_type
     base = dict(
         vocab_size=hf["vocab_size"],
         hidden_size=hf["hidden_size"],

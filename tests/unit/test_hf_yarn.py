@@ -252,3 +252,12 @@ def test_released_yarn_settings_give_transformers_frequencies_and_magnitudes(nam
     assert yarn.cos_sin_scale == pytest.approx(cos_sin_scale, rel=1e-12)
     if arch == "deepseek_v3":
         assert yarn.softmax_scale == pytest.approx(yarn_apply_mscale(theirs.rope_parameters, 1.0), rel=1e-12)
+
+
+def test_kimi_k2_model_type_with_deepseek_v3_architecture_imports_as_deepseek_v3():
+    """Kimi-K2's config.json says model_type "kimi_k2" and architectures ["DeepseekV3ForCausalLM"]: the
+    DeepSeek-V3 architecture, YaRN included; another architecture under that model_type stays refused."""
+    hf = {**hf_config(CONFIGS["deepseek_v3"]), "model_type": "kimi_k2"}
+    assert model_config_from_hf(hf) == model_config_from_hf(hf_config(CONFIGS["deepseek_v3"]))
+    with pytest.raises(HFFormatError, match="kimi_k2"):
+        model_config_from_hf({**hf, "architectures": ["KimiK2ForCausalLM"]})
