@@ -10,28 +10,21 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 
 from common.config import ModelConfig
+from trainer.hf_stream import HFFormatError, stream_hf_state
 from trainer.model import Transformer, build_model
-from trainer.model.moe import refresh_expert_weight_copies
 
-_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # vLLM's CPU kernels (docs/vllm-cpu.md): these shapes run, others fail at the first request.
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
-
-
-class HFFormatError(ValueError):
-    """An HF directory or config cannot be mapped onto our model; the message names the field."""
 
 
 def hf_config(cfg: ModelConfig, dtype: str = "float32", extra: dict | None = None) -> dict:
@@ -247,80 +240,10 @@ def vllm_cpu_problems(cfg: ModelConfig) -> list[str]:
     return problems
 
 
-def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise HFFormatError(f"no *.safetensors files in {path}")
-    tensors: dict[str, torch.Tensor] = {}
-    for f in files:
-        with safe_open(str(f), framework="pt") as st:
-            for name in st.keys():
-                tensors[name] = st.get_tensor(name)
-    return tensors
-
-
 def load_hf_state(model: Transformer, path: str | os.PathLike[str]) -> None:
-    """Copy the weights of an HF directory into `model` (shapes must match; names are checked both ways)."""
-    cfg = model.cfg
-    src = _read_tensors(Path(path))
-    target = model.state_dict()
-    loaded: set[str] = set()
-    unexpected: list[str] = []
-    with torch.no_grad():
-        for name, t in src.items():
-            layer = re.match(r"^model\.layers\.(\d+)\.", name)
-            if layer and int(layer.group(1)) >= cfg.num_layers:
-                continue  # multi-token-prediction layers of DeepSeek checkpoints: not part of the decoder
-            if "rotary_emb" in name:
-                continue
-            m = _EXPERT.match(name)
-            if m:
-                prefix, e, proj = m.group(1), int(m.group(2)), m.group(3)
-                inter = cfg.moe_intermediate_size
-                if proj == "down_proj":
-                    key, view = f"{prefix}.down_proj", target[f"{prefix}.down_proj"][e]
-                else:
-                    key = f"{prefix}.gate_up_proj"
-                    half = slice(0, inter) if proj == "gate_proj" else slice(inter, 2 * inter)
-                    view = target[key][e, half]
-                _copy(view, t, name)
-                loaded.add(name)
-            elif name in target:
-                _copy(target[name], t, name)
-                if name.endswith(".mlp.experts.gate_up_proj"):  # transformers' own stacked layout
-                    loaded |= set(_expert_names(name, ("gate_proj", "up_proj"), cfg.n_routed_experts))
-                elif name.endswith(".mlp.experts.down_proj"):
-                    loaded |= set(_expert_names(name, ("down_proj",), cfg.n_routed_experts))
-                else:
-                    loaded.add(name)
-            else:
-                unexpected.append(name)
-    expected = set()
-    for name in target:
-        if name.endswith(".mlp.experts.gate_up_proj"):
-            expected |= set(_expert_names(name, ("gate_proj", "up_proj"), cfg.n_routed_experts))
-        elif name.endswith(".mlp.experts.down_proj"):
-            expected |= set(_expert_names(name, ("down_proj",), cfg.n_routed_experts))
-        elif not (cfg.tie_word_embeddings and name == "lm_head.weight"):
-            expected.add(name)
-    missing = sorted(expected - loaded)
-    if missing or unexpected:
-        raise HFFormatError(
-            f"{path}: {len(missing)} missing tensors {missing[:5]} and {len(unexpected)} unexpected {unexpected[:5]}; "
-            "is this checkpoint of the same architecture and shape as config.json says?"
-        )
-    refresh_expert_weight_copies(model)  # the masters were written in place, not through load_state_dict
-
-
-def _expert_names(stacked: str, projs: tuple[str, ...], n_experts: int) -> list[str]:
-    prefix = stacked.rsplit(".", 1)[0]
-    return [f"{prefix}.{e}.{p}.weight" for e in range(n_experts) for p in projs]
-
-
-def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
-    if dst.shape != src.shape:
-        raise HFFormatError(f"tensor {name}: checkpoint shape {tuple(src.shape)} != model shape {tuple(dst.shape)}")
-    dst.copy_(src.to(dst.dtype))
+    """Copy the weights of an HF directory into `model` (shapes must match; names are checked both ways),
+    streamed entry by entry, reading only the experts this rank holds (trainer/hf_stream.py)."""
+    stream_hf_state(model, path)
 
 
 def import_hf(
@@ -337,6 +260,4 @@ def import_hf(
     cfg = model_config_from_hf(json.loads(cfg_file.read_text()), max_seq_len)
     model = build_model(cfg, experts_backend, seed=None)
     load_hf_state(model, path)
-    for moe in model.moe_layers():
-        moe.tokens_per_expert.zero_()
     return model.to(device)
