@@ -54,7 +54,8 @@ SAFETENSORS_DTYPES = {
 
 
 class HFFormatError(ValueError):
-    """A safetensors file or HF directory cannot be read into the model; the message names the file or entry."""
+    """An HF directory (its config.json or safetensors) cannot be mapped onto our model; the message names the
+    field, file or entry."""
 
 
 @dataclass(frozen=True)
