@@ -134,6 +134,30 @@ class StreamReport:
     bytes_read: int = 0
 
 
+def place_without_experts(model: Transformer, device: torch.device) -> Transformer:
+    """`model` with its routed experts on the meta device (no memory anywhere) and everything else moved to
+    `device`: what a streamed import starts from. Expert parallelism then allocates only this rank's block of
+    experts (trainer/ep ShardedExperts), and `stream_hf_state` all of them where nothing sharded them. (The
+    model's own `.to` cannot do it: it copies every tensor, and it cannot copy out of the meta device.)"""
+    for mod in model.modules():
+        if isinstance(mod, ExpertWeights):
+            mod.to("meta")
+            continue
+        for p in mod.parameters(recurse=False):
+            p.data = p.data.to(device)  # in place, as Module.to: tied weights stay one tensor
+        for name, b in mod.named_buffers(recurse=False):
+            setattr(mod, name, b.to(device))
+    return model
+
+
+def _materialize_experts(model: Transformer) -> None:
+    """Allocate (uninitialised) the expert modules left on the meta device, beside the dense weights."""
+    device = model.lm_head.weight.device
+    for mod in model.modules():
+        if isinstance(mod, ExpertWeights) and any(p.is_meta for p in mod.parameters(recurse=False)):
+            mod.to_empty(device=device)
+
+
 def owned_experts(model: Transformer) -> dict[str, range]:
     """Per MoE layer (the prefix `model.layers.L.mlp.experts`), the global expert numbers this rank holds: all
     of them unsharded, its block of the DTensor shard under expert parallelism (as trainer/hf.py hf_tensors)."""
@@ -194,6 +218,7 @@ def stream_hf_state(model: Transformer, path: str | os.PathLike[str]) -> StreamR
     rank, or an entry the model has no place for, is an error naming them."""
     path = Path(path)
     cfg = model.cfg
+    _materialize_experts(model)
     dense = _dense_targets(model)
     owned = owned_experts(model)
     views = _expert_views(model)

@@ -14,7 +14,7 @@ from common.config import Config
 from trainer.checkpoint import load_model_weights
 from trainer.experts import select_backend
 from trainer.hf import load_hf_state
-from trainer.hf_stream import stream_hf_state
+from trainer.hf_stream import place_without_experts, stream_hf_state
 from trainer.model import Transformer, build_model
 
 
@@ -37,14 +37,15 @@ def starting_model(
 
     From an HF directory the weights are not read yet: the model comes back uninitialised with the loader
     to run once the training core has sharded its experts, so each rank reads only its own experts, one
-    entry at a time (trainer/hf_stream.py). Its expert tensors are allocated at full size but never
-    written before the sharding keeps this rank's block, so their pages never become resident."""
+    entry at a time (trainer/hf_stream.py). Its experts are left on the meta device until then: the sharding
+    allocates this rank's block only, on `device` (host or accelerator)."""
     tc = cfg.trainer
     dtype = torch.bfloat16 if tc.dtype == "bfloat16" else torch.float32
     backend = select_backend(tc.experts.backend, device, dtype, tc.experts.precision)
     init = Path(tc.init) if tc.init else default_init
     if init is not None and (init / "config.json").is_file():
-        return build_model(tc.model, backend, seed=None).to(device), partial(stream_hf_state, path=init)
+        model = place_without_experts(build_model(tc.model, backend, seed=None), device)
+        return model, partial(stream_hf_state, path=init)
     model = build_model(tc.model, backend, seed=cfg.run.seed if init is None else None)
     if init is not None:
         load_weights(model, init, "trainer.init")

@@ -103,14 +103,15 @@ def test_two_ranks_read_disjoint_experts_below_checkpoint_size(tmp_path):
         assert r["mismatched"] == []
     # From before the model is built to the end of the load: the model's shard plus what the load needs.
     total = [max(r["peak_to_shard"], r["peak_load"]) - r["rss_start"] for r in ranks]
-    during = [r["peak_load"] - r["rss_before"] for r in ranks]  # the load alone: about one entry
+    # The load alone: the pages of the shard it fills (allocated untouched by the sharding), plus an entry.
+    during = [r["peak_load"] - r["rss_before"] for r in ranks]
     print(
         f"checkpoint {size / 1e6:.1f} MB; per rank: read {[r['bytes_read'] / 1e6 for r in ranks]} MB, peak RSS "
         f"growth build+shard+load {[t / 1e6 for t in total]} MB, during the load {[d / 1e6 for d in during]} MB"
     )
-    for t, d in zip(total, during, strict=True):
+    for t, d, r in zip(total, during, ranks, strict=True):
         assert t < size  # its half of the experts plus the dense part, not the checkpoint
-        assert d < 0.1 * size  # entries are read one at a time, into the shard already there
+        assert d < r["bytes_read"] + 4e6  # what it read, one entry at a time (the largest is 0.4 MB)
 
 
 def test_reader_matches_safetensors(tmp_path):
