@@ -29,6 +29,7 @@ from common.log import setup as setup_logging
 from common.metrics import step_series
 from common.net import bearer, free_port
 from common.weights.fleet import WorkerError
+from common.weights.model_files import tokenizer_dir
 from common.weights.versions import committed_versions, version_dir, weight_root
 from common.weights.workers import apply_version
 from evaluator.backend import Backend, RequestError
@@ -187,6 +188,14 @@ def version_files(cfg: Config, run_dir: Path, version: int) -> Path:
     )
 
 
+def version_tokenizer(args: argparse.Namespace, cfg: Config, run_dir: Path | None) -> Path | None:
+    """The tokenizer directory of the version `--version` evaluates, when that version carries one (a run
+    whose model came with tokenizer files copies them into every version); else None: rollout.model's."""
+    if args.version is None or run_dir is None:
+        return None
+    return tokenizer_dir(version_files(cfg, run_dir, args.version))
+
+
 def worker_setup(path: Path, overrides: Sequence[str], cfg: Config) -> tuple[Config, dict[str, str]]:
     """The config and the extra environment `slipstream launch` gave the vLLM worker the run's evaluator measured
     on: its eval-pool worker's (`[launch.roles.*] env` may override config keys and set vLLM variables), a train
@@ -265,7 +274,8 @@ def cli_plan(args: argparse.Namespace, cfg: Config | None) -> EvalPlan:
         raise BenchmarkError(
             "no benchmark to run: pass --benchmark NAME (or --config CONFIG to run the config's evaluator.benchmarks)"
         )
-    chat = cfg is not None and follows_chat_template(cfg, run_dir_of(args, cfg))
+    run_dir = run_dir_of(args, cfg) if cfg is not None else None
+    chat = cfg is not None and follows_chat_template(cfg, run_dir, version_tokenizer(args, cfg, run_dir))
     result = eval_plan(ev, cfg.rollout.task if cfg is not None else None, chat)
     extra = {"samples": args.samples, "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed}
     options = dataclasses.replace(result.options, **{k: v for k, v in extra.items() if v is not None})
@@ -318,7 +328,9 @@ async def run_cli(args: argparse.Namespace) -> list[EvalResult]:
             url = await stack.enter_async_context(started_worker(session, path, args.overrides, cfg, run_dir, out))
         backend = Backend(session, url, model, args.timeout, RetryPolicy(args.max_retries), args.token)
         await backend.describe()
-        await backend.choose_counter(args.tokenizer)
+        # A version that carries its tokenizer counts with it (the one the worker serves the version with).
+        version_tok = tokenizer_dir(location) if location is not None else None
+        await backend.choose_counter(args.tokenizer or (str(version_tok) if version_tok is not None else None))
         expect = None
         if location is not None:
             await load_version(session, backend.url, args.version, location)

@@ -141,18 +141,23 @@ def eval_plan(ev: EvaluatorConfig, train_task: TaskConfig | None, chat: bool = F
     )
 
 
-def follows_chat_template(cfg: Config, run_dir: Path | None) -> bool:
+def follows_chat_template(cfg: Config, run_dir: Path | None, tokenizer_dir: Path | None = None) -> bool:
     """Whether the run's RL prompts go through the policy tokenizer's chat template (rollout.chat_template
-    "auto" and the tokenizer has one), so that the benchmarks following the training task template theirs."""
+    "auto" and the tokenizer has one), so that the benchmarks following the training task template theirs.
+    The tokenizer is rollout.model's, or that of `tokenizer_dir` when given (a published version carries its
+    model's tokenizer and chat template: common/weights/model_files.py)."""
     if cfg.rollout.chat_template == "off":
         return False
     from transformers import AutoTokenizer
 
     from trainer.tinykit import resolve_model
 
-    # Without a run, a tiny kit's files are made in a scratch directory just to read its tokenizer.
-    with tempfile.TemporaryDirectory() as scratch:
-        tokenizer = AutoTokenizer.from_pretrained(resolve_model(cfg, run_dir or Path(scratch)))
+    if tokenizer_dir is not None:
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    else:
+        # Without a run, a tiny kit's files are made in a scratch directory just to read its tokenizer.
+        with tempfile.TemporaryDirectory() as scratch:
+            tokenizer = AutoTokenizer.from_pretrained(resolve_model(cfg, run_dir or Path(scratch)))
     return uses_chat_template(tokenizer, cfg.rollout.chat_template)
 
 

@@ -255,3 +255,18 @@ def load_model_weights(path: str | Path, model: nn.Module) -> None:
     sd = {"model": get_model_state_dict(model)}
     _dcp_load(sd, path)
     set_model_state_dict(model, sd["model"])
+
+
+def save_model_weights(path: str | Path, model: nn.Module, config_toml: str) -> Path:
+    """The model tensors alone, with the config they belong to (`to_toml` of it), as a checkpoint directory
+    that `load_model_weights` (trainer.init) and `checkpoint_config` read; `slipstream convert` writes these."""
+    path = Path(path)
+    _dcp_save({"model": get_model_state_dict(model), "meta": {"config": config_toml}}, path)
+    return path
+
+
+def checkpoint_config(path: str | Path) -> Config:
+    """The config a checkpoint was saved with (training checkpoints and `save_model_weights` record it)."""
+    meta: dict[str, Any] = {"meta": {"config": ""}}
+    _dcp_load(meta, path)
+    return from_dict(tomllib.loads(meta["meta"]["config"]))

@@ -28,7 +28,7 @@ from trainer.ranks import Ranks
 from trainer.rl.critic import build_critic, copy_trunk, ppo_step, value_model
 from trainer.rl.reference import ReferencePolicy
 from trainer.rl.update import proximal_fn, rl_updates
-from trainer.setup import initial_model
+from trainer.setup import starting_model
 from trainer.tinykit import resolve_model
 
 
@@ -125,7 +125,7 @@ class TrainerRank:
         self.device = ranks.device
         self.model_dir = resolve_model(self.cfg, ctx.run_dir)
         # Version 0 must be the function the workers serve: start from their checkpoint unless told otherwise.
-        self.core = TrainingCore(self.cfg, ranks, initial_model(self.cfg, self.device, self.model_dir))
+        self.core = TrainingCore(self.cfg, ranks, *starting_model(self.cfg, self.device, self.model_dir))
         self.keep_companions()
         self.ckpt_root = ctx.run_dir / "checkpoints"
         self.shard_bytes = self.cfg.rollout.weight_shard_mb << 20

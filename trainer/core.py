@@ -150,13 +150,18 @@ def build_plan(model: Transformer, ranks: Ranks, ep: int, transport: str) -> Par
 class TrainingCore:
     """The model of one trainer rank with its plan and optimizer; every path trains through `step`."""
 
-    def __init__(self, cfg: Config, ranks: Ranks, model: Transformer) -> None:
+    def __init__(
+        self, cfg: Config, ranks: Ranks, model: Transformer, load: Callable[[Transformer], object] | None = None
+    ) -> None:
         """`model`: the full initial model on `ranks.device` (every rank holds the same weights); the
-        core shards its experts by trainer.parallel."""
+        core shards its experts by trainer.parallel. `load`: when given, fills the weights once the experts
+        are sharded (a streamed HF import, which then reads only this rank's experts: trainer/setup.py)."""
         tc = cfg.trainer
         self.cfg, self.ranks, self.model = cfg, ranks, model
         self.device = ranks.device
         self.plan = build_plan(model, ranks, tc.parallel.ep, tc.parallel.transport)
+        if load is not None:
+            load(model)
         if tc.compile:
             compile_blocks(model)  # after the plan: the expert exchange runs eagerly inside compiled blocks
         self.optimizer = Optimizer(model, tc.optim, self.plan)  # the one optimizer of the trainer

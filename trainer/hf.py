@@ -11,28 +11,22 @@ from a ModelConfig and a seed (tiny test checkpoints for vLLM)."""
 from __future__ import annotations
 
 import json
-import logging
 import os
-import re
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 
 from common.config import ConfigError, ModelConfig
 from trainer import hf_mixtral
 from trainer.hf_errors import HFFormatError
-from trainer.hf_fp8 import dequantize_tensors, quantization_config, quantize_tensors
+from trainer.hf_fp8 import quantization_config, quantize_tensors
 from trainer.hf_rope import hf_rope_parameters, rope_fields_from_hf
+from trainer.hf_stream import stream_hf_state
 from trainer.model import Transformer, build_model
-from trainer.model.moe import refresh_expert_weight_copies
 
-log = logging.getLogger(__name__)
-
-_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # vLLM's CPU kernels (docs/vllm-cpu.md): these shapes run, others fail at the first request.
@@ -301,100 +295,11 @@ def vllm_cpu_problems(cfg: ModelConfig) -> list[str]:
     return problems
 
 
-def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise HFFormatError(f"no *.safetensors files in {path}")
-    tensors: dict[str, torch.Tensor] = {}
-    for f in files:
-        with safe_open(str(f), framework="pt") as st:
-            for name in st.keys():
-                tensors[name] = st.get_tensor(name)
-    return tensors
-
-
 def load_hf_state(model: Transformer, path: str | os.PathLike[str]) -> None:
-    """Copy the weights of an HF directory into `model` (shapes must match; names are checked both ways); FP8
-    block-quantized weights are dequantized (q * scale) into the masters."""
-    cfg = model.cfg
-    cfg_file = Path(path) / "config.json"
-    quant = json.loads(cfg_file.read_text()).get("quantization_config") if cfg_file.is_file() else None
-    src = dequantize_tensors(_read_tensors(Path(path)), quant, str(path))  # FP8 block weights -> fp32
-    if cfg.arch == "mixtral":  # its released names onto ours (transformers' in-memory ones already are)
-        src = {hf_mixtral.our_name(name): t for name, t in src.items()}
-    target = model.state_dict()
-    loaded: set[str] = set()
-    unexpected: list[str] = []
-    beyond: dict[int, int] = {}  # layer -> tensors skipped
-    with torch.no_grad():
-        for name, t in src.items():
-            layer = re.match(r"^model\.layers\.(\d+)\.", name)
-            if layer and int(layer.group(1)) >= cfg.num_layers:
-                # DeepSeek's multi-token-prediction layers (num_nextn_predict_layers) follow the decoder's;
-                # neither transformers nor we run them.
-                beyond[int(layer.group(1))] = beyond.get(int(layer.group(1)), 0) + 1
-                continue
-            if "rotary_emb" in name:
-                continue
-            m = _EXPERT.match(name)
-            if m:
-                prefix, e, proj = m.group(1), int(m.group(2)), m.group(3)
-                inter = cfg.moe_intermediate_size
-                if proj == "down_proj":
-                    key, view = f"{prefix}.down_proj", target[f"{prefix}.down_proj"][e]
-                else:
-                    key = f"{prefix}.gate_up_proj"
-                    half = slice(0, inter) if proj == "gate_proj" else slice(inter, 2 * inter)
-                    view = target[key][e, half]
-                _copy(view, t, name)
-                loaded.add(name)
-            elif name in target:
-                _copy(target[name], t, name)
-                if name.endswith(".mlp.experts.gate_up_proj"):  # transformers' own stacked layout
-                    loaded |= set(_expert_names(name, ("gate_proj", "up_proj"), cfg.n_routed_experts))
-                elif name.endswith(".mlp.experts.down_proj"):
-                    loaded |= set(_expert_names(name, ("down_proj",), cfg.n_routed_experts))
-                else:
-                    loaded.add(name)
-            else:
-                unexpected.append(name)
-    expected = set()
-    for name in target:
-        if name.endswith(".mlp.experts.gate_up_proj"):
-            expected |= set(_expert_names(name, ("gate_proj", "up_proj"), cfg.n_routed_experts))
-        elif name.endswith(".mlp.experts.down_proj"):
-            expected |= set(_expert_names(name, ("down_proj",), cfg.n_routed_experts))
-        elif not (cfg.tie_word_embeddings and name == "lm_head.weight"):
-            expected.add(name)
-    missing = sorted(expected - loaded)
-    if cfg.arch == "mixtral":
-        missing = [hf_mixtral.released_name(name) for name in missing]
-    if missing or unexpected:
-        raise HFFormatError(
-            f"{path}: {len(missing)} missing tensors {missing[:5]} and {len(unexpected)} unexpected {unexpected[:5]}; "
-            "is this checkpoint of the same architecture and shape as config.json says?"
-        )
-    if beyond:
-        log.info(
-            "%s: skipped %d tensors of layers %s beyond the decoder's %d (multi-token-prediction layers, "
-            "num_nextn_predict_layers; not trained or exported)",
-            path,
-            sum(beyond.values()),
-            sorted(beyond),
-            cfg.num_layers,
-        )
-    refresh_expert_weight_copies(model)  # the masters were written in place, not through load_state_dict
-
-
-def _expert_names(stacked: str, projs: tuple[str, ...], n_experts: int) -> list[str]:
-    prefix = stacked.rsplit(".", 1)[0]
-    return [f"{prefix}.{e}.{p}.weight" for e in range(n_experts) for p in projs]
-
-
-def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
-    if dst.shape != src.shape:
-        raise HFFormatError(f"tensor {name}: checkpoint shape {tuple(src.shape)} != model shape {tuple(dst.shape)}")
-    dst.copy_(src.to(dst.dtype))
+    """Copy the weights of an HF directory into `model` (shapes must match; names are checked both ways),
+    streamed entry by entry, reading only the experts this rank holds, FP8 block weights dequantized into the
+    masters (trainer/hf_stream.py)."""
+    stream_hf_state(model, path)
 
 
 def import_hf(
@@ -411,6 +316,4 @@ def import_hf(
     cfg = model_config_from_hf(json.loads(cfg_file.read_text()), max_seq_len)
     model = build_model(cfg, experts_backend, seed=None)
     load_hf_state(model, path)
-    for moe in model.moe_layers():
-        moe.tokens_per_expert.zero_()
     return model.to(device)

@@ -15,14 +15,11 @@ Scales made another way (by a multiply with fl(1/448): 10.7% of them come back 1
 
 from __future__ import annotations
 
-import logging
 import re
 from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
-
-log = logging.getLogger(__name__)
 
 BLOCK = 128
 E4M3_MAX = 448.0
@@ -144,38 +141,3 @@ def off_recipe_blocks(q: torch.Tensor, scale: torch.Tensor) -> int:
     fixed = (scale > 0) & (scale * e4m3_max / e4m3_max == scale)
     kept = torch.where(qmax == 0, scale == 1.0, (qmax == E4M3_MAX) & fixed)
     return int((~kept).sum())
-
-
-def dequantize_tensors(tensors: dict[str, torch.Tensor], quant: dict | None, where: str) -> dict[str, torch.Tensor]:
-    """The checkpoint's tensors with every e4m3 weight dequantized to fp32 and its scale consumed. `quant` is
-    config.json's quantization_config (None when it has none). Refuses an e4m3 tensor without a scale of the
-    right shape, a scale without its e4m3 weight, and e4m3 tensors without a quantization_config."""
-    fp8 = [name for name, t in tensors.items() if t.dtype == torch.float8_e4m3fn]
-    scales = [name for name in tensors if name.endswith(SCALE_SUFFIX)]
-    if quant is not None:
-        check_quantization_config(quant)
-    if not fp8 and not scales:
-        return tensors
-    if quant is None:
-        raise FP8FormatError(
-            f"{where}: {len(fp8)} float8_e4m3fn tensors (e.g. {fp8[:1]}) but config.json has no "
-            "quantization_config; add DeepSeek-V3's {'quant_method': 'fp8', 'weight_block_size': [128, 128], ...}"
-        )
-    out = {name: t for name, t in tensors.items() if name not in fp8 and name not in scales}
-    off = total = 0
-    for name in fp8:
-        out[name] = dequantize_entry(name, tensors[name], tensors.get(name + SCALE_SUFFIX), where)
-        off += off_recipe_blocks(tensors[name], tensors[name + SCALE_SUFFIX])
-        total += tensors[name + SCALE_SUFFIX].numel()
-    if off:
-        log.info(
-            "%s: %d of %d FP8 blocks do not have the recipe's scale (amax / 448 with the block maximum at 448); "
-            "an FP8 export rewrites their scales and e4m3 values",
-            where,
-            off,
-            total,
-        )
-    orphans = [s for s in scales if s[: -len(SCALE_SUFFIX)] not in fp8]
-    if orphans:
-        raise FP8FormatError(f"{where}: scales {orphans[:5]} belong to no float8_e4m3fn weight")
-    return out

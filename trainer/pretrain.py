@@ -31,7 +31,7 @@ from trainer.data.shards import open_prepped
 from trainer.data.tokenizer import TokenizerIdentity, load_tokenizer
 from trainer.optim import StepStats, router_figures
 from trainer.ranks import Ranks
-from trainer.setup import initial_model, resolve_device
+from trainer.setup import resolve_device, starting_model
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +141,7 @@ class Pretrainer:
         self.metrics = metrics
         self.data = data
         self.sampler = open_rows(data, cfg.run.seed, encode)
-        self.core = TrainingCore(cfg, self.ranks, initial_model(cfg, self.device))
+        self.core = TrainingCore(cfg, self.ranks, *starting_model(cfg, self.device))
         self.model, self.optimizer = self.core.model, self.core.optimizer
         self.state = self.core.resume(self.ckpt_root) or TrainState()
         if self.state.data_cursor:

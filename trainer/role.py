@@ -27,6 +27,7 @@ from common.roles import RunContext
 from trainer.commands import TrainerRank
 from trainer.data.shards import data_root
 from trainer.data.tokenizer import data_tokenizer
+from trainer.hf_run import config_for_hf_model
 from trainer.pretrain import PretrainData, Pretrainer
 from trainer.ranks import (
     BOOTSTRAP_TIMEOUT_S,
@@ -126,6 +127,8 @@ async def main(ctx: RunContext) -> int:
     when another rank died, this rank names it and exits non-zero at once (its thread may be blocked in
     a collective with the dead rank; it is a daemon thread and does not hold the process).
     """
+    # A model from an HF directory: its config.json shapes the trainer's model (trainer/hf_run.py).
+    ctx.cfg = config_for_hf_model(ctx.cfg)
     info = rank_info(os.environ)
     device = _device(ctx.cfg, info)
     client = ctx.redis

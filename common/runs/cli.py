@@ -17,6 +17,7 @@ DELEGATED = {
     "simulate": ("rollout.flow.sim.cli:cli_main", "run the flow-control simulator"),
     "eval": ("evaluator.cli:cli_main", "run benchmarks against an OpenAI-compatible URL"),
     "prep": ("trainer.data.prep:cli_main", "tokenize trainer.data.sources into token shards under trainer.data.root"),
+    "convert": ("trainer.convert:cli_main", "convert a model between our checkpoint (DCP) and an HF directory"),
 }
 
 

@@ -12,12 +12,19 @@ from common.weights.workers import WorkerDriver
 
 
 def make_transport(
-    cfg: RolloutConfig, root: Path, driver: WorkerDriver, nccl_group: NcclGroup | None = None
+    cfg: RolloutConfig,
+    root: Path,
+    driver: WorkerDriver,
+    nccl_group: NcclGroup | None = None,
+    model_files: Path | None = None,
 ) -> WeightTransport:
-    """`file`: versions under `root` (see file.py). `nccl`: a broadcast to the fixed workers of `nccl_group`,
+    """`file`: versions under `root` (see file.py), each carrying the model files of the HF directory
+    `model_files` (config, tokenizer, chat template). `nccl`: a broadcast to the fixed workers of `nccl_group`,
     which the trainer forms (see nccl.py)."""
     if cfg.weight_backend == "file":
-        return FileTransport(root, driver, cfg.weight_shard_mb << 20, cfg.stream_weights, cfg.keep_versions)
+        return FileTransport(
+            root, driver, cfg.weight_shard_mb << 20, cfg.stream_weights, cfg.keep_versions, model_files
+        )
     if cfg.weight_backend == "nccl":
         if nccl_group is None:
             raise ValueError(

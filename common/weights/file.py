@@ -62,8 +62,18 @@ class FileTransport(WeightTransport):
 
     backend = "file"
 
-    def __init__(self, root: Path, driver: WorkerDriver, shard_bytes: int, stream: bool, keep_versions: int) -> None:
-        self.root, self.driver = root, driver
+    def __init__(
+        self,
+        root: Path,
+        driver: WorkerDriver,
+        shard_bytes: int,
+        stream: bool,
+        keep_versions: int,
+        model_files: Path | None = None,
+    ) -> None:
+        """`model_files`: the HF directory of the run's model, whose config, tokenizer and chat template every
+        version carries (VersionWriter)."""
+        self.root, self.driver, self.model_files = root, driver, model_files
         self.shard_bytes, self.stream, self.keep_versions = shard_bytes, stream, keep_versions
         # What the publish under way prepared: a version to write (with the other ranks writing parts of it),
         # its write once started, or the files of an older version linked in place.
@@ -77,7 +87,7 @@ class FileTransport(WeightTransport):
     ) -> None:
         peer_shards = list(peers.shard_counts) if peers is not None else []
         self._writer = await asyncio.to_thread(
-            VersionWriter, self.root, version, tensors, self.shard_bytes, peer_shards
+            VersionWriter, self.root, version, tensors, self.shard_bytes, peer_shards, self.model_files
         )
         self._peers = peers
 

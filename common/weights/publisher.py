@@ -14,6 +14,7 @@ import logging
 import os
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import aiohttp
@@ -50,11 +51,14 @@ class WeightPublisher:
         run_dir: str | os.PathLike[str],
         session: aiohttp.ClientSession | None = None,
         nccl_group: NcclGroup | None = None,
+        model_files: Path | None = None,
     ) -> None:
+        """`model_files`: the HF directory of the run's model; its config, tokenizer and chat template travel
+        with every version written as files."""
         self.client, self.keys, self.cfg = client, keys, cfg
         self.root = weight_root(cfg, run_dir)
         self.driver = WorkerDriver(client, keys, cfg.api_key, session)
-        self.transport = make_transport(cfg, self.root, self.driver, nccl_group)
+        self.transport = make_transport(cfg, self.root, self.driver, nccl_group, model_files)
 
     async def __aenter__(self) -> WeightPublisher:
         return self

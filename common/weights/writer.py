@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Protocol
 from common.weights.base import PublishError
 from common.weights.export import per_expert_views
 from common.weights.index import ABORT_MARKER, PartReport, ShardRecord, shard_name, write_index
+from common.weights.model_files import copy_model_files
 from common.weights.versions import temp_dir, version_dir
 
 if TYPE_CHECKING:
@@ -145,7 +146,9 @@ class VersionWriter:
     (`VersionPart`, shards 0..) while `peers`, the other trainer ranks, write theirs (the shards after
     it), then the index. `commit` renames the directory to `root/v<N>/`: readers of a committed version
     see all of it or none of it. A failed write leaves the ABORTED marker for streaming readers;
-    `discard` removes the directory.
+    `discard` removes the directory. With `model_files` (the HF directory of the run's model) the version also
+    carries its config.json, generation config, tokenizer and chat template (common/weights/model_files.py),
+    copied before any shard.
     """
 
     def __init__(
@@ -155,6 +158,7 @@ class VersionWriter:
         tensors: Mapping[str, torch.Tensor],
         shard_bytes: int,
         peer_shards: Sequence[int] = (),
+        model_files: Path | None = None,
     ) -> None:
         own = count_shards(tensors, shard_bytes)
         if own == 0:
@@ -176,6 +180,8 @@ class VersionWriter:
         self.bytes = self.part.bytes  # rank 0's tensor bytes until `write` has every rank's report
         shutil.rmtree(self.tmp, ignore_errors=True)
         self.tmp.mkdir(parents=True)
+        if model_files is not None:
+            copy_model_files(model_files, self.tmp)
 
     @property
     def export_s(self) -> float:
@@ -216,10 +222,15 @@ class VersionWriter:
 
 
 def write_version(
-    root: Path, version: int, tensors: Mapping[str, torch.Tensor], shard_bytes: int = 32 << 20
+    root: Path,
+    version: int,
+    tensors: Mapping[str, torch.Tensor],
+    shard_bytes: int = 32 << 20,
+    model_files: Path | None = None,
 ) -> tuple[Path, int, float, float]:
-    """Write one whole version to root/v<N>/ (atomically); (dir, bytes, export_s, write_s)."""
-    writer = VersionWriter(root, version, tensors, shard_bytes)
+    """Write one whole version to root/v<N>/ (atomically), with the model's files of `model_files` (see
+    VersionWriter); (dir, bytes, export_s, write_s)."""
+    writer = VersionWriter(root, version, tensors, shard_bytes, model_files=model_files)
     try:
         writer.write()
     except BaseException:

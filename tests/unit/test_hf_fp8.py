@@ -148,6 +148,22 @@ def test_imported_logits_equal_transformers_on_the_dequantized_weights(released,
     assert unquantized > 100 * TOL  # quantization moved the logits: the comparison sees the dequantized weights
 
 
+def test_a_sharded_checkpoint_with_scales_in_other_files_streams_to_the_same_model(released, tmp_path):
+    """Released checkpoints are split over many files and a weight's weight_scale_inv may sit in another file
+    than the weight: the streamed import (trainer/hf_stream.py) reads each scale with its weight wherever it is."""
+    _, fp8_dir = released
+    tensors = load_file(str(fp8_dir / "model.safetensors"))
+    scales = {n: t for n, t in tensors.items() if n.endswith("_scale_inv")}
+    weights = sorted(n for n in tensors if n not in scales)
+    save_file({n: tensors[n] for n in weights[::2]}, str(tmp_path / "model-00001-of-00003.safetensors"))
+    save_file({n: tensors[n] for n in weights[1::2]}, str(tmp_path / "model-00002-of-00003.safetensors"))
+    save_file(scales, str(tmp_path / "model-00003-of-00003.safetensors"))
+    (tmp_path / "config.json").write_text((fp8_dir / "config.json").read_text())
+    whole, split = import_hf(fp8_dir), import_hf(tmp_path)
+    for (name, a), (_, b) in zip(whole.state_dict().items(), split.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+
+
 def test_import_then_export_gives_the_same_bytes_and_scales(released, tmp_path):
     _, fp8_dir = released
     export_hf(import_hf(fp8_dir), tmp_path, dtype="bfloat16", fp8_blocks=True)
@@ -270,7 +286,7 @@ def test_blocks_off_the_recipe_are_counted_and_rewritten_on_export(released, tmp
     (tmp_path / "in").mkdir()
     save_file(tensors, str(tmp_path / "in" / "model.safetensors"))
     (tmp_path / "in" / "config.json").write_text((fp8_dir / "config.json").read_text())
-    with caplog.at_level("INFO", logger="trainer.hf_fp8"):
+    with caplog.at_level("INFO", logger="trainer.hf_stream"):
         model = import_hf(tmp_path / "in")
     assert "1 of " in caplog.text
     export_hf(model, tmp_path / "out", dtype="bfloat16", fp8_blocks=True)

@@ -147,7 +147,7 @@ def test_multi_token_prediction_layers_are_skipped_with_a_note(tmp_path, caplog)
     mtp = {k.replace(f"layers.{last}.", "layers.3."): v.clone() for k, v in tensors.items() if f"layers.{last}." in k}
     mtp["model.layers.3.eh_proj.weight"] = torch.zeros(64, 128)
     save_file(tensors | mtp, str(tmp_path / "model.safetensors"))
-    with caplog.at_level("INFO", logger="trainer.hf"):
+    with caplog.at_level("INFO", logger="trainer.hf_stream"):
         imported = import_hf(tmp_path).eval()
     assert f"skipped {len(mtp)} tensors of layers [3] beyond the decoder's 3" in caplog.text
     with torch.no_grad():

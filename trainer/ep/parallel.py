@@ -61,7 +61,11 @@ class ShardedExperts(ExpertWeights):
     tensors. The GEMMs run on a per-step copy of this rank's block, as `Experts` does on its weights (the
     optimizer refreshes both). `last_plan` keeps the plan of the latest forward for inspection."""
 
-    def __init__(self, experts: Experts, transport: Transport, mesh: DeviceMesh | None) -> None:
+    def __init__(
+        self, experts: Experts, transport: Transport, mesh: DeviceMesh | None, device: torch.device | None = None
+    ) -> None:
+        """Experts on the meta device (a streamed import that fills them after sharding: trainer/hf_stream.py)
+        become this rank's block uninitialised on `device`."""
         super().__init__(experts.backend)
         E = experts.gate_up_proj.shape[0]
         W, r = transport.world, transport.rank
@@ -75,7 +79,11 @@ class ShardedExperts(ExpertWeights):
         El = E // W
         self.local_experts = range(r * El, (r + 1) * El)
         for name in ("gate_up_proj", "down_proj"):
-            local = getattr(experts, name).detach()[r * El : (r + 1) * El].clone()
+            full = getattr(experts, name).detach()
+            if full.is_meta:
+                local = torch.empty((El, *full.shape[1:]), dtype=full.dtype, device=device)
+            else:
+                local = full[r * El : (r + 1) * El].clone()
             if mesh is not None:
                 local = DTensor.from_local(local, mesh, [Shard(0)], run_check=False)
             setattr(self, name, nn.Parameter(local, requires_grad=getattr(experts, name).requires_grad))
@@ -200,20 +208,21 @@ def apply_expert_parallel(
     """Shard the routed experts of every MoE layer of `model` over the transport's group, in place.
 
     Call after the model is built, initialised (or loaded) and moved to its device: rank r keeps
-    experts [r * E/W, (r + 1) * E/W) of the full weights it holds. All ranks must apply it to
+    experts [r * E/W, (r + 1) * E/W) of the full weights it holds (or, for experts on the meta device, gets that
+    block uninitialised on the device of the model's other weights, for a streamed import to fill). All ranks must apply it to
     identical models and then run the same sequence of forwards and backwards. `dense_group` (default:
     the transport's group) and `expert_replica_group` are those of `ParallelPlan`."""
     layers = [m for m in model.modules() if isinstance(m, MoE)]
     if not layers:
         raise ValueError("the model has no MoE layer to apply expert parallelism to")
     mesh = None
+    device = next(p.device for p in model.parameters() if not p.is_meta)
     if transport.group is not None:
-        device_type = layers[0].experts.gate_up_proj.device.type
-        mesh = DeviceMesh.from_group(transport.group, device_type)
+        mesh = DeviceMesh.from_group(transport.group, device.type)
     for moe in layers:
         if not isinstance(moe.experts, Experts):
             raise ValueError(f"expert parallelism is already applied to this model ({type(moe.experts).__name__})")
-        moe.experts = ShardedExperts(moe.experts, transport, mesh)
+        moe.experts = ShardedExperts(moe.experts, transport, mesh, device)
     return ParallelPlan(
         model, transport, dense_group if dense_group is not None else transport.group, expert_replica_group
     )

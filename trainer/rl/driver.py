@@ -98,7 +98,9 @@ class RLTrainer(TrainerRank):
         self.state = TrainState()
         self.metrics = MetricsWriter(ctx.run_dir, ctx.exp, "trainer", 0, batch_size=METRICS_BUFFER_POINTS)
         self.audit = ctx.run_dir / "trained_prompts.jsonl"
-        self.publisher = WeightPublisher(ctx.async_redis(), ctx.keys, self.cfg.rollout, ctx.run_dir)
+        self.publisher = WeightPublisher(
+            ctx.async_redis(), ctx.keys, self.cfg.rollout, ctx.run_dir, model_files=self.model_dir
+        )
         self.stop_requested = threading.Event()
         self.controller: GenerationController | None = None
         self.runtime: FlowRuntime[Problem, Rollout] | None = None

@@ -1,0 +1,56 @@
+"""RL your own checkpoint, end to end with real processes: `slipstream launch configs/byo-qwen3-moe.toml --set
+rollout.model=DIR` where DIR is a tiny Qwen3-MoE written by transformers with the tiny kit's tokenizer and its
+chat template (what a user brings). The vLLM worker serves DIR, the trainer takes its shape from DIR's
+config.json and streams its weights, every published version carries the config, tokenizer and chat template,
+and the run ends with exit code 0. (That prompts go through a tokenizer's chat template is
+tests/unit/test_chat_template.py's.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.support.hf_dirs import tiny_qwen3_dir
+from trainer.tinykit import CHAT_TEMPLATE
+
+REPO = Path(__file__).resolve().parents[2]
+STEPS = 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_rl_runs_from_a_qwen3_moe_directory_with_its_chat_template(short_root):
+    model_dir = tiny_qwen3_dir(short_root / "my-qwen3-moe")
+    exp = "byo-qwen3"
+    sets = [
+        f"run.root={short_root / 'runs'}",
+        f"rollout.model={model_dir}",
+        f"trainer.steps={STEPS}",
+        "flow.prompts_per_step=8",
+        "evaluator.limit=16",
+        "rendezvous.heartbeat_period_s=0.5",
+        "rendezvous.heartbeat_ttl_s=2.0",
+        "trainer.final_eval_wait_s=300",
+    ]
+    cmd = [sys.executable, "-m", "common.runs.cli", "launch", "configs/byo-qwen3-moe.toml"]
+    for s in sets:
+        cmd += ["--set", s]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLIPSTREAM")} | {"SLIPSTREAM_EXP": exp}
+    log_path = short_root / "launch.log"
+    with log_path.open("wb") as out:
+        code = subprocess.run(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=840).returncode
+    run_dir = short_root / "runs" / exp
+    logs = "\n".join(p.read_text(errors="replace") for p in [log_path, *sorted((run_dir / "logs").glob("*.log"))])
+    assert code == 0, logs[-6000:]
+    # The trainer streamed DIR into a qwen3_moe model (trainer/hf_stream.py's log line).
+    assert f"of {model_dir}; 0 expert entries of other ranks left unread" in logs
+    versions = sorted((run_dir / "weights").glob("v*"))
+    assert [v.name for v in versions] == [f"v{i}" for i in range(STEPS + 1)]
+    for v in versions:
+        assert json.loads((v / "tokenizer_config.json").read_text())["chat_template"] == CHAT_TEMPLATE
+        assert (v / "config.json").read_bytes() == (model_dir / "config.json").read_bytes()

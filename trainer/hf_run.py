@@ -1,0 +1,65 @@
+"""A run whose model is an HF checkpoint directory (rollout.model = a directory with config.json): the
+trainer's model shape comes from that config.json (trainer/hf.py model_config_from_hf) rather than from
+[trainer.model] copied by hand, and trainer.init defaults to the directory.
+
+Which [trainer.model] fields the user set is told by their value: a field left at its schema default takes
+config.json's value; a field set to anything else must equal config.json's, else the run is refused naming
+both values. `max_seq_len` is the trainer's own limit, not part of the checkpoint: it stays as configured."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from common.config import Config, ConfigError, ModelConfig
+from trainer.hf import model_config_from_hf
+from trainer.tinykit import TINY_MODELS
+
+# ModelConfig fields that describe the run, not the checkpoint.
+RUN_FIELDS = ("max_seq_len",)
+
+
+def hf_model_dir(cfg: Config) -> Path | None:
+    """rollout.model as an HF directory, or None for a tiny-model kit name."""
+    if cfg.rollout.model in TINY_MODELS:
+        return None
+    path = Path(cfg.rollout.model)
+    if not (path / "config.json").is_file():
+        raise ConfigError(
+            f"rollout.model = {cfg.rollout.model!r} is neither a tiny model ({', '.join(TINY_MODELS)}) nor an HF "
+            "checkpoint directory with a config.json"
+        )
+    return path
+
+
+def merged_model_config(configured: ModelConfig, hf: dict, source: str) -> ModelConfig:
+    """The model of config.json (`hf`, read from `source`) with the run fields of `configured`; ConfigError
+    naming every field of `configured` set away from its default that disagrees with config.json."""
+    from_hf = model_config_from_hf(hf, max_seq_len=configured.max_seq_len)
+    default = ModelConfig()
+    conflicts = []
+    for f in dataclasses.fields(ModelConfig):
+        if f.name in RUN_FIELDS:
+            continue
+        mine, theirs = getattr(configured, f.name), getattr(from_hf, f.name)
+        if mine != getattr(default, f.name) and mine != theirs:
+            conflicts.append(f"trainer.model.{f.name} = {mine!r} but {source} gives {theirs!r}")
+    if conflicts:
+        raise ConfigError(
+            "; ".join(conflicts) + ": the trainer's model comes from rollout.model's config.json; remove these "
+            "fields from [trainer.model] (or make them equal)"
+        )
+    return from_hf
+
+
+def config_for_hf_model(cfg: Config) -> Config:
+    """`cfg` with trainer.model taken from rollout.model's config.json and trainer.init defaulting to that
+    directory; `cfg` itself for a tiny-model kit name."""
+    path = hf_model_dir(cfg)
+    if path is None:
+        return cfg
+    source = str(path / "config.json")
+    model = merged_model_config(cfg.trainer.model, json.loads((path / "config.json").read_text()), source)
+    trainer = dataclasses.replace(cfg.trainer, model=model, init=cfg.trainer.init or str(path))
+    return dataclasses.replace(cfg, trainer=trainer)
