@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from pathlib import Path
 
 from common.config import Config, ConfigError, ModelConfig
 from trainer.hf import model_config_from_hf
 from trainer.tinykit import TINY_MODELS
+
+log = logging.getLogger(__name__)
 
 # ModelConfig fields that describe the run, not the checkpoint.
 RUN_FIELDS = ("max_seq_len",)
@@ -62,4 +65,14 @@ def config_for_hf_model(cfg: Config) -> Config:
     source = str(path / "config.json")
     model = merged_model_config(cfg.trainer.model, json.loads((path / "config.json").read_text()), source)
     trainer = dataclasses.replace(cfg.trainer, model=model, init=cfg.trainer.init or str(path))
+    log.info("trainer.model from %s: %s", source, describe(model))
     return dataclasses.replace(cfg, trainer=trainer)
+
+
+def describe(m: ModelConfig) -> str:
+    """One line of the model's shape, for the log: what a user checks against their checkpoint's card."""
+    rope = f"yarn x{m.rope_factor:g} over {m.rope_original_max_len}" if m.rope_scaling == "yarn" else "default"
+    return (
+        f"{m.arch}, {m.num_layers} layers ({m.first_k_dense} dense), hidden {m.hidden_size}, "
+        f"{m.n_routed_experts} experts top-{m.num_experts_per_tok} + {m.n_shared_experts} shared, rope {rope}"
+    )

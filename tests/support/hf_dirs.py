@@ -75,11 +75,55 @@ def tiny_qwen3_dir(out: Path, seed: int = 0) -> Path:
     return _write(transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**TINY_QWEN3)), out, seed)
 
 
-def tiny_deepseek_v3_dir(out: Path, seed: int = 0) -> Path:
-    """As tiny_qwen3_dir, a DeepseekV3ForCausalLM."""
+# The released DeepSeek-V3 / Kimi-K2 YaRN settings (beta 32 / 1, mscale 1 / 1) over a 64-token original context
+# stretched 8 times: TINY_DEEPSEEK_V3's 512 positions.
+YARN_ROPE = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 8.0,
+    "original_max_position_embeddings": 64,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+}
+
+
+def tiny_deepseek_v3_dir(out: Path, seed: int = 0, yarn: bool = False) -> Path:
+    """As tiny_qwen3_dir, a DeepseekV3ForCausalLM; `yarn`: with YaRN RoPE as the released checkpoints have it."""
     import transformers
 
-    return _write(transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**TINY_DEEPSEEK_V3)), out, seed)
+    fields = {**TINY_DEEPSEEK_V3, **({"rope_parameters": YARN_ROPE} if yarn else {})}
+    return _write(transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**fields)), out, seed)
+
+
+# Mixtral at the tiny kit's size: 2 attention heads of 32 (one of vLLM's CPU head sizes) over 1 KV head,
+# 8 experts of width 32, top-2, every layer MoE.
+TINY_MIXTRAL = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=32,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+    max_position_embeddings=512,
+    sliding_window=None,
+    tie_word_embeddings=False,
+    rope_theta=10000.0,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+def tiny_mixtral_dir(out: Path, seed: int = 0) -> Path:
+    """As tiny_qwen3_dir, a MixtralForCausalLM."""
+    import transformers
+
+    return _write(transformers.MixtralForCausalLM(transformers.MixtralConfig(**TINY_MIXTRAL)), out, seed)
 
 
 def _write(model: torch.nn.Module, out: Path, seed: int) -> Path:

@@ -9,14 +9,18 @@ import pytest
 import torch
 
 from common.config import ConfigError, load_config
-from tests.support.hf_dirs import tiny_deepseek_v3_dir, tiny_qwen3_dir
+from tests.support.hf_dirs import tiny_deepseek_v3_dir, tiny_mixtral_dir, tiny_qwen3_dir
 from trainer.hf_run import config_for_hf_model
 from trainer.setup import initial_model
 
 transformers = pytest.importorskip("transformers")
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
-FAMILIES = {"byo-qwen3-moe": ("qwen3_moe", tiny_qwen3_dir), "byo-deepseek-v3": ("deepseek_v3", tiny_deepseek_v3_dir)}
+FAMILIES = {
+    "byo-qwen3-moe": ("qwen3_moe", tiny_qwen3_dir),
+    "byo-deepseek-v3": ("deepseek_v3", tiny_deepseek_v3_dir),
+    "byo-mixtral": ("mixtral", tiny_mixtral_dir),
+}
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
