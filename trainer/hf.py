@@ -151,8 +151,18 @@ def _model_config_from_hf(hf: dict, max_seq_len: int | None) -> ModelConfig:
     if hf.get("hidden_act", "silu") != "silu" or hf.get("attention_bias", False):
         raise HFFormatError("only hidden_act = silu and attention_bias = false are supported")
     if model_type == "deepseek_v3":
-        if hf.get("scoring_func", "sigmoid") != "sigmoid" or not hf.get("rope_interleave", True):
-            raise HFFormatError("DeepseekV3 needs scoring_func = sigmoid and rope_interleave = true")
+        # vLLM reads these two itself, with other defaults than transformers' (softmax routing, no correction
+        # bias): a config.json without them would be served as another model than the one trained.
+        routing = {"scoring_func": "sigmoid", "topk_method": "noaux_tc"}
+        if any(hf.get(key) != want for key, want in routing.items()):
+            raise HFFormatError(
+                f"DeepseekV3 config.json has scoring_func = {hf.get('scoring_func')!r} and topk_method = "
+                f"{hf.get('topk_method')!r}; we train (and transformers runs) sigmoid routing with the correction "
+                'bias, which vLLM serves only with scoring_func = "sigmoid" and topk_method = "noaux_tc" '
+                "written in config.json, as DeepSeek-V3's released config has them: add them"
+            )
+        if not hf.get("rope_interleave", True):
+            raise HFFormatError("DeepseekV3 needs rope_interleave = true")
         return ModelConfig(
             arch="deepseek_v3",
             first_k_dense=hf.get("first_k_dense_replace", 0),

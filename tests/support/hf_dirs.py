@@ -58,6 +58,9 @@ TINY_DEEPSEEK_V3 = dict(
     qk_rope_head_dim=64,
     v_head_dim=32,
     rope_interleave=True,
+    # Written by DeepSeek-V3's release and read by vLLM (not by transformers, which always routes this way).
+    scoring_func="sigmoid",
+    topk_method="noaux_tc",
     max_position_embeddings=512,
     tie_word_embeddings=False,
     rope_theta=10000.0,

@@ -209,3 +209,14 @@ def test_mixtral_refuses_what_mixtral_cannot_express(field, value):
         cfg.check()
     with pytest.raises(HFFormatError, match=f"MixtralForCausalLM: trainer.model.{field}"):
         hf_config(cfg)
+
+
+@pytest.mark.parametrize("drop", ["scoring_func", "topk_method"])
+def test_a_deepseek_config_without_its_routing_fields_is_refused_since_vllm_would_route_otherwise(drop):
+    """vLLM reads scoring_func (default softmax) and topk_method (the correction bias only with noaux_tc) from
+    config.json; transformers and we always route by sigmoid with the bias. Without them vLLM would serve
+    another model than the trained one (and fail to load the bias)."""
+    hf = hf_config(CONFIGS["deepseek_v3"])
+    del hf[drop]
+    with pytest.raises(HFFormatError, match=f'{drop} = None.*scoring_func = "sigmoid" and topk_method = "noaux_tc"'):
+        model_config_from_hf(hf)
