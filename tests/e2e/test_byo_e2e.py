@@ -61,9 +61,10 @@ def test_rl_runs_from_an_hf_directory_with_its_chat_template(short_root, family)
     assert f"of {model_dir}; 0 expert entries of other ranks left unread" in logs
     shape = {"qwen3-moe": "qwen3_moe, 2 layers (0 dense)", "deepseek-v3-yarn": "deepseek_v3, 2 layers (1 dense)"}
     rope = {"qwen3-moe": "rope default", "deepseek-v3-yarn": "rope yarn x8 over 64"}
-    assert re.search(
-        rf"trainer\.model from {re.escape(str(model_dir))}/config\.json: {shape[family]}.*{rope[family]}", logs
-    )
+    line = f"trainer.model from {model_dir}/config.json: {shape[family]}"
+    assert re.search(f"{re.escape(line)}.*{re.escape(rope[family])}", logs), [
+        x for x in logs.splitlines() if "trainer.model from" in x
+    ]
     versions = sorted((run_dir / "weights").glob("v*"))
     assert [v.name for v in versions] == [f"v{i}" for i in range(STEPS + 1)]
     for v in versions:
