@@ -133,7 +133,8 @@ def convert(args: argparse.Namespace) -> str:
         return f"{src} (HF) -> {dst} (checkpoint, trainer.init loads it): {cfg.trainer.model.arch}"
     cfg = run_config(args.config, args.overrides, src)
     files = dcp_to_hf(src, dst, cfg, args.dtype, args.fp8)
-    return f"{src} (checkpoint) -> {dst} (HF, {args.dtype}{', fp8 blocks' if args.fp8 else ''}) with {', '.join(files)}"
+    carried = ", ".join(files) if files else "no tokenizer files (rollout.model has none)"
+    return f"{src} (checkpoint) -> {dst} (HF, {args.dtype}{', fp8 blocks' if args.fp8 else ''}) with {carried}"
 
 
 def cli_main(argv: Sequence[str]) -> int:

@@ -76,3 +76,18 @@ def describe(m: ModelConfig) -> str:
         f"{m.arch}, {m.num_layers} layers ({m.first_k_dense} dense), hidden {m.hidden_size}, "
         f"{m.n_routed_experts} experts top-{m.num_experts_per_tok} + {m.n_shared_experts} shared, rope {rope}"
     )
+
+
+def refuse_quantized_rollout_model(cfg: Config) -> None:
+    """ConfigError when rollout.model is an FP8 block-quantized directory: vLLM builds FP8 layers for it, and
+    the trainer publishes bf16/fp32 weights (its masters), which those layers cannot take. The trainer can
+    start from such a checkpoint (trainer.init dequantizes it); the workers must serve a dequantized copy."""
+    path = hf_model_dir(cfg)
+    if path is None or "quantization_config" not in json.loads((path / "config.json").read_text()):
+        return
+    raise ConfigError(
+        f"rollout.model = {str(path)!r} is FP8 block-quantized (its config.json has a quantization_config): the "
+        "trainer publishes bf16/fp32 weights, which vLLM's FP8 layers for it cannot load. Serve a dequantized "
+        f"copy: `slipstream convert {path} CKPT` then `slipstream convert CKPT DIR --dtype bfloat16`, and set "
+        "rollout.model = DIR"
+    )

@@ -27,7 +27,7 @@ from common.roles import RunContext
 from trainer.commands import TrainerRank
 from trainer.data.shards import data_root
 from trainer.data.tokenizer import data_tokenizer
-from trainer.hf_run import config_for_hf_model
+from trainer.hf_run import config_for_hf_model, refuse_quantized_rollout_model
 from trainer.pretrain import PretrainData, Pretrainer
 from trainer.ranks import (
     BOOTSTRAP_TIMEOUT_S,
@@ -128,6 +128,7 @@ async def main(ctx: RunContext) -> int:
     a collective with the dead rank; it is a daemon thread and does not hold the process).
     """
     # A model from an HF directory: its config.json shapes the trainer's model (trainer/hf_run.py).
+    refuse_quantized_rollout_model(ctx.cfg)
     ctx.cfg = config_for_hf_model(ctx.cfg)
     info = rank_info(os.environ)
     device = _device(ctx.cfg, info)

@@ -56,3 +56,16 @@ def test_a_tiny_kit_name_is_left_alone():
 def test_a_path_without_config_json_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="config.json"):
         config_for_hf_model(load_config(None, [f"rollout.model={tmp_path}"]))
+
+
+def test_an_fp8_rollout_model_is_refused_naming_the_conversion(tmp_path):
+    """The workers would build FP8 layers that the trainer's bf16/fp32 pushes cannot fill: refused at start with
+    the two convert commands that make a servable copy; a plain directory passes."""
+    from trainer.hf import export_hf, import_hf
+    from trainer.hf_run import refuse_quantized_rollout_model
+
+    plain = tiny_qwen3_dir(tmp_path / "plain")
+    refuse_quantized_rollout_model(load_config(None, [f"rollout.model={plain}"]))
+    fp8 = export_hf(import_hf(plain), tmp_path / "fp8", dtype="bfloat16", fp8_blocks=True)
+    with pytest.raises(ConfigError, match=r"FP8 block-quantized.*slipstream convert .*--dtype bfloat16"):
+        refuse_quantized_rollout_model(load_config(None, [f"rollout.model={fp8}"]))
