@@ -193,23 +193,30 @@ async def until_running(url: str, n: int, timeout_s: float = 60.0, requests: Seq
 
 
 async def _in_flight_publish(run, mode: str, max_tokens: int):
-    """8 long requests in flight, a publish in `mode` while they run; (samples, old version, new version)."""
+    """8 long samples in flight (one request, n = 8), frozen, then a publish in `mode`; (samples, old version,
+    new version, the publish's result)."""
     r = run.rz.async_client()
     model = hf_model(model_dir(run))
     async with RolloutClient("policy", redis_client=r, keys=run.keys) as client, publisher(run, r, mode) as pub:
         old = int(await r.get(run.keys.weights_current) or 0)
-        # The new weights are made before the requests start: torch in this process, on two cores that a
-        # busy vLLM engine shares, took 14-21 s for this (measured), long enough for the requests to end.
+        # The new weights are made before the requests start (this took 14-21 s next to the busy engine).
         weights = perturb(model, seed=old + 1)
-        tasks = [
-            asyncio.create_task(client.generate(PROMPT, max_tokens=max_tokens, seed=i, ignore_eos=True))
-            for i in range(8)
-        ]
-        await until_running(worker_url(run), 8, requests=tasks)
+        # One request of 8 samples: vLLM adds its 8 sequences to the engine together. (8 requests of one sample
+        # were seen reaching the engine one, then seven a request's length later, right after a publish, so 8
+        # never ran at once.)
+        tasks = [asyncio.create_task(client.generate(PROMPT, n=8, max_tokens=max_tokens, seed=1, ignore_eos=True))]
+        url = worker_url(run)
+        await until_running(url, 8, requests=tasks)
         await asyncio.sleep(0.1)  # a few decode steps on the old weights
-        assert not any(t.done() for t in tasks), "requests finished before the publish; raise max_tokens"
+        # Freeze the requests first: vLLM's engine keeps both cores busy (its worker on one, the engine core's
+        # spin-wait on the other), and everything this process does meanwhile was measured 10-80 times slower:
+        # a publish took 42 s (writing the 2 MB version 6.5 s of it), longer than the requests (about 28 s),
+        # so it found them finished. The publish's own pause (keep or abort) then acts on frozen requests.
+        async with aiohttp.ClientSession() as http, http.post(f"{url}/pause", params={"mode": "keep"}) as resp:
+            assert resp.status == 200, await resp.text()
+        assert not any(t.done() for t in tasks), "requests finished before the pause; raise max_tokens"
         result = await pub.publish(old + 1, weights)
-        samples = [s for (s,) in await asyncio.gather(*tasks)]
+        (samples,) = await asyncio.gather(*tasks)
         try:
             assert not result.evicted
         finally:
