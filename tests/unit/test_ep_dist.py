@@ -403,3 +403,89 @@ def test_cuda_transports_on_one_gpu_give_the_plain_model_bitwise(tmp_path, monke
             _gpu_model_step_and_checkpoint(transport, device, grouped, tmp_path / name)
     finally:
         dist.destroy_process_group()
+
+
+# The two-GPU step (issue 31, item 4). bf16 autocast on a GPU sums in other orders than fp32 on the CPU, so the
+# CPU tests' bound (test_core.py EP_STEP_BOUND, 20x above fp32 order noise) cannot be carried over as a number;
+# its derivation can: the noise is measured in the same run as one GPU against itself in an equivalent order
+# (the step's rows in two micro-batches instead of one), and two GPUs must stay within 20x of it, as on the CPU.
+ORDER_NOISE_FACTOR = 20
+
+
+def _two_gpu_step_worker(rank: int, world: int, transport: str, out_dir: str, device_type: str) -> None:
+    """Rank `rank` of 2: the same 2 training steps through trainer/core.py at EP = 2 and, on this rank's device,
+    at W = 1 twice (rows in one and in two micro-batches); rank 0 writes each run's losses, grad norms and
+    final weights (the EP run's gathered from both ranks)."""
+    from tests.unit.test_core import worst_relative_difference
+    from trainer.core import TrainingCore, cross_entropy_loss
+    from trainer.experts import select_backend
+    from trainer.hf import hf_tensors
+    from trainer.ranks import RankInfo, Ranks
+
+    device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
+    cfg = Config()
+    cfg.trainer.dtype = "bfloat16" if device_type == "cuda" else "float32"
+    cfg.trainer.model = ModelConfig(
+        **GPU_CFG, num_layers=3, intermediate_size=512, num_experts_per_tok=4, kv_lora_rank=64, max_seq_len=256
+    )
+    cfg.trainer.parallel.ep, cfg.trainer.parallel.transport = 2, transport
+    one = replace(cfg, trainer=replace(cfg.trainer, parallel=replace(cfg.trainer.parallel, ep=1)))
+    mc = cfg.trainer.model
+    backend = select_backend("grouped_mm" if device_type == "cuda" else "auto", device, torch.bfloat16)
+    group = Ranks(RankInfo(rank, world, rank, "test"), device, dist.group.WORLD)
+    ep = TrainingCore(cfg, group, build_model(mc, backend, seed=0, device=device))
+    whole = TrainingCore(one, Ranks.single(device), build_model(mc, backend, seed=0, device=device))
+    halves = TrainingCore(one, Ranks.single(device), build_model(mc, backend, seed=0, device=device))
+    start = {n: t.detach().cpu().clone() for n, t in hf_tensors(whole.model)}
+    rows, seq = 8, 128
+    runs: dict[str, list[tuple[float, float]]] = {"ep": [], "whole": [], "halves": []}
+    for step in range(2):
+        x = torch.randint(0, mc.vocab_size, (rows, seq + 1), generator=torch.Generator().manual_seed(step))
+        batch, loss = {"tokens": x[:, :-1], "targets": x[:, 1:]}, cross_entropy_loss(rows * seq)
+        for name, core, per_forward in (("ep", ep, rows), ("whole", whole, rows), ("halves", halves, rows // 2)):
+            r = core.step(batch, loss, per_forward, tokens=rows * seq)
+            runs[name].append((r.figures["loss"], r.optim.grad_norm))
+    two: dict[str, torch.Tensor] = {}
+    for part in group.all_gather(ep.hf_part()):
+        two |= part
+    if rank == 0:
+        weights = {
+            name: {n: t.detach().cpu() for n, t in hf_tensors(c.model)}
+            for name, c in (("whole", whole), ("halves", halves))
+        }
+        _, noise = worst_relative_difference(weights["halves"], weights["whole"], start)
+        worst, difference = worst_relative_difference(two, weights["whole"], start)
+        Path(out_dir, f"{transport}.txt").write_text(
+            f"{transport}: weights {difference:.3g} ({worst}) against order noise {noise:.3g} (bound "
+            f"{ORDER_NOISE_FACTOR}x); per step (loss, grad norm) EP=2 {runs['ep']}, one GPU {runs['whole']}, "
+            f"one GPU in halves {runs['halves']}\n"
+        )
+        assert 0 < noise and difference <= ORDER_NOISE_FACTOR * noise, (difference, noise, worst)
+        for (l2, g2), (l1, g1), (lh, gh) in zip(runs["ep"], runs["whole"], runs["halves"], strict=True):
+            assert abs(l2 - l1) <= ORDER_NOISE_FACTOR * max(abs(lh - l1), 1e-7 * abs(l1)), (l2, l1, lh)
+            assert abs(g2 - g1) <= ORDER_NOISE_FACTOR * max(abs(gh - g1), 1e-7 * g1), (g2, g1, gh)
+
+
+def _two_gpu_entry(rank: int, world: int, store: str, transport: str, out_dir: str, device_type: str) -> None:
+    if device_type == "cuda":
+        torch.cuda.set_device(rank)
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        _two_gpu_step_worker(rank, world, transport, out_dir, device_type)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (nvidia-h200-x2)")
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("transport", ["p2p", "symm_mem"])
+def test_two_gpus_at_ep2_make_the_one_gpu_steps(tmp_path, monkeypatch, transport):
+    """Two training steps through trainer/core.py on two GPUs (EP = 2, NCCL, bf16 autocast, grouped_mm experts)
+    against the same steps on one GPU: losses, gradient norms and the weights after the optimizer steps agree
+    within 20x of one GPU's own summation-order noise, measured in the same run (ORDER_NOISE_FACTOR)."""
+    for key in ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "NCCL_NVLS_ENABLE", "NVSHMEM_DISABLE_NVLS"):
+        monkeypatch.setenv(key, "0" if key == "NCCL_NVLS_ENABLE" else "1")  # NVLink multicast stays off
+    mp.spawn(_two_gpu_entry, args=(2, str(tmp_path / "store"), transport, str(tmp_path), "cuda"), nprocs=2, join=True)
+    print((tmp_path / f"{transport}.txt").read_text())
