@@ -162,6 +162,7 @@ class TrainingCore:
         self.plan = build_plan(model, ranks, tc.parallel.ep, tc.parallel.transport)
         if load is not None:
             load(model)
+        model.activation_checkpoint = tc.activation_checkpoint
         if tc.compile:
             compile_blocks(model)  # after the plan: the expert exchange runs eagerly inside compiled blocks
         self.optimizer = Optimizer(model, tc.optim, self.plan)  # the one optimizer of the trainer

@@ -561,6 +561,11 @@ class TrainerConfig:
     """Initial weights: empty = fresh, or an HF checkpoint directory, or one of our checkpoints."""
     compile: bool = False
     """torch.compile each decoder block (GPUs: fuses the elementwise work around the GEMMs)."""
+    activation_checkpoint: Literal["none", "full", "selective"] = "none"
+    """Activation checkpointing of the decoder blocks: none keeps every activation; full keeps each block's input
+    and runs its forward again in the backward; selective keeps the matrix products' and attention's results and
+    recomputes the cheap ops (norms, RoPE, activations, routing, permutations). Which ops are kept, and what
+    torch.compile changes: trainer/model/recompute.py. Training results are the same in every mode."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """Model shape."""
     experts: ExpertsConfig = field(default_factory=ExpertsConfig)

@@ -270,6 +270,9 @@ class MoE(nn.Module):
         # Tokens routed to each expert since the last `update_bias` (training forwards only).
         self.register_buffer("tokens_per_expert", torch.zeros(cfg.n_routed_experts), persistent=False)
         self.compute_aux_loss = False
+        self.recomputing = False
+        """True while activation checkpointing runs this layer's forward again in the backward
+        (trainer/model/recompute.py): the load was counted by the first forward."""
         self.aux_loss: torch.Tensor | None = None
         self.routing_disagreement: tuple[torch.Tensor, torch.Tensor] | None = None
         """(rows' tokens whose router top-k differs from the given routing, rows' tokens with given routing),
@@ -314,7 +317,7 @@ class MoE(nn.Module):
         out = combine(y_sorted, weights, sorted_pos, order, impl)
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
-        if self.training:
+        if self.training and not self.recomputing:
             with torch.no_grad():
                 self.tokens_per_expert += load.to(self.tokens_per_expert.dtype)
         self.aux_loss = self._sequence_aux_loss(scores, ids, B, S) if self.compute_aux_loss else None

@@ -14,6 +14,7 @@ from common.config import ModelConfig
 from trainer.model.attention import GQA, MLA, attention_backends
 from trainer.model.moe import MLP, MoE
 from trainer.model.norm import RMSNorm
+from trainer.model.recompute import run_block
 from trainer.model.rope import rope_tables, yarn_of
 from trainer.model.sampling import RowSampling, logprobs_of, sampled_logprobs
 
@@ -63,6 +64,8 @@ class Transformer(nn.Module):
             )
         self.cfg = cfg
         self._outside: torch.Tensor | None = None
+        self.activation_checkpoint = "none"
+        """How the blocks keep activations for the backward: none, full or selective (trainer/model/recompute.py)."""
         self.model = Decoder(cfg, experts_backend)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -108,10 +111,10 @@ class Transformer(nn.Module):
         with attention_backends(tokens.device):
             for block in self.model.layers:
                 if routing is not None and isinstance(block.mlp, MoE):
-                    x = block(x, cos, sin, routing[:, :, moe], replay)
+                    x = run_block(block, self.activation_checkpoint, x, cos, sin, routing[:, :, moe], replay)
                     moe += 1
                 else:
-                    x = block(x, cos, sin)
+                    x = run_block(block, self.activation_checkpoint, x, cos, sin)
         return self.model.norm(x)
 
     def forward(
