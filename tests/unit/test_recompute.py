@@ -133,3 +133,26 @@ def test_under_expert_parallelism_the_modes_make_the_same_steps(tmp_path, tiny_m
             assert runs[mode][r]["losses"] == runs["none"][r]["losses"], mode
             for name, t in runs["none"][r]["part"].items():
                 assert torch.equal(runs[mode][r]["part"][name], t), (mode, r, name)
+
+
+def test_an_rl_step_is_the_same_in_every_mode():
+    """The decoupled-PPO step of three mini-batches (proximal log-probs computed without gradient first, which
+    checkpointing leaves alone): the same weights and step figures in every mode."""
+    from tests.unit.test_core import _rl_batch
+    from trainer.rl.update import proximal_fn, rl_updates
+
+    results = {}
+    for mode in ("none", "full", "selective"):
+        cfg = Config()
+        cfg.trainer.activation_checkpoint = mode  # type: ignore[assignment]
+        core = TrainingCore(cfg, Ranks.single(torch.device("cpu")), build_model(cfg.trainer.model, seed=0))
+        batch, rows = _rl_batch()
+        step = core.step_updates(rl_updates(batch, rows, cfg.trainer.rl), 3, prepare=proximal_fn(cfg.trainer.rl))
+        results[mode] = (step.figures, dict(hf_tensors(core.model)))
+    for mode in ("full", "selective"):
+        figures, plain = results[mode][0], results["none"][0]
+        assert figures.keys() == plain.keys()
+        for k, v in plain.items():  # a few figures are histograms (tensors)
+            assert torch.equal(figures[k], v) if isinstance(v, torch.Tensor) else figures[k] == v, (mode, k)
+        for name, t in results["none"][1].items():
+            assert torch.equal(results[mode][1][name], t), (mode, name)
