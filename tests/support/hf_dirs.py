@@ -3,6 +3,7 @@ tokenizer and chat template: what a user brings as "their own checkpoint" in the
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -129,16 +130,24 @@ def tiny_mixtral_dir(out: Path, seed: int = 0) -> Path:
     return _write(transformers.MixtralForCausalLM(transformers.MixtralConfig(**TINY_MIXTRAL)), out, seed)
 
 
-def _write(model: torch.nn.Module, out: Path, seed: int) -> Path:
+def randomize_hf(model: torch.nn.Module, seed: int, std: Callable[[], float] = lambda: 0.05) -> torch.nn.Module:
+    """`model` in fp32 eval mode with N(0, std()) weights (a draw of std per tensor) except the norms, and DeepSeek's
+    expert correction bias N(0, 0.05): transformers zero-initialises the router and the bias, and random weights make
+    routing matter."""
     torch.manual_seed(seed)
     model = model.float().eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" not in name:
-                p.normal_(0, 0.05)  # transformers zero-initialises the router; random weights make routing matter
+                p.normal_(0, std())
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.normal_(0, 0.05)
+    return model
+
+
+def _write(model: torch.nn.Module, out: Path, seed: int) -> Path:
+    model = randomize_hf(model, seed)
     model.save_pretrained(out)
     build_tokenizer(out)
     return out

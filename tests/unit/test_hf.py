@@ -11,6 +11,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from common.config import ConfigError, ModelConfig
+from tests.support.hf_dirs import randomize_hf
 from trainer.hf import (
     HFFormatError,
     export_fresh_hf,
@@ -68,15 +69,7 @@ def test_exported_model_loads_in_transformers_with_equal_logits(arch, tmp_path):
 @pytest.mark.parametrize("arch", list(CONFIGS))
 def test_transformers_checkpoint_imports_with_equal_logits(arch, tmp_path):
     hf_cfg = transformers.AutoConfig.for_model(**hf_config(CONFIGS[arch]))
-    torch.manual_seed(5)
-    hf = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "norm" not in name:
-                p.normal_(0, 0.05)  # HF zero-initialises the router; random weights make routing matter
-        for name, b in hf.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.normal_(0, 0.05)
+    hf = randomize_hf(transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32), seed=5)
     hf.save_pretrained(tmp_path)
     ours = import_hf(tmp_path).eval()
     assert ours.cfg.arch == arch

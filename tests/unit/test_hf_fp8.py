@@ -11,6 +11,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from common.config import ModelConfig
+from tests.support.hf_dirs import randomize_hf
 from trainer.experts.fp8 import quantize_blocks
 from trainer.hf import export_hf, hf_config, import_hf
 from trainer.hf_fp8 import FP8FormatError, dequantize, is_quantized, off_recipe_blocks
@@ -46,19 +47,11 @@ HF_CONFIG = hf_config(
 
 
 def _hf_model():
-    torch.manual_seed(5)
     hf = transformers.AutoModelForCausalLM.from_config(
         transformers.AutoConfig.for_model(**HF_CONFIG), dtype=torch.float32
-    ).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "norm" not in name:
-                # Per-tensor magnitudes spread over decades, so block scales differ in exponent as well.
-                p.normal_(0, 0.05 * 4 ** torch.randint(-3, 3, ()).item())
-        for name, b in hf.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.normal_(0, 0.05)
-    return hf
+    )
+    # Per-tensor magnitudes spread over decades, so block scales differ in exponent as well.
+    return randomize_hf(hf, seed=5, std=lambda: 0.05 * 4 ** torch.randint(-3, 3, ()).item())
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from common.config import ConfigError, ModelConfig
+from tests.support.hf_dirs import randomize_hf
 from trainer.hf import HFFormatError, export_hf, hf_config, import_hf, model_config_from_hf
 from trainer.model import build_model
 
@@ -68,15 +69,7 @@ def _ours(name: str):
 def _hf_random(name: str, tmp_path, rope_spelling: str = "rope_parameters"):
     """A transformers model of CONFIGS[name], randomly initialised, saved to tmp_path with the given spelling."""
     hf_cfg = transformers.AutoConfig.for_model(**hf_config(CONFIGS[name]))
-    torch.manual_seed(5)
-    hf = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for pname, p in hf.named_parameters():
-            if "norm" not in pname:
-                p.normal_(0, 0.05)
-        for bname, b in hf.named_buffers():
-            if bname.endswith("e_score_correction_bias"):
-                b.normal_(0, 0.05)
+    hf = randomize_hf(transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32), seed=5)
     hf.save_pretrained(tmp_path)
     if rope_spelling == "rope_scaling":
         raw = json.loads((tmp_path / "config.json").read_text())
