@@ -3,7 +3,8 @@
 Each file holds the table `metrics(run, role, rank, tag, step, ts_ms, value)`. Writers buffer
 points and insert them in one statement per batch (when the buffer fills, on a timer, and at
 exit). The writer opens its file only for the length of a flush, so readers (the evaluator, a
-dashboard, a test) can read a live run between flushes.
+dashboard, a test) can read a live run between flushes. Each batch stored in DuckDB then goes to the
+writer's other sinks (TensorBoard, W&B: common/metric_sinks.py); a failing sink never costs DuckDB a point.
 """
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ import atexit
 import logging
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import duckdb
 
@@ -44,8 +46,20 @@ class Point:
     value: float
 
 
+class MetricSink(Protocol):
+    """Another destination of a writer's points, fed each batch right after DuckDB stored it."""
+
+    name: str
+
+    def write(self, tags: Sequence[str], steps: Sequence[int], ts_ms: Sequence[int], values: Sequence[float]) -> None:
+        """Take one batch (parallel lists, in logging order); raising loses only this sink's copy of it."""
+        ...
+
+    def close(self) -> None: ...
+
+
 class MetricsWriter:
-    """Buffered writer of one (run, role, rank) metrics file; thread-safe."""
+    """Buffered writer of one (run, role, rank) metrics file (and its extra sinks); thread-safe."""
 
     def __init__(
         self,
@@ -55,8 +69,11 @@ class MetricsWriter:
         rank: int = 0,
         batch_size: int = 1000,
         flush_interval_s: float = 5.0,
+        sinks: Sequence[MetricSink] = (),
     ) -> None:
         self.path = metrics_path(run_dir, role, rank)
+        self.sinks = list(sinks)
+        self._sink_failed: set[str] = set()  # sinks whose failure was logged: logged once, not per batch
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.run, self.role, self.rank = run, role, rank
         self.batch_size = batch_size
@@ -107,7 +124,23 @@ class MetricsWriter:
             with _connect(self.path, read_only=False) as con:
                 con.execute(_INSERT, batch)
             # Cleared only after the insert succeeded: a failed flush keeps the points for the next one.
+            tags, steps, ts, values = self._tags, self._steps, self._ts, self._values
             self._tags, self._steps, self._ts, self._values = [], [], [], []
+            # Still under the lock: two flushes reach each sink in the order DuckDB stored them.
+            for sink in self.sinks:
+                self._to_sink(sink, lambda s: s.write(tags, steps, ts, values))
+
+    def _to_sink(self, sink: MetricSink, call: Callable[[MetricSink], None]) -> None:
+        """Run one call on a sink; a failure is logged (once per sink) and swallowed, so a broken TensorBoard
+        directory or W&B service costs that sink its points, never DuckDB's nor the role's metrics thread."""
+        try:
+            call(sink)
+        except Exception:
+            if sink.name not in self._sink_failed:
+                self._sink_failed.add(sink.name)
+                log.exception(
+                    "metrics sink %s of %s failed; its points are dropped, DuckDB keeps them", sink.name, self.path
+                )
 
     def _flush_periodically(self, interval_s: float) -> None:
         while not self._closed.wait(interval_s):
@@ -121,7 +154,11 @@ class MetricsWriter:
             return
         self._closed.set()
         self._timer.join(timeout=5)
-        self.flush()
+        try:
+            self.flush()
+        finally:
+            for sink in self.sinks:
+                self._to_sink(sink, lambda s: s.close())
         atexit.unregister(self.close)
 
     def __enter__(self) -> MetricsWriter:
