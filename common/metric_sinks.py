@@ -83,7 +83,7 @@ class TensorBoardSink:
         self._event, self._summary = event_pb2.Event, summary_pb2.Summary
         logdir.mkdir(parents=True, exist_ok=True)
         self.logdir = logdir
-        self._writer = EventFileWriter(str(logdir))
+        self._writer = EventFileWriter(str(logdir), max_queue_size=4096)  # a batch in one hand-off, not 10 at a time
         dirty = {True: " (with uncommitted changes)", False: "", None: " (dirty state unknown)"}[info.git_dirty]
         for tag, text in (
             ("run/config", f"```toml\n{info.config_toml}\n```"),

@@ -173,3 +173,32 @@ def test_a_wandb_file_with_a_foreign_header_is_refused(tmp_path):
     path.write_bytes(b"LEVELDB" + bytes(64))
     with pytest.raises(ValueError, match="is not a W&B transaction log"):
         list(read_wandb_records(path))
+
+
+class _SlowSink:
+    """A sink as slow as a remote service on a bad day: a stand-in, since a real one's speed cannot be set."""
+
+    name = "slow"
+
+    def __init__(self) -> None:
+        self.batches: list[list[int]] = []
+        self.closed = False
+
+    def write(self, tags, steps, ts_ms, values) -> None:
+        time.sleep(0.3)
+        self.batches.append(list(steps))
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_a_slow_sink_holds_up_no_flush_and_close_hands_it_every_batch_in_order(tmp_path):
+    slow = _SlowSink()
+    writer = MetricsWriter(tmp_path, "e", "trainer", batch_size=1000, flush_interval_s=60, sinks=[slow])
+    started = time.monotonic()
+    for step in range(5):
+        writer.log("loss", step, 1.0)
+        writer.flush()
+    assert time.monotonic() - started < 0.3 * 2, "flush waited on the sink"
+    writer.close()
+    assert slow.batches == [[0], [1], [2], [3], [4]] and slow.closed
