@@ -3,18 +3,23 @@
 Each file holds the table `metrics(run, role, rank, tag, step, ts_ms, value)`. Writers buffer
 points and insert them in one statement per batch (when the buffer fills, on a timer, and at
 exit). The writer opens its file only for the length of a flush, so readers (the evaluator, a
-dashboard, a test) can read a live run between flushes.
+dashboard, a test) can read a live run between flushes. Each batch stored in DuckDB then goes to the
+writer's other sinks (TensorBoard, W&B: common/metric_sinks.py) on a thread of their own: they cost tens of
+microseconds a point, which must not hold up a role's `log`; a failing sink never costs DuckDB a point.
 """
 
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
+import queue
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import duckdb
 
@@ -44,8 +49,20 @@ class Point:
     value: float
 
 
+class MetricSink(Protocol):
+    """Another destination of a writer's points, fed each batch right after DuckDB stored it."""
+
+    name: str
+
+    def write(self, tags: Sequence[str], steps: Sequence[int], ts_ms: Sequence[int], values: Sequence[float]) -> None:
+        """Take one batch (parallel lists, in logging order); raising loses only this sink's copy of it."""
+        ...
+
+    def close(self) -> None: ...
+
+
 class MetricsWriter:
-    """Buffered writer of one (run, role, rank) metrics file; thread-safe."""
+    """Buffered writer of one (run, role, rank) metrics file (and its extra sinks); thread-safe."""
 
     def __init__(
         self,
@@ -55,8 +72,10 @@ class MetricsWriter:
         rank: int = 0,
         batch_size: int = 1000,
         flush_interval_s: float = 5.0,
+        sinks: Sequence[MetricSink] = (),
     ) -> None:
         self.path = metrics_path(run_dir, role, rank)
+        self._sinks = _SinkFeeder(list(sinks), str(self.path)) if sinks else None
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.run, self.role, self.rank = run, role, rank
         self.batch_size = batch_size
@@ -107,7 +126,10 @@ class MetricsWriter:
             with _connect(self.path, read_only=False) as con:
                 con.execute(_INSERT, batch)
             # Cleared only after the insert succeeded: a failed flush keeps the points for the next one.
+            tags, steps, ts, values = self._tags, self._steps, self._ts, self._values
             self._tags, self._steps, self._ts, self._values = [], [], [], []
+            if self._sinks is not None:  # queued under the lock: sinks get batches in the order DuckDB stored them
+                self._sinks.put((tags, steps, ts, values))
 
     def _flush_periodically(self, interval_s: float) -> None:
         while not self._closed.wait(interval_s):
@@ -121,7 +143,11 @@ class MetricsWriter:
             return
         self._closed.set()
         self._timer.join(timeout=5)
-        self.flush()
+        try:
+            self.flush()
+        finally:
+            if self._sinks is not None:
+                self._sinks.close()
         atexit.unregister(self.close)
 
     def __enter__(self) -> MetricsWriter:
@@ -129,6 +155,49 @@ class MetricsWriter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+_Batch = tuple[list[str], list[int], list[int], list[float]]
+
+
+class _SinkFeeder:
+    """The thread that hands a writer's stored batches to its sinks, in order, and closes them at the end."""
+
+    def __init__(self, sinks: list[MetricSink], source: str, close_timeout_s: float = 120.0) -> None:
+        self.sinks, self.source, self.close_timeout_s = sinks, source, close_timeout_s
+        self._queue: queue.SimpleQueue[_Batch | None] = queue.SimpleQueue()
+        self._failed: set[str] = set()  # sinks whose failure was logged: logged once, not per batch
+        self._thread = threading.Thread(target=self._run, name=f"metric sinks {source}", daemon=True)
+        self._thread.start()
+
+    def put(self, batch: _Batch) -> None:
+        self._queue.put(batch)
+
+    def close(self) -> None:
+        """Write what is queued, close the sinks; a sink stuck past close_timeout_s is left behind, logged."""
+        self._queue.put(None)
+        self._thread.join(self.close_timeout_s)
+        if self._thread.is_alive():
+            log.error("metrics sinks of %s still busy after %.0fs; left unclosed", self.source, self.close_timeout_s)
+
+    def _run(self) -> None:
+        while (batch := self._queue.get()) is not None:
+            for sink in self.sinks:
+                self._call(sink, functools.partial(sink.write, *batch))
+        for sink in self.sinks:
+            self._call(sink, sink.close)
+
+    def _call(self, sink: MetricSink, call: Callable[[], None]) -> None:
+        """A failure is logged (once per sink) and swallowed: a broken TensorBoard directory or W&B service
+        costs that sink its points, never DuckDB's, the other sinks' nor the role's."""
+        try:
+            call()
+        except Exception:
+            if sink.name not in self._failed:
+                self._failed.add(sink.name)
+                log.exception(
+                    "metrics sink %s of %s failed; its points are dropped, DuckDB keeps them", sink.name, self.source
+                )
 
 
 def _connect(path: Path, read_only: bool, timeout_s: float = 10.0) -> duckdb.DuckDBPyConnection:

@@ -19,7 +19,7 @@ import time
 import aiohttp
 
 from common.http import RetryPolicy
-from common.metrics import MetricsWriter
+from common.metric_sinks import open_metrics
 from common.net import bearer
 from common.roles import RunContext
 from common.weights.fleet import live_workers
@@ -108,7 +108,7 @@ async def main(ctx: RunContext) -> int:
     chat = await asyncio.to_thread(follows_chat_template, cfg, ctx.run_dir)
     plan = eval_plan(ev, cfg.rollout.task, chat)
     client = ctx.async_redis()
-    metrics = MetricsWriter(ctx.run_dir, ctx.exp, "evaluator", 0)
+    metrics = open_metrics(cfg, ctx.run_dir, ctx.exp, "evaluator", 0)
     cache = ResultCache(ctx.run_dir / "evals" / "cache.jsonl")
     inputs = Inputs(ctx, client, plan, cache, metrics)
     try:

@@ -222,9 +222,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     cfg = load_config(args.config, args.overrides)
     run_dir = Path(args.run_dir or cfg.run.dir or Path(cfg.run.root) / cfg.run.name)
     data = PretrainData(args.data, args.seq_len, args.batch_size, args.tokenizer, args.text_key, args.eos_id)
-    from common.metrics import MetricsWriter
+    from common.metric_sinks import open_metrics
 
-    with MetricsWriter(run_dir, cfg.run.name, "trainer") as metrics:
+    with open_metrics(cfg, run_dir, cfg.run.name, "trainer") as metrics:
         Pretrainer(cfg, data, run_dir, metrics).run()
 
 

@@ -21,7 +21,7 @@ import torch
 
 from common.aio import cancel_and_join
 from common.config import Config
-from common.metrics import MetricsWriter
+from common.metric_sinks import open_metrics
 from common.net import advertised
 from common.roles import RunContext
 from trainer.commands import TrainerRank
@@ -192,6 +192,6 @@ def _pretrain(ctx: RunContext, ranks: Ranks) -> int:
     else:
         tokenizer = d.tokenizer or (str(resolve_model(cfg, ctx.run_dir)) if d.path.endswith(".jsonl") else "")
         data = PretrainData(d.path, d.seq_len, d.batch_size, tokenizer, d.text_key)
-    with MetricsWriter(ctx.run_dir, ctx.exp, "trainer", ranks.rank) as metrics:
+    with open_metrics(cfg, ctx.run_dir, ctx.exp, "trainer", ranks.rank) as metrics:
         Pretrainer(cfg, data, ctx.run_dir, metrics, ranks=ranks).run()
     return 0

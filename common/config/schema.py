@@ -648,6 +648,31 @@ class EvaluatorConfig:
 
 
 @dataclass
+class MetricsConfig:
+    sinks: list[str] = _list("duckdb")
+    """Where each role's metric points go: "duckdb" (always on, the dashboard and evaluator read it), "tensorboard"
+    (<run_dir>/tensorboard/<role>-<rank>/), "wandb" (<run_dir>/wandb/). Extra sinks need `pip install
+    'slipstream[tools]'`."""
+    wandb_project: str = "slipstream"
+    """W&B project of the run (one W&B run per role and rank, grouped by the experiment name)."""
+    wandb_entity: str = ""
+    """W&B entity (user or team) for online mode; empty: the account's default entity."""
+    wandb_mode: Literal["offline", "online"] = "offline"
+    """offline: W&B writes only files under <run_dir>/wandb/ (upload later with `wandb sync`); online: streams to the
+    W&B server (needs `wandb login` or WANDB_API_KEY)."""
+
+    def check(self) -> None:
+        unknown = [s for s in self.sinks if s not in METRIC_SINKS]
+        require(not unknown, f"metrics.sinks has unknown sink(s) {unknown}: choose from {list(METRIC_SINKS)}")
+        require(
+            len(set(self.sinks)) == len(self.sinks), f"metrics.sinks = {self.sinks} names a sink twice: list each once"
+        )
+
+
+METRIC_SINKS = ("duckdb", "tensorboard", "wandb")
+
+
+@dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     """Run naming, directories and seed."""
@@ -665,3 +690,5 @@ class Config:
     """The evaluator."""
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     """Processes of a local or multi-node launch."""
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    """Where metric points go besides DuckDB (TensorBoard, W&B)."""

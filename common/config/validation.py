@@ -10,7 +10,16 @@ from common.config.schema import Config
 
 def validate(cfg: Config) -> None:
     """Reject a config that cannot work: each section's own checks, then those across sections."""
-    for section in (cfg.rendezvous, cfg.router, cfg.rollout, cfg.flow, cfg.trainer, cfg.evaluator, cfg.launch):
+    for section in (
+        cfg.rendezvous,
+        cfg.router,
+        cfg.rollout,
+        cfg.flow,
+        cfg.trainer,
+        cfg.evaluator,
+        cfg.launch,
+        cfg.metrics,
+    ):
         section.check()
     f, ro, rl = cfg.flow, cfg.rollout, cfg.trainer.rl
     # A policy runs one_step_off at any staleness (`slipstream simulate --strategies all` does, next to fully_async

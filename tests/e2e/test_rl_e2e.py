@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -292,11 +293,12 @@ def test_ppo_with_a_critic_and_a_kl_to_the_reference_learns_sampling_at_temperat
     distribution vLLM sampled from (FRESH_MISMATCH_BOUND); every step logs the critic's figures and the KL."""
     from common.metrics import step_series
 
-    run = Launch(short_root, "rl-ppo", *PPO_SETS)
+    run = Launch(short_root, "rl-ppo", *PPO_SETS, ALL_SINKS)
     try:
         run.finish(1200)
     finally:
         run.stop()
+    assert_sinks_hold_every_duckdb_point(run.run_dir)
     scores = run.heldout()
     rise, what = end_of_run_rise(scores, 0, STEPS)
     print(f"ppo held-out: {what}: {rise:+.3f}, bar {PPO_MIN_RISE:+.3f}")
@@ -308,6 +310,42 @@ def test_ppo_with_a_critic_and_a_kl_to_the_reference_learns_sampling_at_temperat
     mismatch = list(series["loss/fresh_logprob_mismatch"].values())
     assert mismatch and max(mismatch) < FRESH_MISMATCH_BOUND, mismatch
     print(f"fresh mismatch at T = 0.7, top-p 0.9: max {max(mismatch):.2e} over {len(mismatch)} steps")
+
+
+ALL_SINKS = 'metrics.sinks=["duckdb", "tensorboard", "wandb"]'
+
+
+def assert_sinks_hold_every_duckdb_point(run_dir: Path) -> None:
+    """Each role-rank's DuckDB series (tag -> step -> newest value) is what TensorBoard's own EventAccumulator
+    reads from its event dir (as float32) and what its offline W&B run's history holds (exactly)."""
+    from common.metric_sinks import read_tensorboard, read_wandb, tensorboard_dir, wandb_run_files
+    from common.metrics import read_metrics
+
+    def same(a: float, b: float) -> bool:
+        return (math.isnan(a) and math.isnan(b)) or a == b
+
+    series = sorted(p.stem for p in (run_dir / "metrics").glob("*.duckdb"))
+    assert {"trainer-0", "evaluator-0"} <= set(series), series
+    for name in series:
+        role, rank = name.rsplit("-", 1)
+        duck: dict[str, dict[int, float]] = {}
+        for p in read_metrics(run_dir, role=role):  # time-ordered within a step: the newest is written last
+            if p.rank == int(rank):
+                duck.setdefault(p.tag, {})[p.step] = p.value
+        tb = read_tensorboard(tensorboard_dir(run_dir, role, int(rank)))
+        wb = read_wandb(wandb_run_files(run_dir, name))
+        for sink, got, cast in (("tensorboard", tb, float32), ("wandb", wb, float)):
+            assert got.keys() == duck.keys(), (name, sink, sorted(got.keys() ^ duck.keys()))
+            for tag, steps in duck.items():
+                assert got[tag].keys() == steps.keys(), (name, sink, tag, sorted(got[tag].keys() ^ steps.keys()))
+                wrong = [s for s, v in steps.items() if not same(cast(got[tag][s]), cast(v))]
+                assert not wrong, (name, sink, tag, [(s, got[tag][s], steps[s]) for s in wrong[:5]])
+        points = sum(len(s) for s in duck.values())
+        print(f"sinks: {name}: {len(duck)} tags, {points} (tag, step) points equal in DuckDB, TensorBoard and W&B")
+
+
+def float32(value: float) -> float:
+    return float(np.float32(value))
 
 
 def assert_replay_telemetry(run_dir: Path) -> None:

@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from common.metrics import MetricsWriter
+from common.metric_sinks import open_metrics
 from common.roles import RunContext
 from common.weights.fleet import current_version
 from common.weights.lineage import Lineage
@@ -96,7 +96,7 @@ class RLTrainer(TrainerRank):
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.model = self.core.model
         self.state = TrainState()
-        self.metrics = MetricsWriter(ctx.run_dir, ctx.exp, "trainer", 0, batch_size=METRICS_BUFFER_POINTS)
+        self.metrics = open_metrics(self.cfg, ctx.run_dir, ctx.exp, "trainer", 0, batch_size=METRICS_BUFFER_POINTS)
         self.audit = ctx.run_dir / "trained_prompts.jsonl"
         self.publisher = WeightPublisher(
             ctx.async_redis(), ctx.keys, self.cfg.rollout, ctx.run_dir, model_files=self.model_dir
