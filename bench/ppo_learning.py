@@ -9,6 +9,7 @@ on the same warm start and sampling seed; it measures what the objective learns,
 from __future__ import annotations
 
 import argparse
+import json
 import tempfile
 import time
 from pathlib import Path
@@ -72,6 +73,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=15)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--set", action="append", default=[])
+    ap.add_argument("--heldout-count", type=int, default=0, help="held-out problems (0: the shipped file's)")
     args = ap.parse_args()
     cfg = load_config("configs/demo.toml", [f"trainer.steps={max(args.steps, 50)}", *args.set])
     rl, w = cfg.trainer.rl, cfg.trainer.warmup
@@ -93,7 +95,13 @@ def main() -> None:
     core.optimizer.reset_moments()
     if critic is not None:
         copy_trunk(core.model, value_model(critic.model))
-    bench = load_benchmark("arithmetic", "evaluator/data", cfg.rollout.task)
+    data_root = Path("evaluator/data")
+    if args.heldout_count:  # the shipped held-out file with another count, as the end-to-end test's 800
+        spec = json.loads((data_root / "arithmetic" / "heldout.json").read_text()) | {"count": args.heldout_count}
+        data_root = run_dir / "eval_data"
+        (data_root / "arithmetic").mkdir(parents=True)
+        (data_root / "arithmetic" / "heldout.json").write_text(json.dumps(spec))
+    bench = load_benchmark("arithmetic", data_root, cfg.rollout.task)
     cases = bench.cases()
     start = heldout(core.model, tok, cases, bench)
     print(f"warm start {time.time() - t0:.0f}s held-out {start:.3f}", flush=True)
