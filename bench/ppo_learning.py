@@ -9,6 +9,7 @@ on the same warm start and sampling seed; it measures what the objective learns,
 from __future__ import annotations
 
 import argparse
+import json
 import tempfile
 import time
 from pathlib import Path
@@ -26,6 +27,8 @@ from trainer.rl.critic import build_critic, copy_trunk, ppo_step, value_model
 from trainer.rl.update import mini_batch_rows, proximal_fn, rl_updates
 from trainer.setup import initial_model
 from trainer.tinykit import resolve_model
+
+LAST = 3
 
 
 @torch.no_grad()
@@ -70,6 +73,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=15)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--set", action="append", default=[])
+    ap.add_argument("--heldout-count", type=int, default=0, help="held-out problems (0: the shipped file's)")
     args = ap.parse_args()
     cfg = load_config("configs/demo.toml", [f"trainer.steps={max(args.steps, 50)}", *args.set])
     rl, w = cfg.trainer.rl, cfg.trainer.warmup
@@ -86,17 +90,24 @@ def main() -> None:
     task = load_task(cfg.rollout.task)
     t0 = time.time()
     for step in range(w.steps):
-        batch, n = warm_start_batch(task, tok, step, w.batch_size)
+        batch, n = warm_start_batch(task, tok, step, w.batch_size, cfg.rollout.chat_template)
         core.step(batch, cross_entropy_loss(n), w.batch_size, tokens=0, lr=w.lr)
     core.optimizer.reset_moments()
     if critic is not None:
         copy_trunk(core.model, value_model(critic.model))
-    bench = load_benchmark("arithmetic", "evaluator/data", cfg.rollout.task)
+    data_root = Path("evaluator/data")
+    if args.heldout_count:  # the shipped held-out file with another count, as the end-to-end test's 800
+        spec = json.loads((data_root / "arithmetic" / "heldout.json").read_text()) | {"count": args.heldout_count}
+        data_root = run_dir / "eval_data"
+        (data_root / "arithmetic").mkdir(parents=True)
+        (data_root / "arithmetic" / "heldout.json").write_text(json.dumps(spec))
+    bench = load_benchmark("arithmetic", data_root, cfg.rollout.task)
     cases = bench.cases()
     start = heldout(core.model, tok, cases, bench)
     print(f"warm start {time.time() - t0:.0f}s held-out {start:.3f}", flush=True)
     gen = torch.Generator().manual_seed(args.seed)
     P, S = cfg.flow.prompts_per_step, cfg.flow.samples_per_prompt
+    tail: list[float] = []  # held-out after each of the last LAST steps (the end-to-end tests' end of a run)
     for step in range(args.steps):
         problems = [task.problem(step * P + i) for i in range(P)]
         prompts = [list(tok(p.prompt)["input_ids"]) for p in problems for _ in range(S)]
@@ -132,6 +143,10 @@ def main() -> None:
             "rewards" if rl.algorithm == "ppo" else "advantages": signal[keep].flatten(),
             "fresh": torch.ones(B),
             "step_tokens": torch.full((B,), float(mask.sum())),
+            # The torch sampler above draws at temperature 1 from the whole distribution.
+            "temperature": torch.ones(B),
+            "top_k": torch.full((B,), -1, dtype=torch.long),
+            "top_p": torch.ones(B),
         }
         mbs = mini_batch_rows([S] * int(keep.sum()), rl.mini_batches)
         if critic is not None:
@@ -145,10 +160,14 @@ def main() -> None:
             if k in f
         )
         print(f"step {step} reward {float(rewards.mean()):.3f} groups {int(keep.sum())} {extra}", flush=True)
-    end = heldout(core.model, tok, cases, bench)
+        if step >= args.steps - LAST:
+            tail.append(heldout(core.model, tok, cases, bench))
+    end = tail[-1]
+    mean = sum(tail) / len(tail)
     print(
-        f"RESULT {rl.algorithm} {args.set} held-out {start:.3f} -> {end:.3f} ({100 * (end - start):+.1f} points) "
-        f"in {time.time() - t0:.0f}s",
+        f"RESULT {rl.algorithm} {args.set} seed {args.seed} held-out {start:.3f} -> {end:.3f} "
+        f"({100 * (end - start):+.1f} points; the last {len(tail)} versions' mean {mean:.3f}, "
+        f"{100 * (mean - start):+.1f}) in {time.time() - t0:.0f}s",
         flush=True,
     )
 

@@ -162,6 +162,9 @@ class PromptSourceConfig:
     """Operands of an arithmetic problem are drawn from [0, max_value]."""
     operators: str = identity("+-")
     """Operators an arithmetic problem may use (a subset of "+-*")."""
+    heldout_fraction: float = identity(0.25)
+    """Share of all arithmetic problems held out: a hash of the problem's text decides (rollout/tasks/arithmetic.py);
+    training never draws one and the held-out `arithmetic` benchmark asks only those."""
 
     def check(self, key: str) -> None:
         """This source's own knobs; `key` names it in errors (the list's uniqueness is TaskConfig's check)."""
@@ -221,6 +224,11 @@ def _check_arithmetic(key: str, t: TaskConfig | PromptSourceConfig) -> None:
         1 <= t.min_operands <= t.max_operands,
         f"{key}.min_operands ({t.min_operands}) must be within [1, max_operands ({t.max_operands})]",
     )
+    require(
+        0 < t.heldout_fraction < 1,
+        f"{key}.heldout_fraction = {t.heldout_fraction} must be in (0, 1): the share of problems only the held-out "
+        "benchmark asks (the default holds out 0.25)",
+    )
 
 
 @dataclass
@@ -244,6 +252,9 @@ class TaskConfig:
     """Operands are drawn from [0, max_value]."""
     operators: str = identity("+-")
     """Operators an arithmetic problem may use (a subset of "+-*")."""
+    heldout_fraction: float = identity(0.25)
+    """Share of all arithmetic problems held out: a hash of the problem's text decides (rollout/tasks/arithmetic.py);
+    training never draws one and the held-out `arithmetic` benchmark asks only those."""
     max_completion_chars: int = 4096
     """Verifiers read at most this many trailing characters of a completion (adversarial-size bound)."""
     verify_timeout_s: float = 5.0

@@ -1,15 +1,19 @@
 """Held-out arithmetic: problems of the RL arithmetic task (`rollout.tasks.arithmetic`: same generator,
-same prompt rendering, same exact verifier) drawn from a held-out seed that differs from the training
-seed. `<data_root>/arithmetic/heldout.json` fixes the seed, the number of problems, max_tokens and the
-generator's knobs; the shipped file asks for 200 problems of two operands in 0..20 joined by + or -.
-Given the run's task config (`train_task`, which the evaluator role and `slipstream eval --config`
-pass), the knobs (operand counts, max_value, operators) follow training instead, so the held-out
-problems come from the distribution the policy is trained on, and a held-out seed equal to the
-training seed is refused. Seeds are disjoint, problems need not be: a small problem space (two
-operands in 0..6 are 98 facts) repeats problems across any two seeds. A case id names the seed, every
-knob and the index (`case_id`), so two different prompts never share an id, whatever the config. When the
-run's RL prompts go through the tokenizer's chat template (rollout.chat_template), so do these: each is one
-user message (its id ends in "-chat").
+same prompt rendering, same exact verifier) that training never draws. A hash of each problem's text puts
+a fixed `heldout_fraction` of all problems on the held-out side (`rollout.tasks.arithmetic.heldout_side`):
+the training generator (the RL prompts, the supervised warm start, a mixture's arithmetic source) redraws
+every problem that lands there, and this benchmark asks only those, from a held-out seed.
+`<data_root>/arithmetic/heldout.json` fixes the seed, the number of problems, max_tokens and the
+generator's knobs; the shipped file asks for 200 problems of two operands in 0..20 joined by + or -, a
+quarter of all such problems held out. Given the run's task config (`train_task`, which the evaluator role
+and `slipstream eval --config` pass), the knobs (operand counts, max_value, operators, heldout_fraction)
+follow training instead, so the held-out problems come from the distribution the policy is trained on
+(less the problems it trains on), and a held-out seed equal to the training seed is refused. A small
+problem space has few held-out problems (two operands in 0..6 are 98 facts, 24 of them held out at 0.25):
+the 200 cases then repeat them, each weighed by how often the generator draws it. A case id names the
+seed, every knob and the index (`case_id`), so two different prompts never share an id, whatever the
+config. When the run's RL prompts go through the tokenizer's chat template (rollout.chat_template), so do
+these: each is one user message (its id ends in "-chat").
 """
 
 from __future__ import annotations
@@ -37,13 +41,18 @@ class HeldOutSpec:
     max_value: int
     operators: str
     max_tokens: int
+    heldout_fraction: float
 
 
 def case_id(spec: HeldOutSpec, index: int) -> str:
-    """`arith-<seed>-<min>to<max>ops-max<max_value>-<operators as letters>-<index>`: the problem is a pure
-    function of exactly these, so equal ids mean equal prompts (the count and max_tokens change no prompt)."""
+    """`arith-<seed>-<min>to<max>ops-max<max_value>-<operators as letters>-h<heldout_fraction>-<index>`: the
+    problem is a pure function of exactly these, so equal ids mean equal prompts (the count and max_tokens
+    change no prompt)."""
     ops = "".join(OPERATOR_LETTERS[op] for op in spec.operators)
-    return f"arith-{spec.seed}-{spec.min_operands}to{spec.max_operands}ops-max{spec.max_value}-{ops}-{index}"
+    return (
+        f"arith-{spec.seed}-{spec.min_operands}to{spec.max_operands}ops-max{spec.max_value}-{ops}"
+        f"-h{spec.heldout_fraction:g}-{index}"
+    )
 
 
 class HeldOutArithmetic(Benchmark):
@@ -61,6 +70,8 @@ class HeldOutArithmetic(Benchmark):
             raise BenchmarkError(
                 f"{path}: operators = {spec.operators!r}; use a non-empty subset of {''.join(OPERATOR_LETTERS)!r}"
             )
+        if not 0 < spec.heldout_fraction < 1:
+            raise BenchmarkError(f"{path}: heldout_fraction = {spec.heldout_fraction}; give a share in (0, 1)")
         t = self.train_task
         if t is None:
             return spec
@@ -87,7 +98,8 @@ class HeldOutArithmetic(Benchmark):
     @cached_property
     def _cases(self) -> list[Case]:
         s = self.spec
-        task = ArithmeticTask(seed=s.seed, num_problems=s.count, **{k: getattr(s, k) for k in GENERATOR_KNOBS})
+        knobs = {k: getattr(s, k) for k in GENERATOR_KNOBS}
+        task = ArithmeticTask(seed=s.seed, num_problems=s.count, heldout=True, **knobs)
         sampling = Sampling(temperature=0.0, max_tokens=s.max_tokens)
         problems = [task.problem(i) for i in range(len(task))]
         if not self.chat:

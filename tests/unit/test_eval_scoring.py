@@ -132,7 +132,13 @@ def test_held_out_arithmetic_uses_the_task_generator_and_verifier_with_another_s
     cases = bench.cases()
     spec = json.loads((DATA / "arithmetic" / "heldout.json").read_text())
     assert len(cases) == spec["count"]
-    task = ArithmeticTask(seed=spec["seed"], num_problems=spec["count"], max_value=spec["max_value"])
+    task = ArithmeticTask(
+        seed=spec["seed"],
+        num_problems=spec["count"],
+        max_value=spec["max_value"],
+        heldout_fraction=spec["heldout_fraction"],
+        heldout=True,
+    )
     assert [(c.prompt, c.context["answer"]) for c in cases] == [
         (p.prompt, p.answer) for p in (task.problem(i) for i in range(len(task)))
     ]
@@ -186,7 +192,7 @@ def test_case_ids_are_unique_and_never_name_two_different_prompts():
     # The demo's held-out set and the data file's default set share the seed, yet no id (before: arith-1000003-0).
     default, demo_set = sets[0], sets[1]
     assert default[0].prompt != demo_set[0].prompt and default[0].id != demo_set[0].id
-    assert demo_set[0].id == "arith-1000003-2to2ops-max6-pm-0"
+    assert demo_set[0].id == "arith-1000003-2to2ops-max6-pm-h0.25-0"
 
 
 def test_held_out_operators_outside_the_generators_are_refused_naming_the_file(tmp_path):
