@@ -66,10 +66,15 @@ def cache_env(cache_dir: Path) -> dict[str, str]:
 
 
 def apply_cache_env(cache_dir: Path) -> None:
-    """Set `cache_env` in this process. `datasets` reads these variables once, at import: if it is already
-    imported (transformers may have done it), its config constants are set too, else they would keep $HOME."""
+    """Set `cache_env` in this process. `datasets` and `huggingface_hub` read these variables once, at import: if
+    they are already imported (transformers does), their constants are set too, else they would keep $HOME and
+    try the network (each try waiting for its timeout where there is none)."""
     env = cache_env(cache_dir)
     os.environ.update(env)
+    if "huggingface_hub" in sys.modules:
+        import huggingface_hub.constants
+
+        huggingface_hub.constants.HF_HUB_OFFLINE = True
     if "datasets" in sys.modules:
         import datasets.config
 
@@ -142,6 +147,7 @@ class LmEvalTask(Benchmark):
         self.name = name
         self.task = name[len(PREFIX) :]
         self.include_path = include_path
+        self._manager: Any = None
 
     def cases(self) -> list[Case]:
         raise BenchmarkError(
@@ -155,8 +161,11 @@ class LmEvalTask(Benchmark):
 
     def task_manager(self) -> Any:
         """lm-eval's TaskManager over its own tasks and the include path; an unknown task is an error here."""
+        if self._manager is not None:
+            return self._manager
         from lm_eval.tasks import TaskManager
 
+        # Indexing lm-eval's thousands of task YAMLs takes seconds: once per benchmark, not once per version.
         manager = TaskManager(include_path=self.include_path or None)
         if self.task not in manager.all_tasks:
             where = f" or under evaluator.lm_eval_include_path = {self.include_path!r}" if self.include_path else ""
@@ -164,6 +173,7 @@ class LmEvalTask(Benchmark):
                 f"benchmark {self.name!r}: lm-eval has no task {self.task!r} among its tasks{where}; set "
                 "evaluator.lm_eval_include_path to the directory of a YAML that defines it"
             )
+        self._manager = manager
         return manager
 
     def model_args(self, backend: Backend, tokenizer: str, max_model_len: int, max_concurrent: int) -> dict[str, Any]:
