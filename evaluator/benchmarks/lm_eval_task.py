@@ -189,8 +189,11 @@ class LmEvalTask(Benchmark):
             "max_retries": backend.retry.max_retries + 1,
             "timeout": int(backend.timeout.total or 600),
         }
-        if backend.headers:
-            args["header"] = dict(backend.headers)
+        # The headers our own requests carry: the session's (a worker's rollout.api_key) and the backend's (the
+        # router's token) win over lm-eval's default, a bearer of $OPENAI_API_KEY.
+        headers = {**dict(backend.session.headers), **backend.headers}
+        if headers:
+            args["header"] = headers
         return args
 
     def simple_evaluate(self, model_args: dict[str, Any], options: EvalOptions) -> dict[str, Any]:

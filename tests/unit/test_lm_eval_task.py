@@ -138,6 +138,7 @@ class Server:
     version: int = 0
     bump_after: int | None = None
     bodies: list[dict] = field(default_factory=list)
+    auth: list[str] = field(default_factory=list)
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -155,6 +156,7 @@ class Server:
     async def complete(self, request: web.Request) -> web.Response:
         body = await request.json()
         self.bodies.append(body)
+        self.auth.append(request.headers.get("Authorization", ""))
         if self.bump_after is not None and len(self.bodies) >= self.bump_after:
             self.version += 1
             self.bump_after = None
@@ -170,7 +172,8 @@ async def evaluate_against(server: Server, tasks: Path, out: Path):
     await site.start()
     url = f"http://127.0.0.1:{runner.addresses[0][1]}"
     try:
-        async with aiohttp.ClientSession() as session:
+        # The evaluator's session carries the workers' API key (rollout.api_key): lm-eval's requests must too.
+        async with aiohttp.ClientSession(headers={"Authorization": "Bearer worker-key"}) as session:
             backend = Backend(session, url, "policy")
             await backend.describe()
             await backend.choose_counter()
@@ -201,6 +204,7 @@ async def test_an_lm_eval_task_is_scored_from_the_servers_answers_and_recorded_u
         [tok("1 + 1 =")["input_ids"], tok("2 + 2 =")["input_ids"]]
     )
     assert all(b["model"] == "policy" and b["max_tokens"] == 4 and b["temperature"] == 0 for b in server.bodies)
+    assert server.auth == ["Bearer worker-key"] * 2
     lines = [json.loads(x) for x in Path(result.cases_path).read_text().splitlines()]
     assert [(x["target"], x["filtered"], x["scores"]) for x in lines] == [
         ("2", ["2"], {"exact_match": 1.0}),
