@@ -177,13 +177,26 @@ class Benchmark(ABC):
 
 
 def load_benchmark(
-    name: str, data_root: str | Path, train_task: TaskConfig | None = None, chat: bool = False
+    name: str,
+    data_root: str | Path,
+    train_task: TaskConfig | None = None,
+    chat: bool = False,
+    lm_eval_include_path: str = "",
 ) -> Benchmark:
     """The benchmark registered under `name`, constructed over `data_root` (cheap: no data is read yet); `chat`:
-    prompts that follow the training task are chat messages, as the RL prompts are templated."""
+    prompts that follow the training task are chat messages, as the RL prompts are templated. "lm_eval:<task>" is
+    lm-evaluation-harness's task (evaluator/benchmarks/lm_eval_task.py), looked up also under
+    `lm_eval_include_path`."""
+    if name.startswith("lm_eval:"):
+        from evaluator.benchmarks.lm_eval_task import LmEvalTask
+
+        return LmEvalTask(name, lm_eval_include_path)
     target = BENCHMARKS.get(name)
     if target is None:
-        raise BenchmarkError(f"unknown benchmark {name!r}; choose one of: {', '.join(sorted(BENCHMARKS))}")
+        raise BenchmarkError(
+            f"unknown benchmark {name!r}; choose one of: {', '.join(sorted(BENCHMARKS))}, or 'lm_eval:<task>' for an "
+            "lm-evaluation-harness task"
+        )
     module_name, cls_name = target.split(":")
     cls = getattr(importlib.import_module(module_name), cls_name)
     return cls(data_root, train_task, chat)

@@ -90,8 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--benchmark",
         action="append",
-        choices=sorted(BENCHMARKS),
-        help="benchmark to run (repeat for several; default with a config: evaluator.benchmarks)",
+        type=benchmark_name,
+        help=f"benchmark to run: {', '.join(sorted(BENCHMARKS))} or lm_eval:<task> (repeat for several; default "
+        "with a config: evaluator.benchmarks)",
     )
     p.add_argument(
         "--model",
@@ -104,6 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--data-root", help="directory holding the benchmarks' data (default: evaluator.data_root, evaluator/data)"
+    )
+    p.add_argument(
+        "--lm-eval-include-path",
+        help="directory of lm-evaluation-harness task YAMLs for lm_eval:<task> (default: evaluator.lm_eval_include_path)",
     )
     p.add_argument("--samples", type=int, help="samples per prompt (enables pass@k)")
     p.add_argument("--temperature", type=float)
@@ -257,6 +262,13 @@ def recorded_score(run_dir: Path, result: EvalResult) -> float | None:
     return step_series(run_dir, [tag], role="evaluator").get(tag, {}).get(int(result.version))
 
 
+def benchmark_name(name: str) -> str:
+    """--benchmark's value: a built-in benchmark or an lm-evaluation-harness task, "lm_eval:<task>"."""
+    if name in BENCHMARKS or (name.startswith("lm_eval:") and len(name) > len("lm_eval:")):
+        return name
+    raise argparse.ArgumentTypeError(f"{name!r}: choose one of {', '.join(sorted(BENCHMARKS))}, or lm_eval:<task>")
+
+
 def cli_plan(args: argparse.Namespace, cfg: Config | None) -> EvalPlan:
     """What `slipstream eval` evaluates: `eval_plan` of the config's evaluator section and training task, with
     the flags given applied on top. Without a config: the flags over EvaluatorConfig's defaults, and no
@@ -265,6 +277,7 @@ def cli_plan(args: argparse.Namespace, cfg: Config | None) -> EvalPlan:
     flags = {
         "benchmarks": args.benchmark,
         "data_root": args.data_root,
+        "lm_eval_include_path": args.lm_eval_include_path,
         "limit": args.limit,
         "max_tokens": args.max_tokens,
         "max_concurrent": args.max_concurrent,

@@ -26,6 +26,7 @@ from typing import Any, Protocol
 from common.config import Config, EvaluatorConfig, TaskConfig
 from evaluator.backend import Backend, Generation, RequestError
 from evaluator.benchmark import Benchmark, BenchmarkError, Case, EvalOptions, SampleScore, load_benchmark
+from evaluator.benchmarks.lm_eval_task import LmEvalTask
 from evaluator.cache import ResultCache, fingerprint
 from rollout.chat import uses_chat_template
 
@@ -134,7 +135,9 @@ def eval_plan(ev: EvaluatorConfig, train_task: TaskConfig | None, chat: bool = F
     (None: the benchmarks' own data files decide, e.g. held-out arithmetic's knobs) and, with `chat`
     (`follows_chat_template`), its prompts templated as the RL prompts are."""
     return EvalPlan(
-        benchmarks=[load_benchmark(name, ev.data_root, train_task, chat) for name in ev.benchmarks],
+        benchmarks=[
+            load_benchmark(name, ev.data_root, train_task, chat, ev.lm_eval_include_path) for name in ev.benchmarks
+        ],
         options=EvalOptions(limit=ev.limit or None, max_tokens=ev.max_tokens or None),
         max_concurrent=ev.max_concurrent,
         chunk_cases=ev.chunk_cases,
@@ -166,7 +169,7 @@ def output_paths(out_dir: Path, benchmark: str, version: str) -> tuple[Path, Pat
     return out_dir / f"{stem}.summary.json", out_dir / f"{stem}.cases.jsonl"
 
 
-def _write_atomic(path: Path, text: str) -> None:
+def write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
@@ -205,6 +208,9 @@ async def evaluate(
     options = options or EvalOptions()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if isinstance(benchmark, LmEvalTask):
+        # lm-eval makes and scores its own requests: the task runs whole, version-checked as one chunk.
+        return await benchmark.run(backend, out, probe, options, max_concurrent, expect)
     served = backend.served or await backend.describe()
     if backend.counter is None:
         await backend.choose_counter()
@@ -295,8 +301,8 @@ async def evaluate(
         cases_path=str(cases_path),
         options={k: v for k, v in asdict(options).items() if v is not None},
     )
-    _write_atomic(cases_path, "".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines))
-    _write_atomic(summary_path, json.dumps(asdict(result), indent=2) + "\n")
+    write_atomic(cases_path, "".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines))
+    write_atomic(summary_path, json.dumps(asdict(result), indent=2) + "\n")
     log.info(
         "%s at version %s: %s = %.4f (%d generated, %d cached, %.1fs)",
         benchmark.name,

@@ -306,6 +306,116 @@ async def test_pinned_evaluator_records_each_version_once_while_publishes_outpac
     assert differ >= limit // 2
 
 
+QA = [("1 + 1", "2"), ("2 + 3", "5"), ("4 + 4", "8"), ("9 - 3", "6"), ("7 + 0", "7")]
+MC = [("1 + 1 =", [" 2", " 3"], 0), ("2 + 3 =", [" 4", " 5", " 6"], 1), ("6 - 2 =", [" 4", " 1"], 0)]
+
+
+def lm_eval_tasks(root: Path) -> Path:
+    """A directory of two lm-eval task YAMLs over local JSONL files (no download): slip_qa, generate_until scored by
+    exact_match, and slip_mc, multiple_choice (loglikelihood requests: echo + logprobs) scored by acc."""
+    (root / "qa.jsonl").write_text("".join(json.dumps({"question": q, "answer": a}) + "\n" for q, a in QA))
+    (root / "mc.jsonl").write_text(
+        "".join(json.dumps({"question": q, "choices": c, "label": g}) + "\n" for q, c, g in MC)
+    )
+    tasks = root / "tasks"
+    tasks.mkdir()
+    common = "dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {}\ntest_split: test\n"
+    (tasks / "qa.yaml").write_text(
+        "task: slip_qa\n"
+        + common.format(root / "qa.jsonl")
+        + 'output_type: generate_until\ndoc_to_text: "Q: {{question}}\\nA:"\ndoc_to_target: "{{answer}}"\n'
+        + 'generation_kwargs:\n  until: ["\\n"]\n  max_gen_toks: 8\n  do_sample: false\n'
+        + "metric_list:\n  - metric: exact_match\n    aggregation: mean\n    higher_is_better: true\n"
+    )
+    (tasks / "mc.yaml").write_text(
+        "task: slip_mc\n"
+        + common.format(root / "mc.jsonl")
+        + 'output_type: multiple_choice\ndoc_to_text: "{{question}}"\ndoc_to_choice: "{{choices}}"\n'
+        + "doc_to_target: label\nmetric_list:\n  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n"
+    )
+    return tasks
+
+
+def lm_eval_lines(eval_dir: Path, task: str, version: int) -> list[dict]:
+    path = eval_dir / "evals" / f"lm_eval:{task}.v{version}.cases.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.mark.timeout(540)
+async def test_lm_eval_tasks_are_recorded_per_version_by_the_live_evaluator(deepseek_run, tmp_path, monkeypatch):
+    """ROLE=evaluator with two lm-evaluation-harness tasks of our own (a local YAML directory) through the router:
+    v0 (the original weights), v0+1 (perturbed) and v0+2 (the original again) each get one row per task, in the
+    evals stream and DuckDB; each score equals what we compute from the logged responses; the loglikelihoods of
+    v0 and v0+2 are equal and those of v0+1 differ (each row measured its own version); every lm-eval request
+    went through the router; nothing was written under $HOME."""
+    run = deepseek_run
+    run.redis.delete(run.keys.evals)
+    r = run.rz.info.async_client()
+    v0 = int(await r.get(run.keys.weights_current) or 0)
+    eval_dir = tmp_path / "evalrun"
+    home = tmp_path / "home"
+    home.mkdir()
+    for key, value in {
+        "run__dir": eval_dir,
+        "evaluator__benchmarks": '["lm_eval:slip_qa", "lm_eval:slip_mc"]',
+        "evaluator__lm_eval_include_path": lm_eval_tasks(tmp_path),
+        "evaluator__pin": "never",
+        "evaluator__until_version": v0 + 2,
+        "evaluator__router_wait_s": 60,
+    }.items():
+        monkeypatch.setenv(f"SLIPSTREAM__{key}", str(value))
+    monkeypatch.setenv("HOME", str(home))
+    cfg = load_config(run.config)
+    weights = original_weights(run)
+    sent_before = proxied(run, ROUTE)
+    evaluator = run.start_role("evaluator", "evaluator-lm-eval")
+    started = time.monotonic()
+    try:
+        async with WeightPublisher(r, run.keys, cfg.rollout, run.run_dir) as pub:
+            for version, published in ((v0 + 1, perturbed(weights)), (v0 + 2, weights)):
+                run.wait_for(
+                    f"rows of version {version - 1}",
+                    lambda v=version - 1: (v, "lm_eval:slip_mc") in evals(run),
+                    evaluator,
+                    240,
+                )
+                await pub.publish(version, published)
+            assert evaluator.wait(timeout=240) == 0  # until_version = v0+2 reached
+    finally:
+        if evaluator.poll() is None:
+            evaluator.send_signal(signal.SIGTERM)
+            evaluator.wait(timeout=30)
+        await r.aclose()
+    took = time.monotonic() - started
+    versions = [v0, v0 + 1, v0 + 2]
+    assert evals(run) == [(v, t) for v in versions for t in ("lm_eval:slip_qa", "lm_eval:slip_mc")]
+    assert sorted(p.step for p in read_metrics(eval_dir, tags=["eval/lm_eval:slip_mc/acc"])) == versions
+    assert sorted(p.step for p in read_metrics(eval_dir, tags=["eval/lm_eval:slip_qa/exact_match"])) == versions
+    loglik = {}
+    for v in versions:
+        qa, mc = lm_eval_lines(eval_dir, "slip_qa", v), lm_eval_lines(eval_dir, "slip_mc", v)
+        assert len(qa) == len(QA) and len(mc) == len(MC) and {line["version"] for line in qa + mc} == {str(v)}
+        # exact_match: the generated text (lm-eval's filter "none" keeps it as is) equals the target.
+        ours_qa = sum(line["filtered"][0] == line["target"] for line in qa) / len(QA)
+        # acc: the choice of highest loglikelihood (the server's echoed prompt log-probs) is the gold label.
+        picks = [max(range(len(line["filtered"])), key=lambda i, ln=line: ln["filtered"][i][0]) for line in mc]
+        ours_mc = sum(p == line["target"] for p, line in zip(picks, mc, strict=True)) / len(MC)
+        qa_sum = json.loads((eval_dir / "evals" / f"lm_eval:slip_qa.v{v}.summary.json").read_text())
+        mc_sum = json.loads((eval_dir / "evals" / f"lm_eval:slip_mc.v{v}.summary.json").read_text())
+        assert (qa_sum["primary"], mc_sum["primary"]) == ("exact_match", "acc")
+        assert qa_sum["score"] == ours_qa and mc_sum["score"] == ours_mc
+        assert all(isinstance(ll, float) and ll < 0 for line in mc for ll, _greedy in line["filtered"])
+        loglik[v] = [ll for line in mc for ll, _greedy in line["filtered"]]
+        print(f"version {v}: slip_qa exact_match = {ours_qa}, slip_mc acc = {ours_mc}, loglik {loglik[v]}")
+    assert loglik[v0] == pytest.approx(loglik[v0 + 2], abs=1e-4)
+    assert all(abs(a - b) > 1e-3 for a, b in zip(loglik[v0], loglik[v0 + 1], strict=True))
+    # One /v1/completions request per generation and per choice, for each of the three versions.
+    assert proxied(run, ROUTE) - sent_before == 3 * (len(QA) + sum(len(c) for _, c, _ in MC))
+    assert list(home.iterdir()) == []
+    assert (eval_dir / "evals" / "lm_eval_cache" / "hf" / "datasets").is_dir()
+    print(f"lm-eval live evaluator: 3 versions x 2 tasks in {took:.0f}s")
+
+
 @pytest.mark.timeout(300)
 async def test_eval_of_a_run_version_reproduces_the_recorded_row(tmp_path, tmp_path_factory, capsys, monkeypatch):
     """Eval of a run's version starts a server, loads the version and reproduces the recorded row."""
