@@ -24,6 +24,7 @@ from common.jsonl import read_jsonl
 # name -> "module:class"; imported lazily by `load_benchmark` so listing names costs nothing.
 BENCHMARKS = {
     "arithmetic": "evaluator.benchmarks.arithmetic:HeldOutArithmetic",
+    "arithmetic_train": "evaluator.benchmarks.arithmetic:TrainingArithmetic",
     "gsm8k": "evaluator.benchmarks.gsm8k:GSM8K",
     "ifeval": "evaluator.benchmarks.ifeval:IFEval",
 }

@@ -14,6 +14,11 @@ the 200 cases then repeat them, each weighed by how often the generator draws it
 seed, every knob and the index (`case_id`), so two different prompts never share an id, whatever the
 config. When the run's RL prompts go through the tokenizer's chat template (rollout.chat_template), so do
 these: each is one user message (its id ends in "-chat").
+
+`arithmetic_train` asks the other side of the same split: problems of the facts training does draw, from
+the benchmark's own seed (ids `arith-train-...`). Its greedy accuracy is how well a version does the task
+it is trained on (what the held-out benchmark measured before the split, when the two sides were one
+set), not generalisation: the end-to-end tests judge that RL learns by it.
 """
 
 from __future__ import annotations
@@ -44,13 +49,13 @@ class HeldOutSpec:
     heldout_fraction: float
 
 
-def case_id(spec: HeldOutSpec, index: int) -> str:
-    """`arith-<seed>-<min>to<max>ops-max<max_value>-<operators as letters>-h<heldout_fraction>-<index>`: the
+def case_id(spec: HeldOutSpec, index: int, prefix: str = "arith") -> str:
+    """`<prefix>-<seed>-<min>to<max>ops-max<max_value>-<operators as letters>-h<heldout_fraction>-<index>`: the
     problem is a pure function of exactly these, so equal ids mean equal prompts (the count and max_tokens
     change no prompt)."""
     ops = "".join(OPERATOR_LETTERS[op] for op in spec.operators)
     return (
-        f"arith-{spec.seed}-{spec.min_operands}to{spec.max_operands}ops-max{spec.max_value}-{ops}"
+        f"{prefix}-{spec.seed}-{spec.min_operands}to{spec.max_operands}ops-max{spec.max_value}-{ops}"
         f"-h{spec.heldout_fraction:g}-{index}"
     )
 
@@ -58,6 +63,8 @@ def case_id(spec: HeldOutSpec, index: int) -> str:
 class HeldOutArithmetic(Benchmark):
     name = "arithmetic"
     primary = "accuracy/mean"
+    heldout = True  # the side of the split (`heldout_side`) this benchmark asks
+    id_prefix = "arith"
 
     @cached_property
     def spec(self) -> HeldOutSpec:
@@ -92,21 +99,30 @@ class HeldOutArithmetic(Benchmark):
                 "evaluate another benchmark or train on arithmetic"
             )
         if gen.seed == spec.seed:
-            raise BenchmarkError(f"held-out seed {spec.seed} ({path}) equals rollout.task.seed; change one of them")
+            raise BenchmarkError(f"{self.name} seed {spec.seed} ({path}) equals rollout.task.seed; change one of them")
         return dataclasses.replace(spec, **{k: getattr(gen, k) for k in GENERATOR_KNOBS})
 
     @cached_property
     def _cases(self) -> list[Case]:
         s = self.spec
         knobs = {k: getattr(s, k) for k in GENERATOR_KNOBS}
-        task = ArithmeticTask(seed=s.seed, num_problems=s.count, heldout=True, **knobs)
+        task = ArithmeticTask(seed=s.seed, num_problems=s.count, heldout=self.heldout, **knobs)
         sampling = Sampling(temperature=0.0, max_tokens=s.max_tokens)
         problems = [task.problem(i) for i in range(len(task))]
         if not self.chat:
-            return [Case(case_id(s, i), p.prompt, sampling, 1, {"answer": p.answer}) for i, p in enumerate(problems)]
+            return [
+                Case(case_id(s, i, self.id_prefix), p.prompt, sampling, 1, {"answer": p.answer})
+                for i, p in enumerate(problems)
+            ]
         # One user turn, which vLLM's chat route renders with the served model's template: the RL prompt's tokens.
         return [
-            Case(f"{case_id(s, i)}-chat", (ChatMessage("user", p.prompt),), sampling, 1, {"answer": p.answer})
+            Case(
+                f"{case_id(s, i, self.id_prefix)}-chat",
+                (ChatMessage("user", p.prompt),),
+                sampling,
+                1,
+                {"answer": p.answer},
+            )
             for i, p in enumerate(problems)
         ]
 
@@ -115,3 +131,11 @@ class HeldOutArithmetic(Benchmark):
 
     def score(self, case: Case, completion: str) -> SampleScore:
         return SampleScore({"accuracy": float(verify(completion, case.context["answer"]))})
+
+
+class TrainingArithmetic(HeldOutArithmetic):
+    """The training side of the split (the module docstring): the facts RL trains on, from this benchmark's seed."""
+
+    name = "arithmetic_train"
+    heldout = False
+    id_prefix = "arith-train"

@@ -76,7 +76,7 @@ def test_eval_options_override_sampling_and_limit_cases():
 
 
 def test_unknown_benchmark_and_missing_data_name_the_fix(tmp_path):
-    with pytest.raises(BenchmarkError, match="unknown benchmark 'mmlu'.*arithmetic, gsm8k, ifeval"):
+    with pytest.raises(BenchmarkError, match="unknown benchmark 'mmlu'.*arithmetic, arithmetic_train, gsm8k, ifeval"):
         load_benchmark("mmlu", DATA)
     bench = load_benchmark("gsm8k", tmp_path)  # constructing reads nothing
     with pytest.raises(BenchmarkError, match="gsm8k/test.jsonl does not exist; set evaluator.data_root"):
