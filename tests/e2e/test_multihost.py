@@ -4,7 +4,7 @@ Host A (192.0.2.1) runs Redis and the router, host B (192.0.2.2) a vLLM worker, 
 the trainer and the evaluator; each process is started by the script `slipstream scripts` wrote for
 it, with every listener bound to 0.0.0.0 and advertised as `auto`, so the addresses the roles find
 each other by are the ones the run chose itself. The demo trains on-policy for 10 RL steps (the end-to-end test of the on-policy strategy: it trains
-on fresh samples only) and its held-out accuracy must rise; then every process
+on fresh samples only) and its greedy accuracy on the training facts must rise; then every process
 of host B is killed and the router must evict the worker. Namespaces need root (`ip netns`): the test
 skips with the reason where that is refused. Only 192.0.2.0/24 is used, only inside the namespaces
 made here, and they are deleted at the end.
@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_rl_e2e import demo_prompts_per_step, end_of_run_rise
+from test_rl_e2e import LEARNING_BENCHMARKS, demo_prompts_per_step, end_of_run_rise, reward_rise
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 10
@@ -30,14 +30,15 @@ HOSTS = {"a": "192.0.2.1", "b": "192.0.2.2", "c": "192.0.2.3"}
 ROUTER_TOKEN = "router-secret"
 VLLM_KEY = "vllm-secret"
 TTL_S = 2.0
-# Measured over 10 steps, the first version evaluated against the mean of versions 8-10: +0.143 and +0.127
-# (fully-async), +0.120, +0.158 and +0.077 (on-policy; the last, in CI, peaked at +0.13 on version 6). One
-# version's score on 200 problems has a standard deviation of ~3.4 points, this difference ~4: the bound
-# tells a learning run from a flat one without failing one run in ten. (The demo's learning is asserted at
-# 15 steps by tests/e2e/test_rl_e2e.py.) Those rises were measured when the held-out problems repeated training
-# facts; on the disjoint set (2026-12-05, 24 held-out facts) the demo end to end rose +11.8 points from version 0
-# to the mean of versions 8-10 (0.190 -> 0.308, fully async); this run is not yet measured on it.
-MIN_RISE = 0.05
+# The learning check: greedy accuracy on the training side of the held-out split (`arithmetic_train`), the first
+# version evaluated against the mean of versions 8-10. Until 2026-12-05 it was held-out accuracy, whose problems
+# repeated training facts (rises of +0.077 to +0.158 were measured then, against a bar of 0.05); on the disjoint
+# held-out set it measures generalisation, which moves little (tests/e2e/test_rl_e2e.py's fully-async docstring).
+# Measured 2026-12-05 on this run: training facts 0.685 at version 2 -> 0.755 over versions 8-10 (0.755, 0.750,
+# 0.760), +7.0 points (the evaluator here starts late: version 2 has already trained two steps); held-out +4.3 and
+# +8.8 points in two runs, the sampled reward +7.8 and +6.5 points. 4 points is a little over half the measured
+# rise. (The demo's learning is asserted at 15 steps by tests/e2e/test_rl_e2e.py.)
+MIN_RISE = 0.04
 
 
 def ip(*args: str) -> None:
@@ -141,6 +142,7 @@ def test_three_hosts_train_the_demo_from_the_scripts_and_the_router_evicts_a_dea
         "launch.roles.vllm_eval.replicas=0",
         "trainer.final_eval_wait_s=120",
         "flow.strategy=on_policy",
+        LEARNING_BENCHMARKS,
     ]
     cmd = [sys.executable, "-m", "common.runs.cli", "scripts", "configs/demo.toml", str(short_root / "scripts")]
     for s in sets:
@@ -200,16 +202,21 @@ def test_three_hosts_train_the_demo_from_the_scripts_and_the_router_evicts_a_dea
         )
         rewards = [float(r) for r in re.findall(r"step \d+: reward ([0-9.]+)", trainer_log)]
         assert len(rewards) == STEPS, trainer_log[-3000:]
-        # The policy improves, judged as the demo is: greedy accuracy on the held-out problems, which the
-        # evaluator on host C measured through the router on host A. (The sampled training reward rises
-        # too, by ~0.02-0.03 in 10 steps, but its step-to-step noise is as large: not a sound check.)
-        scores = {
-            int(v): float(a)
-            for v, a in re.findall(r"version (\d+) arithmetic: accuracy/mean = ([0-9.]+)", log_of("evaluator"))
-        }
-        assert scores and min(scores) <= 3, f"held-out results for versions {sorted(scores)}"
-        rise, what = end_of_run_rise(scores, min(scores), STEPS)
-        assert rise >= MIN_RISE, f"held-out accuracy {what}: {rise:+.3f}"
+
+        # The policy improves: greedy accuracy on the training side of the arithmetic split, which the
+        # evaluator on host C measured through the router on host A (held-out accuracy and the sampled reward
+        # are printed beside it; MIN_RISE says why they are not the check).
+        def scores(benchmark: str) -> dict[int, float]:
+            found = re.findall(rf"version (\d+) {benchmark}: accuracy/mean = ([0-9.]+)", log_of("evaluator"))
+            return {int(v): float(a) for v, a in found}
+
+        heldout, trained_facts = scores("arithmetic"), scores("arithmetic_train")
+        assert trained_facts and min(trained_facts) <= 3, f"results for versions {sorted(trained_facts)}"
+        print(f"multihost held-out: {end_of_run_rise(heldout, min(heldout), STEPS)}")
+        print(f"multihost sampled reward: {reward_rise(dict(enumerate(rewards)), STEPS)}")
+        rise, what = end_of_run_rise(trained_facts, min(trained_facts), STEPS)
+        print(f"multihost training facts: {what}: {rise:+.3f}, bar {MIN_RISE:+.3f}")
+        assert rise >= MIN_RISE, f"greedy accuracy on training facts {what}: {rise:+.3f}"
         steps_done = [json.loads(x) for x in (run_dir / "trained_prompts.jsonl").read_text().splitlines()]
         assert [s["step"] for s in steps_done] == list(range(STEPS))
         trained = [p for s in steps_done for p in s["prompt_ids"]]
