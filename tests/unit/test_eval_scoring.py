@@ -154,7 +154,7 @@ def test_held_out_arithmetic_follows_the_training_knobs_and_refuses_the_training
     train = TaskConfig(operators="*", max_value=9, min_operands=3, max_operands=3)
     cases = load_benchmark("arithmetic", DATA, train).cases()
     assert all(c.prompt.count("*") == 2 and "+" not in c.prompt for c in cases)  # type: ignore[union-attr]
-    with pytest.raises(BenchmarkError, match=f"held-out seed {spec['seed']}.*equals rollout.task.seed"):
+    with pytest.raises(BenchmarkError, match=f"arithmetic seed {spec['seed']}.*equals rollout.task.seed"):
         load_benchmark("arithmetic", DATA, TaskConfig(seed=spec["seed"])).cases()
 
 
