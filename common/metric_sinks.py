@@ -63,7 +63,7 @@ class RunInfo:
 
 
 def run_info(cfg: Config, exp: str, role: str, rank: int) -> RunInfo:
-    from common.runs.registry import git_sha
+    from common.gitinfo import git_sha
 
     sha, dirty = git_sha()
     return RunInfo(exp, role, rank, dataclasses.asdict(cfg), to_toml(cfg), sha, dirty)

@@ -16,10 +16,14 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from common.config import TaskConfig
 from common.jsonl import read_jsonl
+
+if TYPE_CHECKING:
+    from evaluator.backend import Backend
+    from evaluator.runner import EvalResult, Snapshot, VersionProbe
 
 # name -> "module:class"; imported lazily by `load_benchmark` so listing names costs nothing.
 BENCHMARKS = {
@@ -130,6 +134,9 @@ class Benchmark(ABC):
     name: str = ""
     primary: str = ""
     """The metric reported as the benchmark's score (in the evals stream), e.g. 'accuracy/mean'."""
+    runs_whole = False
+    """True for a benchmark that makes and scores its own requests (an lm-eval task): evaluator.runner.evaluate
+    hands it the endpoint through its `run` method instead of generating its cases."""
 
     def __init__(self, data_root: str | Path, train_task: TaskConfig | None = None, chat: bool = False) -> None:
         self.data_root = Path(data_root)
@@ -176,6 +183,18 @@ class Benchmark(ABC):
         """The benchmark's metrics from the scores of every sample of every case."""
         return summarize(per_case)
 
+    async def run(
+        self,
+        backend: Backend,
+        out_dir: Path,
+        probe: VersionProbe,
+        options: EvalOptions,
+        max_concurrent: int,
+        expect: Snapshot | None,
+    ) -> EvalResult:
+        """A `runs_whole` benchmark's own evaluation (evaluator.benchmarks.lm_eval_task says what it does)."""
+        raise BenchmarkError(f"benchmark {self.name!r} has cases; evaluate it with evaluator.runner.evaluate")
+
 
 def load_benchmark(
     name: str,
@@ -189,9 +208,9 @@ def load_benchmark(
     lm-evaluation-harness's task (evaluator/benchmarks/lm_eval_task.py), looked up also under
     `lm_eval_include_path`."""
     if name.startswith("lm_eval:"):
-        from evaluator.benchmarks.lm_eval_task import LmEvalTask
-
-        return LmEvalTask(name, lm_eval_include_path)
+        # Imported by name, as BENCHMARKS are: lm_eval_task's run() builds on evaluator.runner, which imports this.
+        lm_eval_task = importlib.import_module("evaluator.benchmarks.lm_eval_task")
+        return lm_eval_task.LmEvalTask(name, lm_eval_include_path)
     target = BENCHMARKS.get(name)
     if target is None:
         raise BenchmarkError(

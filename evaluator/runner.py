@@ -26,7 +26,6 @@ from typing import Any, Protocol
 from common.config import Config, EvaluatorConfig, TaskConfig
 from evaluator.backend import Backend, Generation, RequestError
 from evaluator.benchmark import Benchmark, BenchmarkError, Case, EvalOptions, SampleScore, load_benchmark
-from evaluator.benchmarks.lm_eval_task import LmEvalTask
 from evaluator.cache import ResultCache, fingerprint
 from rollout.chat import uses_chat_template
 
@@ -208,7 +207,7 @@ async def evaluate(
     options = options or EvalOptions()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    if isinstance(benchmark, LmEvalTask):
+    if benchmark.runs_whole:
         # lm-eval makes and scores its own requests: the task runs whole, version-checked as one chunk.
         return await benchmark.run(backend, out, probe, options, max_concurrent, expect)
     served = backend.served or await backend.describe()

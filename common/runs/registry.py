@@ -1,23 +1,21 @@
 """The run registry: one SQLite row per run (id, name, config TOML, git sha, status, start, end).
 
 It lives at `<run.root>/registry.sqlite`, next to the run directories. The git sha is read from
-the checkout the code runs from; where that is impossible it is "unknown" and the reason is logged.
+the checkout the code runs from (common.gitinfo); where that is impossible it is "unknown" and the reason is
+logged.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
 import sqlite3
-import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-log = logging.getLogger(__name__)
+from common.gitinfo import SOURCE_DIR, git_sha
 
-SOURCE_DIR = Path(__file__).resolve().parent.parent.parent
 STATUSES = ("running", "succeeded", "failed", "interrupted")
 
 _SCHEMA = """
@@ -44,27 +42,6 @@ class RunRecord:
     status: str
     started_at: float
     ended_at: float | None
-
-
-def git_sha(repo_dir: str | Path = SOURCE_DIR) -> tuple[str, bool | None]:
-    """(sha, dirty) of the checkout at repo_dir; ("unknown", None) with the reason logged when unreadable."""
-    try:
-        sha = subprocess.run(
-            ["git", "-C", str(repo_dir), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10
-        )
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        log.warning("git sha unknown: cannot run git in %s: %s", repo_dir, exc)
-        return "unknown", None
-    if sha.returncode != 0:
-        log.warning("git sha unknown: %s is not a git checkout with commits: %s", repo_dir, sha.stderr.strip())
-        return "unknown", None
-    status = subprocess.run(
-        ["git", "-C", str(repo_dir), "status", "--porcelain", "--untracked-files=no"],
-        capture_output=True,
-        text=True,
-        timeout=10,
-    )
-    return sha.stdout.strip(), bool(status.stdout.strip()) if status.returncode == 0 else None
 
 
 class Registry:

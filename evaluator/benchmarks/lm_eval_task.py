@@ -134,6 +134,8 @@ def sample_line(sample: Mapping[str, Any], metric_keys: list[str], version: str)
 class LmEvalTask(Benchmark):
     """One lm-eval task, run by lm-eval against the endpoint the runner evaluates (see the module docstring)."""
 
+    runs_whole = True
+
     def __init__(self, name: str, include_path: str = "") -> None:
         super().__init__(".")
         if not is_lm_eval(name) or not name[len(PREFIX) :]:

@@ -8,8 +8,9 @@ import time
 
 import pytest
 
+from common.gitinfo import git_sha
 from common.metrics import MetricsWriter, metrics_path, read_metrics, step_series
-from common.runs.registry import Registry, git_sha
+from common.runs.registry import Registry
 
 
 def test_ten_thousand_points_written_in_batches_read_back_exactly(tmp_path):
