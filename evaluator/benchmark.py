@@ -31,6 +31,7 @@ BENCHMARKS = {
     "arithmetic_train": "evaluator.benchmarks.arithmetic:TrainingArithmetic",
     "gsm8k": "evaluator.benchmarks.gsm8k:GSM8K",
     "ifeval": "evaluator.benchmarks.ifeval:IFEval",
+    "ifeval_google": "evaluator.benchmarks.ifeval_published:IFEvalPublished",
 }
 
 
