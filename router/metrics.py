@@ -1,15 +1,21 @@
-"""The router's counters and their Prometheus text exposition (format 0.0.4): requests by route and
-status, errors by class, retries, a request-latency histogram per route, and per-worker gauges
-(healthy, outstanding requests) with a per-worker request counter. Plain integers and lists updated
-on the hot path without locks (one event loop); rendering happens only when /metrics is scraped.
+"""The router's counters and their Prometheus text exposition (format 0.0.4, written by prometheus_client):
+requests by route and status, errors by class, retries, a request-latency histogram per route, and
+per-worker gauges (healthy, outstanding requests) with a per-worker request counter. Plain integers and
+lists updated on the hot path without locks (one event loop); a custom collector turns them into metric
+families only when /metrics is scraped, so the hot path pays nothing for the library.
 """
 
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from router.pool import Worker
 
@@ -41,10 +47,6 @@ class Histogram:
         self.total += seconds
 
 
-def _label(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
 class Metrics:
     """Everything /metrics reports except the pool gauges, which are read from the workers at scrape time."""
 
@@ -68,49 +70,53 @@ class Metrics:
         self.errors[cls] += 1
 
     def render(self, workers: Iterable[Worker]) -> str:
-        """The Prometheus text exposition of every metric."""
-        out = [
-            "# HELP slipstream_router_requests_total Proxied requests by route and final status.",
-            "# TYPE slipstream_router_requests_total counter",
-        ]
-        for (route, status), n in sorted(self.requests.items()):
-            out.append(f'slipstream_router_requests_total{{route="{_label(route)}",code="{status}"}} {n}')
-        out += [
-            "# HELP slipstream_router_errors_total Failed or refused requests by error class.",
-            "# TYPE slipstream_router_errors_total counter",
-        ]
-        for cls, n in sorted(self.errors.items()):
-            out.append(f'slipstream_router_errors_total{{class="{cls}"}} {n}')
-        out += [
-            "# HELP slipstream_router_retries_total Requests sent again to another worker.",
-            "# TYPE slipstream_router_retries_total counter",
-            f"slipstream_router_retries_total {self.retries}",
-            "# HELP slipstream_router_request_seconds Time from request to last response byte.",
-            "# TYPE slipstream_router_request_seconds histogram",
-        ]
-        for route, hist in sorted(self.latency.items()):
-            r = _label(route)
-            cumulative = 0
-            for bound, n in zip(LATENCY_BUCKETS, hist.counts, strict=False):
-                cumulative += n
-                out.append(f'slipstream_router_request_seconds_bucket{{route="{r}",le="{bound}"}} {cumulative}')
-            cumulative += hist.counts[-1]
-            out.append(f'slipstream_router_request_seconds_bucket{{route="{r}",le="+Inf"}} {cumulative}')
-            out.append(f'slipstream_router_request_seconds_sum{{route="{r}"}} {hist.total:.6f}')
-            out.append(f'slipstream_router_request_seconds_count{{route="{r}"}} {cumulative}')
-        workers = sorted(workers, key=lambda w: w.id)
-        gauges = (
-            ("worker_outstanding", "gauge", "Requests in flight at each worker.", lambda w: w.outstanding),
-            ("worker_healthy", "gauge", "1 while the worker passes its health checks.", lambda w: int(w.healthy)),
+        """The Prometheus text exposition (format 0.0.4) of every metric, written by prometheus_client from a
+        registry of this router's own (tests run several routers in one process)."""
+        registry = CollectorRegistry()
+        registry.register(_Snapshot(self, sorted(workers, key=lambda w: w.id)))
+        return generate_latest(registry).decode()
+
+
+class _Snapshot(Collector):
+    """The router's counters and the pool's gauges as metric families, read when a scrape collects them."""
+
+    def __init__(self, metrics: Metrics, workers: list[Worker]) -> None:
+        self.metrics, self.workers = metrics, workers
+
+    def collect(self) -> Iterator[Metric]:
+        m = self.metrics
+        requests = CounterMetricFamily(
+            "slipstream_router_requests", "Proxied requests by route and final status.", labels=["route", "code"]
+        )
+        for (route, status), n in sorted(m.requests.items()):
+            requests.add_metric([route, str(status)], n)
+        errors = CounterMetricFamily(
+            "slipstream_router_errors", "Failed or refused requests by error class.", labels=["class"]
+        )
+        for cls, n in sorted(m.errors.items()):
+            errors.add_metric([cls], n)
+        retries = CounterMetricFamily("slipstream_router_retries", "Requests sent again to another worker.")
+        retries.add_metric([], m.retries)
+        latency = HistogramMetricFamily(
+            "slipstream_router_request_seconds", "Time from request to last response byte.", labels=["route"]
+        )
+        for route, hist in sorted(m.latency.items()):
+            cumulative = list(itertools.accumulate(hist.counts))
+            buckets = [(str(b), float(n)) for b, n in zip(LATENCY_BUCKETS, cumulative, strict=False)]
+            latency.add_metric([route], [*buckets, ("+Inf", float(cumulative[-1]))], sum_value=hist.total)
+        yield from (requests, errors, retries, latency)
+        per_worker = (
+            (GaugeMetricFamily, "worker_outstanding", "Requests in flight at each worker.", lambda w: w.outstanding),
+            (GaugeMetricFamily, "worker_healthy", "1 while the worker passes its health checks.", lambda w: w.healthy),
             (
-                "worker_requests_total",
-                "counter",
+                CounterMetricFamily,
+                "worker_requests",
                 "Requests sent to each worker (retries included).",
                 lambda w: w.requests,
             ),
         )
-        for name, kind, help_text, value in gauges:
-            out += [f"# HELP slipstream_router_{name} {help_text}", f"# TYPE slipstream_router_{name} {kind}"]
-            for w in workers:
-                out.append(f'slipstream_router_{name}{{worker="{_label(w.id)}",url="{_label(w.url)}"}} {value(w)}')
-        return "\n".join(out) + "\n"
+        for family, name, help_text, value in per_worker:
+            metric = family(f"slipstream_router_{name}", help_text, labels=["worker", "url"])
+            for w in self.workers:
+                metric.add_metric([w.id, w.url], float(value(w)))
+            yield metric

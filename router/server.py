@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable
 import aiohttp
 import redis.asyncio
 from aiohttp import web
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 from common.config import RouterConfig
 from common.heartbeat import Heartbeat
@@ -139,7 +140,8 @@ def make_app(
         return web.json_response({"router": cfg.name, "policy": cfg.policy, "workers": listed})
 
     async def prometheus(request: web.Request) -> web.Response:
-        return web.Response(text=metrics.render(pool.workers.values()), content_type="text/plain", charset="utf-8")
+        page = metrics.render(pool.workers.values()).encode()
+        return web.Response(body=page, headers={"Content-Type": CONTENT_TYPE_PLAIN_0_0_4})
 
     app = web.Application(client_max_size=cfg.max_body_bytes, middlewares=[json_routing_errors])
     for method, path in PROXIED_ROUTES:

@@ -22,7 +22,6 @@ import asyncio
 import contextlib
 import json
 import os
-import re
 import signal
 import time
 import urllib.request
@@ -49,6 +48,7 @@ from evaluator.cache import ResultCache
 from evaluator.cli import build_parser, run_cli
 from evaluator.fleetview import FleetProbe
 from evaluator.runner import PIN_PAUSE_MODE, WeightInfoProbe, eval_plan, evaluate, follows_chat_template
+from tests.support.prom import total
 from trainer.tinykit import resolve_model
 
 pytestmark = [pytest.mark.slow]
@@ -62,8 +62,7 @@ def proxied(run, route: str) -> int:
     """Requests the router proxied on `route` (any final status), from its Prometheus /metrics."""
     with urllib.request.urlopen(f"{run.router_url()}/metrics", timeout=5) as r:
         text = r.read().decode()
-    pattern = rf'^slipstream_router_requests_total{{route="{re.escape(route)}",code="\d+"}} (\d+)$'
-    return sum(int(n) for n in re.findall(pattern, text, re.MULTILINE))
+    return int(total(text, "slipstream_router_requests_total", route=route))
 
 
 def original_weights(run) -> dict[str, torch.Tensor]:

@@ -27,6 +27,7 @@ from common.weights.publisher import WeightPublisher
 from common.weights.workers import served_version
 from rollout.client import RolloutClient
 from rollout.vllm_plugin import watchdog
+from tests.support.prom import total
 
 pytestmark = [pytest.mark.slow]
 
@@ -184,11 +185,12 @@ async def until_running(url: str, n: int, timeout_s: float = 60.0, requests: Seq
                     raise AssertionError(f"an in-flight request failed: {task.exception()!r}") from task.exception()
             async with http.get(f"{url}/metrics") as resp:
                 text = await resp.text()
-            m = re.search(r"^vllm:num_requests_running\{[^}]*\} ([0-9.]+)$", text, re.M)
-            assert m, "vLLM /metrics has no vllm:num_requests_running"
-            if float(m[1]) >= n:
+            # vLLM's page, read by Prometheus's own parser (it must parse, as ours do).
+            running = total(text, "vllm:num_requests_running")
+            assert "vllm:num_requests_running" in text, "vLLM /metrics has no vllm:num_requests_running"
+            if running >= n:
                 return
-            assert time.monotonic() < deadline, f"only {m[1]} of {n} requests running after {timeout_s}s"
+            assert time.monotonic() < deadline, f"only {running:g} of {n} requests running after {timeout_s}s"
             await asyncio.sleep(0.05)
 
 

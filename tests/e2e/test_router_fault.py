@@ -19,6 +19,7 @@ from common.config import RendezvousConfig
 from common.keys import Keys
 from common.rendezvous import Rendezvous
 from tests.support.fake_openai import start_backends, start_router_process, wait_published
+from tests.support.prom import value
 
 CLIENTS = 64
 TTL_S, PERIOD_S = 1.0, 0.2
@@ -51,10 +52,7 @@ async def one_request(http: aiohttp.ClientSession, url: str, body: dict) -> Outc
 
 
 def transport_errors(metrics_text: str) -> int:
-    line = next(
-        x for x in metrics_text.splitlines() if x.startswith('slipstream_router_errors_total{class="transport"}')
-    )
-    return int(line.split()[-1])
+    return int(value(metrics_text, "slipstream_router_errors_total", **{"class": "transport"}))
 
 
 @pytest.mark.slow

@@ -26,6 +26,7 @@ from common.runs.dash.charts import Series, line_chart, nice_ticks
 from common.runs.dash.sources import DashError, RunSource
 from common.runs.registry import Registry
 from rollout.flow.events import FlowCounters
+from tests.support import prom
 from tests.support.dash_check import (
     check_run_page,
     chromium,
@@ -190,11 +191,26 @@ def test_binding_beyond_loopback_without_a_token_is_refused_naming_the_flag(tmp_
     assert "needs a token: pass --token" in capsys.readouterr().err
 
 
+def test_the_dashboard_serves_prometheus_metrics_of_its_requests(tmp_path):
+    """/metrics is Prometheus text that prometheus_client's own parser reads: every request counted by route
+    pattern and status, and timed."""
+    write_run(tmp_path / "runs", "dash-m")
+    with DashServer(tmp_path / "runs") as server:
+        for path in ("/api/run/dash-m/series", "/api/run/dash-m/series", "/api/run/no-such-run/series"):
+            get(server.url(path))
+        status, text, headers = get(server.url("/metrics"))
+    assert status == 200 and headers["Content-Type"].startswith("text/plain; version=0.0.4")
+    route = "/api/run/{run}/series"
+    assert prom.value(text, "slipstream_dash_requests_total", route=route, code="200") == 2
+    assert prom.value(text, "slipstream_dash_requests_total", route=route, code="404") == 1
+    assert prom.value(text, "slipstream_dash_request_seconds_count", route=route) == 3
+
+
 def test_a_request_without_the_token_is_refused_when_a_token_is_set(tmp_path):
     write_run(tmp_path / "runs", "dash-c")
     with DashServer(tmp_path / "runs", host="0.0.0.0", token="s3cret") as server:
         base = f"http://127.0.0.1:{server.port}"
-        for path in ("/", "/run/dash-c", "/api/run/dash-c/series", "/static/dash.js"):
+        for path in ("/", "/run/dash-c", "/api/run/dash-c/series", "/static/dash.js", "/metrics"):
             status, body, _ = get(base + path)
             assert status == 401 and "token" in body, path
         assert get(base + "/", {"Authorization": "Bearer wrong"})[0] == 401

@@ -13,6 +13,7 @@ from router.metrics import Metrics
 from router.policy import Policy, affinity_worker, least_outstanding, overloaded
 from router.pool import WorkerPool
 from router.proxy import body_affinity_key
+from tests.support.prom import value
 
 
 @dataclass
@@ -160,12 +161,13 @@ def test_metrics_text_has_counters_histogram_and_worker_gauges():
     pool.apply({"a": record("a")}, alive={"a"})
     pool.workers["a"].outstanding = 4
     text = metrics.render(pool.workers.values())
-    lines = set(text.splitlines())
-    assert 'slipstream_router_requests_total{route="/v1/completions",code="200"} 2' in lines
-    assert 'slipstream_router_errors_total{class="transport"} 1' in lines
-    assert 'slipstream_router_errors_total{class="no_worker"} 0' in lines
-    assert 'slipstream_router_request_seconds_bucket{route="/v1/completions",le="0.005"} 1' in lines
-    assert 'slipstream_router_request_seconds_bucket{route="/v1/completions",le="+Inf"} 2' in lines
-    assert 'slipstream_router_worker_outstanding{worker="a",url="http://127.0.0.1:1/a"} 4' in lines
+    route = "/v1/completions"
+    assert value(text, "slipstream_router_requests_total", route=route, code="200") == 2
+    assert value(text, "slipstream_router_errors_total", **{"class": "transport"}) == 1
+    assert value(text, "slipstream_router_errors_total", **{"class": "no_worker"}) == 0
+    assert value(text, "slipstream_router_request_seconds_bucket", route=route, le="0.005") == 1
+    assert value(text, "slipstream_router_request_seconds_bucket", route=route, le="+Inf") == 2
+    assert value(text, "slipstream_router_request_seconds_sum", route=route) == pytest.approx(2.003)
+    assert value(text, "slipstream_router_worker_outstanding", worker="a", url="http://127.0.0.1:1/a") == 4
     with pytest.raises(ValueError, match="ERROR_CLASSES"):
         metrics.error("oops")

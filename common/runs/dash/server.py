@@ -12,12 +12,15 @@ import asyncio
 import hmac
 import logging
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from urllib.parse import quote
 
 from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 from common.net import is_loopback
 from common.runs.dash import views
@@ -173,9 +176,44 @@ class Dashboard:
         return web.json_response(body)
 
 
+def _prometheus(registry: CollectorRegistry) -> tuple[Callable, Callable[[web.Request], Awaitable[web.Response]]]:
+    """A middleware that counts every request (by route pattern and status) and times it, and the /metrics
+    handler that exposes them (Prometheus text 0.0.4, prometheus_client, this app's own registry)."""
+    requests = Counter(
+        "slipstream_dash_requests", "Dashboard requests by route and status.", ["route", "code"], registry=registry
+    )
+    seconds = Histogram("slipstream_dash_request_seconds", "Dashboard request time.", ["route"], registry=registry)
+
+    @web.middleware
+    async def count(
+        request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        resource = request.match_info.route.resource
+        route = resource.canonical if resource is not None else "unmatched"
+        start = time.perf_counter()
+        status = 500
+        try:
+            response = await handler(request)
+            status = response.status
+            return response
+        except web.HTTPException as exc:
+            status = exc.status
+            raise
+        finally:
+            requests.labels(route, str(status)).inc()
+            seconds.labels(route).observe(time.perf_counter() - start)
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_PLAIN_0_0_4})
+
+    return count, metrics
+
+
 def make_app(source: RunSource, token: str | None = None) -> web.Application:
-    app = web.Application(middlewares=[_auth_middleware(token)] if token else [])
+    count, metrics = _prometheus(CollectorRegistry())
+    app = web.Application(middlewares=[count, *([_auth_middleware(token)] if token else [])])
     d = Dashboard(source)
+    app.router.add_get("/metrics", metrics)
     app.router.add_get("/", d.runs_page)
     app.router.add_get("/api/runs", d.runs_json)
     app.router.add_get("/diff", d.diff)
