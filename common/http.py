@@ -11,8 +11,17 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
+# The router names the worker that answered a proxied request (its id, `<host>-<pid>-<replica>`) in this header.
+WORKER_HEADER = "X-Slipstream-Worker"
 RETRYABLE_4XX = frozenset({408, 425, 429})  # request timeout, too early, too many requests
 BACKOFF_CAP_S = 10.0
+
+
+def worker_replica(worker_id: str) -> int:
+    """The replica index of a Slipstream worker id (`<host>-<pid>-<replica>`, common.roles' instance name):
+    stable across the worker's restarts; -1 for an id of another form (a server not started by Slipstream)."""
+    last = worker_id.rsplit("-", 1)[-1]
+    return int(last) if "-" in worker_id and last.isdigit() else -1
 
 
 def retryable_status(status: int) -> bool:

@@ -27,7 +27,7 @@ import aiohttp
 import numpy as np
 import redis.asyncio
 
-from common.http import retryable_status
+from common.http import WORKER_HEADER, retryable_status
 from common.keys import Keys
 from common.net import bearer
 from common.redis_client import text
@@ -80,6 +80,9 @@ class Sample:
     top_p: float = 1.0
     """The top-p (nucleus) truncation they were sampled under (1: none). A Sample pickled before these three
     fields existed reads back their defaults (the dataclass's class attributes)."""
+    worker: str = ""
+    """The id of the worker that generated it, as the router named it (common.http.WORKER_HEADER); "" when the
+    answer did not come through a router, or the Sample was pickled before this field existed."""
 
     @property
     def aborted(self) -> bool:
@@ -249,6 +252,7 @@ class RolloutClient:
                 if r.status != 200:
                     raise RolloutError(f"POST {url} -> HTTP {r.status}: {(await r.text())[:500]}", status=r.status)
                 data = await r.json()
+                worker = r.headers.get(WORKER_HEADER, "")
         except (aiohttp.ClientError, RolloutError):
             self._router = None  # the next request reads the router's URL again
             raise
@@ -258,4 +262,5 @@ class RolloutClient:
         samples = [parse_choice(list(prompt_token_ids), c) for c in choices]
         for sample in samples:
             sample.temperature, sample.top_k, sample.top_p = temperature, top_k, top_p
+            sample.worker = worker
         return samples

@@ -21,7 +21,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from common.config import RouterConfig
-from common.http import RetryPolicy, retryable_status
+from common.http import WORKER_HEADER, RetryPolicy, retryable_status
 from common.net import bearer
 from router.metrics import Metrics
 from router.policy import Policy
@@ -223,6 +223,7 @@ class Proxy:
         try:
             status = upstream.status
             response_headers = [(k, v) for k, v in upstream.headers if k.lower() not in _RESPONSE_DROP]
+            response_headers.append((WORKER_HEADER, worker.id))
             try:
                 if retryable_status(status) or upstream.content_length is not None:
                     data = await upstream.read()

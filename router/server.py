@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import os
 import urllib.parse
 from collections.abc import Awaitable, Callable
 
@@ -23,12 +24,14 @@ from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from common.config import RouterConfig
 from common.heartbeat import Heartbeat
 from common.keys import Keys
+from common.metric_sinks import open_metrics
 from common.net import AddressError, advertised, bearer, is_loopback, refuses, url_host
 from common.redis_client import text
 from common.roles import RunContext
 from router.metrics import Metrics
 from router.pool import PoolSync, WorkerPool
 from router.proxy import Proxy, json_error
+from router.telemetry import Telemetry, Writer, telemetry_origin
 from router.upstream import UpstreamPool
 
 log = logging.getLogger(__name__)
@@ -164,8 +167,14 @@ class Router:
         heartbeat_ttl_s: float = 10.0,
         redis_host: str = "127.0.0.1",
         worker_api_key: str = "",
+        telemetry_writer: Writer | None = None,
+        telemetry_origin: float | None = None,
     ) -> None:
+        """`telemetry_writer`: where the per-period telemetry goes (router/telemetry.py), from `telemetry_origin`
+        (its step 0, wall-clock); None = not stored."""
         self.cfg, self.client, self.keys = cfg, client, keys
+        self.telemetry_writer, self.telemetry_origin = telemetry_writer, telemetry_origin
+        self._telemetry: Telemetry | None = None
         self.redis_host, self.worker_api_key = redis_host, worker_api_key
         self.heartbeat_period_s, self.heartbeat_ttl_s = heartbeat_period_s, heartbeat_ttl_s
         self.pool = WorkerPool()
@@ -202,6 +211,17 @@ class Router:
                 raise RouterError(str(exc)) from None
             self.url = f"http://{url_host(host)}:{self._runner.addresses[0][1]}"
             await self._sync.start()
+            if self.telemetry_writer is not None and cfg.telemetry_period_s > 0:
+                self._telemetry = Telemetry(
+                    self.metrics,
+                    self.pool,
+                    self._session,
+                    self.telemetry_writer,
+                    cfg.telemetry_period_s,
+                    cfg.health_timeout_s,
+                    self.telemetry_origin,
+                )
+                await self._telemetry.start()
             await self._claim_name()
         except BaseException:
             await self.stop()
@@ -247,11 +267,14 @@ class Router:
     async def stop(self) -> None:
         """Withdraw the URL, stop serving (in-flight requests get a short grace), release everything."""
         heartbeat, self._heartbeat = self._heartbeat, None
+        telemetry, self._telemetry = self._telemetry, None
         runner, self._runner = self._runner, None
         sync, self._sync = self._sync, None
         session, self._session = self._session, None
         upstream, self._upstream = self._upstream, None
         try:
+            if telemetry is not None:
+                await telemetry.stop()
             if heartbeat is not None:
                 await heartbeat.stop()
             if runner is not None:
@@ -277,6 +300,9 @@ async def main(ctx: RunContext) -> int:
     rz = ctx.cfg.rendezvous
     client = ctx.async_redis()
     assert ctx.rendezvous.info is not None
+    replica = int(os.environ.get("SLIPSTREAM_REPLICA", "0") or 0)
+    stored = ctx.cfg.router.telemetry_period_s > 0
+    metrics = open_metrics(ctx.cfg, ctx.run_dir, ctx.exp, "router", replica) if stored else None
     router = Router(
         ctx.cfg.router,
         client,
@@ -285,6 +311,8 @@ async def main(ctx: RunContext) -> int:
         rz.heartbeat_ttl_s,
         ctx.rendezvous.info.host,
         ctx.cfg.rollout.api_key,
+        metrics,
+        telemetry_origin(ctx.run_dir, replica) if stored else None,
     )
     try:
         try:
@@ -298,4 +326,6 @@ async def main(ctx: RunContext) -> int:
             await router.stop()
     finally:
         await client.aclose()
+        if metrics is not None:
+            metrics.close()
     return 0

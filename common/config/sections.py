@@ -112,8 +112,12 @@ class RouterConfig:
     """Bearer token required from clients; empty disables auth (allowed only on loopback)."""
     max_body_bytes: int = 16 * 1024 * 1024
     """Largest accepted request body; larger requests get 413."""
+    telemetry_period_s: float = 1.0
+    """Period of the stored telemetry (router/telemetry.py): the router's figures and every worker's engine
+    metrics (scraped from its /metrics) go to the run's DuckDB as `serve/*` and `engine/<worker>/*`; 0 = off."""
 
     def check(self) -> None:
+        require(self.telemetry_period_s >= 0, f"router.telemetry_period_s must be >= 0, got {self.telemetry_period_s}")
         require(
             is_loopback(self.bind_host) or bool(self.auth_token),
             f"router.bind_host = {self.bind_host!r} is not loopback: set router.auth_token (or bind 127.0.0.1)",

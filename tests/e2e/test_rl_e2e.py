@@ -284,6 +284,7 @@ def test_two_ep_ranks_with_routing_replay_learn_fully_async_through_faults(short
     )
     assert (run.run_dir / "report.png").stat().st_size > 10_000
     assert_replay_telemetry(run.run_dir)
+    assert_serving_telemetry(run.run_dir)
     assert_checkpoint_is_the_last_version_and_trains_on_one_rank(run.run_dir)
     # The dashboard of this real finished run, in chromium: no console error, every chart draws DuckDB's
     # points; the screenshots stay in tmp_path (docs/dashboard.png is one of them).
@@ -387,6 +388,33 @@ def assert_sinks_hold_every_duckdb_point(run_dir: Path) -> None:
 
 def float32(value: float) -> float:
     return float(np.float32(value))
+
+
+def assert_serving_telemetry(run_dir: Path) -> None:
+    """The router's stored telemetry (router/telemetry.py) over the whole run: its own figures every second
+    and the real vLLM worker's engine metrics, read from the worker's /metrics. The router was SIGKILLed and
+    restarted mid-run: the new one went on from the old one's steps (no step written twice). And every sample
+    the trainer logged names the worker that generated it (gen/worker: the rollout worker's replica, 0)."""
+    from common.metrics import read_metrics, step_series
+
+    series: dict[str, dict[int, list[float]]] = {}
+    for p in read_metrics(run_dir, role="router"):
+        series.setdefault(p.tag, {}).setdefault(p.step, []).append(p.value)
+    healthy = series["serve/healthy_workers"]
+    assert len(healthy) > 60 and all(len(v) == 1 for v in healthy.values()), sorted(healthy)[:20]
+    assert max(v for vs in series["serve/requests_per_s"].values() for v in vs) > 1
+    engines = {t.split("/")[1] for t in series if t.startswith("engine/")}
+    assert len(engines) >= 2, engines  # the rollout worker before and after its SIGKILL (a new pid)
+    for engine in engines:
+        for figure in ("running", "waiting", "kv_cache_usage"):
+            assert f"engine/{engine}/{figure}" in series, (engine, figure, sorted(series))
+    generated = [
+        v for e in engines for vs in series.get(f"engine/{e}/generation_tokens_per_s", {}).values() for v in vs
+    ]
+    running = [v for e in engines for vs in series[f"engine/{e}/running"].values() for v in vs]
+    assert max(generated) > 0 and max(running) > 0, (max(generated, default=None), max(running))
+    workers = step_series(run_dir, ["gen/worker"], role="trainer")["gen/worker"]
+    assert len(workers) >= STEPS * demo_prompts_per_step() and set(workers.values()) == {0.0}, set(workers.values())
 
 
 def assert_replay_telemetry(run_dir: Path) -> None:

@@ -108,6 +108,8 @@ async def test_least_outstanding_spreads_sequential_and_concurrent_requests(rz, 
         for _ in range(30):
             status, headers, _ = await post(http, r.url + "/v1/completions", {"prompt": "p"})
             assert status == 200
+            # The router names the worker that answered (the backend's own X-Worker says who it is).
+            assert headers["X-Slipstream-Worker"] == headers["X-Worker"]
             served[headers["X-Worker"]] += 1
         assert served == {"w0": 10, "w1": 10, "w2": 10}
         results = await asyncio.gather(

@@ -18,6 +18,7 @@ import torch
 from aiohttp import web
 
 from common.config import Config, FlowConfig, RendezvousConfig, load_config
+from common.http import WORKER_HEADER
 from common.keys import Keys
 from common.metrics import step_series
 from common.rendezvous import Rendezvous
@@ -35,6 +36,9 @@ DELAY_S = 0.3
 # Slack on a measured generation time: a shared 2-core machine can stall the loop for a while.
 SLACK_S = 0.25
 EXP = "t-genmetrics"
+
+
+WORKER_ID = "fakehost-4242-3"  # common.roles' instance name: replica 3
 
 
 class FakeRouter:
@@ -71,7 +75,8 @@ class FakeRouter:
             "weight_versions": [{"start": 0, "end": len(tokens), "version": self.version()}],
             "finish_reason": "stop",
         }
-        return web.json_response({"choices": [choice]})
+        # As the real router does (router/proxy.py), it names the worker that answered.
+        return web.json_response({"choices": [choice]}, headers={WORKER_HEADER: WORKER_ID})
 
     def close(self) -> None:
         asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
@@ -271,7 +276,8 @@ def test_the_rl_trainer_logs_every_timing_figure_and_numbers_samples_on_across_a
     assert took[0] >= 0.05 and took[12] < 0.05 + SLACK_S and took[-1] < 2.0, took
     assert {series["gen/concurrency"][n] for n in range(24)} <= {1.0, 2.0, 3.0}
     assert {series["gen/output_tokens"][n] for n in range(24)} == {3.0}
-    assert {series["gen/worker"][n] for n in range(24)} == {-1.0}
+    # The worker's replica index, also for the samples the checkpoint held over the restart.
+    assert {series["gen/worker"][n] for n in range(24)} == {3.0}
     for step in range(3):
         samples = range(8 * step, 8 * step + 8)
         tokens = sum(series["gen/prompt_tokens"][n] + series["gen/output_tokens"][n] for n in samples)

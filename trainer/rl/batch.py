@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from common.http import worker_replica
 from rollout.chat import ChatTemplateMode, prompt_token_ids
 from rollout.flow.runtime import Group
 from rollout.generator import Rollout
@@ -83,9 +84,9 @@ def gen_figures(rollout: Rollout, origin: float) -> dict[str, float]:
     figures = {
         "gen/prompt_tokens": float(len(s.prompt_token_ids)),
         "gen/output_tokens": float(len(s.token_ids)),
-        # Unknown (-1): neither the router's answer (the worker's headers and body, which name no worker)
-        # nor the Sample says which worker served the request.
-        "gen/worker": -1.0,
+        # The replica index of the worker that generated it (the router names it; common.http.worker_replica),
+        # -1 when unknown (a Sample from before the router named workers, or not served through a router).
+        "gen/worker": float(worker_replica(s.worker)),
     }
     if t is not None:  # None: a rollout from a checkpoint of a trainer that did not time its samples
         figures |= {

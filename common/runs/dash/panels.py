@@ -151,7 +151,9 @@ def build_panels(series: Tagged, flow_summary: dict | None, summary_problem: str
             {"flow_summary/staleness": len(hist)} if hist else {},
         )
     )
-    throughput = _matching(series, lambda t: t == "perf/samples_per_s" or t.endswith("tokens_per_s"))
+    throughput = _matching(
+        series, lambda t: t == "perf/samples_per_s" or (t.endswith("tokens_per_s") and not t.startswith("engine/"))
+    )
     panels.append(
         _lines(
             "throughput", "Throughput", series, throughput, "step", "per second", "perf/samples_per_s, */tokens_per_s"
@@ -193,8 +195,65 @@ def build_panels(series: Tagged, flow_summary: dict | None, summary_problem: str
             {r.tag: len(r.points) for r in rows},
         )
     )
+    panels += _serving(series)
     panels.append(_timeline(series))
     return panels
+
+
+def _serving(series: Tagged) -> list[Panel]:
+    """The router's stored telemetry (router/telemetry.py): its own figures and each engine's, per period."""
+    x = "seconds since the router started"
+    engine = {
+        kind: sorted(t for t in series if t.startswith("engine/") and t.endswith(kind))
+        for kind in ("/running", "/waiting", "/kv_cache_usage", "tokens_per_s")
+    }
+    return [
+        _lines(
+            "serving",
+            "Router: requests, errors, retries per second; outstanding; healthy workers",
+            series,
+            _matching(series, lambda t: t.startswith("serve/") and not t.endswith("latency_mean_s")),
+            x,
+            "per second / count",
+            "serve/* (router telemetry)",
+        ),
+        _lines(
+            "serving-latency",
+            "Router: mean time to the last byte of the requests that finished",
+            series,
+            ["serve/latency_mean_s"],
+            x,
+            "seconds",
+            "serve/latency_mean_s",
+        ),
+        _lines(
+            "engine-queue",
+            "Engines: requests running and waiting",
+            series,
+            engine["/running"] + engine["/waiting"],
+            x,
+            "requests",
+            "engine/<worker>/running, engine/<worker>/waiting",
+        ),
+        _lines(
+            "engine-kv",
+            "Engines: KV-cache use",
+            series,
+            engine["/kv_cache_usage"],
+            x,
+            "fraction",
+            "engine/<worker>/kv_cache_usage",
+        ),
+        _lines(
+            "engine-tokens",
+            "Engines: prompt and generated tokens per second",
+            series,
+            engine["tokens_per_s"],
+            x,
+            "tokens per second",
+            "engine/<worker>/*_tokens_per_s",
+        ),
+    ]
 
 
 def drawn_tags(panels: list[Panel]) -> set[str]:
