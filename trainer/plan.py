@@ -139,7 +139,9 @@ def _probe_model(mc: ModelConfig, experts: int) -> Transformer:
     return build_model(probe, seed=0)
 
 
-def block_bytes(mc: ModelConfig, mode: str, tokens: int, dtype: torch.dtype = torch.bfloat16) -> tuple[float, float]:
+def block_bytes(
+    mc: ModelConfig, mode: str, tokens: int, dtype: torch.dtype = torch.bfloat16, seq: int = PROBE_TOKENS
+) -> tuple[float, float]:
     """(dense block, MoE block) bytes the forward of `tokens` tokens keeps under `mode`, measured on the CPU.
 
     The probe runs each block at two token counts and two routed-expert counts; the bytes are linear in both
@@ -149,10 +151,13 @@ def block_bytes(mc: ModelConfig, mode: str, tokens: int, dtype: torch.dtype = to
         raise PlanError(f"trainer.activation_checkpoint = {mode!r}: use one of {', '.join(MODES)}")
     k = mc.num_experts_per_tok
     e0, e1 = 2 * k, 4 * k
-    t0, t1 = PROBE_TOKENS // 2, PROBE_TOKENS
-    key = (repr(mc), mode, str(dtype))
+    # rows of min(seq, PROBE_TOKENS) tokens, one and two of them: the CPU's SDPA keeps O(tokens) per row like
+    # the CUDA flash / efficient kernels, so the bytes are linear in the micro-batch's tokens
+    s0 = min(seq, PROBE_TOKENS)
+    t0, t1 = s0, 2 * s0
+    key = (repr(mc), mode, str(dtype), str(s0))
     if key not in _MEASURED:
-        _MEASURED[key] = _measure(mc, mode, dtype, (e0, e1), (t0, t1))
+        _MEASURED[key] = _measure(mc, mode, dtype, (e0, e1), s0)
     f = _MEASURED[key]
 
     def at(i: int, e_real: int) -> float:
@@ -170,20 +175,20 @@ def block_bytes(mc: ModelConfig, mode: str, tokens: int, dtype: torch.dtype = to
 
 
 def _measure(
-    mc: ModelConfig, mode: str, dtype: torch.dtype, es: tuple[int, int], ts: tuple[int, int]
+    mc: ModelConfig, mode: str, dtype: torch.dtype, es: tuple[int, int], s0: int
 ) -> dict[tuple[int, int], list[float]]:
-    """The probe's bytes per (experts, tokens) corner: [dense block, MoE block]."""
+    """The probe's bytes per (experts, tokens) corner: [dense block, MoE block], tokens in rows of s0."""
     f: dict[tuple[int, int], list[float]] = {}
-    t0, t1 = ts
     for e in es:
         model = _probe_model(mc, e)
         angles = model.rope_angles[:PROBE_TOKENS].unsqueeze(0)
-        for t in (t0, t1):
-            cos = (angles.cos() * model.rope_scale)[:, :t]
-            sin = (angles.sin() * model.rope_scale)[:, :t]
+        cos = (angles.cos() * model.rope_scale)[:, :s0]
+        sin = (angles.sin() * model.rope_scale)[:, :s0]
+        for b in (1, 2):
+            t = b * s0
             figures = []
             for layer in model.model.layers:
-                x = torch.randn(1, t, mc.hidden_size, requires_grad=True)
+                x = torch.randn(b, s0, mc.hidden_size, requires_grad=True)
 
                 def fwd(layer=layer, x=x, cos=cos, sin=sin):  # type: ignore[no-untyped-def]
                     with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
@@ -194,7 +199,7 @@ def _measure(
     return f
 
 
-_MEASURED: dict[tuple[str, str, str], dict[tuple[int, int], list[float]]] = {}
+_MEASURED: dict[tuple[str, str, str, str], dict[tuple[int, int], list[float]]] = {}
 
 
 def head_bytes(mc: ModelConfig, tokens: int, dtype: torch.dtype = torch.bfloat16) -> float:
@@ -240,9 +245,12 @@ def plan(
     tokens = rows * seq
     dtype = torch.bfloat16 if tc.dtype == "bfloat16" else torch.float32
     dense_p, expert_p, grads, opt = state_bytes(cfg, ep, dp_shard)
-    dense_b, moe_b = block_bytes(mc, mode, tokens, dtype)
+    dense_b, moe_b = block_bytes(mc, mode, tokens, dtype, seq)
     n_dense = min(mc.first_k_dense, mc.num_layers) if mc.n_routed_experts else mc.num_layers
-    act = int(n_dense * dense_b + (mc.num_layers - n_dense) * moe_b + head_bytes(mc, tokens, dtype))
+    # + the embedding's output (fp32: autocast leaves embeddings alone), the first block's input, and the token ids
+    # its backward keeps
+    embed = tokens * (mc.hidden_size * 4 + 8)
+    act = int(n_dense * dense_b + (mc.num_layers - n_dense) * moe_b + head_bytes(mc, tokens, dtype) + embed)
     width = 2 if dtype == torch.bfloat16 else 4
     comm = 0 if ep == 1 else 2 * tokens * mc.num_experts_per_tok * mc.hidden_size * width
     # The backward's high-water mark above the kept activations: the loss's gradient of the logits (fp32, then
@@ -250,7 +258,7 @@ def plan(
     # block's forward run again with everything it keeps, whichever is larger (they are not live together).
     transient = tokens * mc.vocab_size * (4 + width)
     if mode != "none":
-        transient = max(transient, int(block_bytes(mc, "none", tokens, dtype)[1]))
+        transient = max(transient, int(block_bytes(mc, "none", tokens, dtype, seq)[1]))
     return Plan(dense_p, expert_p, grads, opt, act, comm, transient, tokens, mode)
 
 
