@@ -225,7 +225,13 @@ def head_bytes(mc: ModelConfig, tokens: int, dtype: torch.dtype = torch.bfloat16
 
 
 def plan(
-    cfg: Config, gpus: int, ep: int | None = None, mode: str | None = None, rows: int | None = None, dp_shard: int = 1
+    cfg: Config,
+    gpus: int,
+    ep: int | None = None,
+    mode: str | None = None,
+    rows: int | None = None,
+    dp_shard: int = 1,
+    seq: int | None = None,
 ) -> Plan:
     """The bytes one of `gpus` ranks holds for `cfg` (ep, AC mode, rows per micro-batch per rank: the config's
     unless given)."""
@@ -239,7 +245,8 @@ def plan(
         raise PlanError(f"dp_shard = {dp_shard} does not divide --gpus {gpus}")
     mode = tc.activation_checkpoint if mode is None else mode
     mc = tc.model
-    seq = tc.data.seq_len if tc.mode == "pretrain" else mc.max_seq_len
+    if seq is None:
+        seq = tc.data.seq_len if tc.mode == "pretrain" else mc.max_seq_len
     if rows is None:
         rows = max(1, tc.data.batch_size // gpus)
     tokens = rows * seq
