@@ -31,9 +31,9 @@ from trainer.optim import group_of, is_muon_matrix
 
 GiB = 1024**3
 H200_USABLE_GIB = 139.0
-"""An H200 has 141 GB (131.6 GiB? no: 141e9 B = 131.3 GiB as marketed is HBM3e 141 GB); torch reports
-about 139.8 GiB of total device memory on the lab's H200s (bench/RESULTS.md), of which the CUDA context
-takes ~0.5 GiB: 139 GiB is what the caching allocator can hand out."""
+"""The default --gpu-memory: an H200 shows about 140 GiB to the driver (nvidia-smi: 143,771 MiB); the CUDA context,
+cuBLAS and NCCL take about 1 GiB of it outside the caching allocator, so 139 GiB is what torch can allocate.
+The workspace row covers the allocator's own rounding and fragmentation on top of the planned tensors."""
 WORKSPACE_FRACTION = 0.05
 """Allocator allowance: the caching allocator's fragmentation (rounding to 2 MiB segments, blocks split and not
 reused) plus cuBLAS / attention workspaces; 5% of the planned bytes, at least 1 GiB."""
