@@ -196,6 +196,7 @@ def _measure(
 
                 figures.append(float(_net_forward_bytes(fwd)))
             f[(e, t)] = figures
+        del model  # before the next probe is built: a DeepSeek-V3-wide probe is gigabytes
     return f
 
 
