@@ -29,6 +29,7 @@ from common.config import Config, ModelConfig, load_config  # noqa: E402
 from trainer.core import TrainingCore, cross_entropy_loss  # noqa: E402
 from trainer.model import build_model  # noqa: E402
 from trainer.model.transformer import attention_flops_per_token, count_params  # noqa: E402
+from trainer.plan import plan  # noqa: E402
 from trainer.ranks import Ranks  # noqa: E402
 
 H200_PEAK = 989e12
@@ -61,6 +62,7 @@ class Row:
     tokens_per_s: float = math.nan
     mfu: float = math.nan
     peak_gib: float = math.nan
+    planned_gib: float = math.nan
     loss: float = math.nan
     error: str = ""
 
@@ -72,6 +74,7 @@ def measure(mc: ModelConfig, mode: str, rows: int, seq: int, steps: int, device:
     cfg.trainer.activation_checkpoint = mode  # type: ignore[assignment]
     cfg.trainer.compile = device.type == "cuda"
     cfg.trainer.dtype = "bfloat16" if device.type == "cuda" else "float32"
+    row.planned_gib = plan(cfg, 1, rows=rows, seq=seq).total / 2**30  # trainer/plan.py for this row's config
     core = None
     try:
         torch._dynamo.reset()
@@ -109,14 +112,17 @@ def measure(mc: ModelConfig, mode: str, rows: int, seq: int, steps: int, device:
 
 
 def table(rows: list[Row]) -> str:
-    lines = ["| mode | rows x seq | step ms | tokens/s | MFU | peak GiB | loss |", "|---|---|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| mode | rows x seq | step ms | tokens/s | MFU | peak GiB | planned GiB | measured/planned | loss |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in rows:
         if r.error:
-            lines.append(f"| {r.mode} | {r.rows} x {r.seq} | {r.error} | | | | |")
+            lines.append(f"| {r.mode} | {r.rows} x {r.seq} | {r.error} | | | | {r.planned_gib:.1f} | | |")
         else:
             lines.append(
                 f"| {r.mode} | {r.rows} x {r.seq} | {r.step_s * 1e3:.1f} | {r.tokens_per_s:,.0f} | {r.mfu:.1%} "
-                f"| {r.peak_gib:.1f} | {r.loss:.4f} |"
+                f"| {r.peak_gib:.1f} | {r.planned_gib:.1f} | {r.peak_gib / r.planned_gib:.2f} | {r.loss:.4f} |"
             )
     return "\n".join(lines)
 

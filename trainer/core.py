@@ -40,6 +40,7 @@ from trainer.ep import ParallelPlan, apply_expert_parallel, make_transport
 from trainer.hf import hf_tensors
 from trainer.model import Transformer, compile_blocks
 from trainer.optim import Optimizer, StepStats, autocast
+from trainer.plan import state_bytes
 from trainer.ranks import Ranks
 
 log = logging.getLogger(__name__)
@@ -170,6 +171,19 @@ class TrainingCore:
         model.set_aux_loss(self.aux_coef > 0)
         self.companions: dict[str, Companion] = {}
         """Models checkpointed with this one (the critic of PPO, the frozen reference), by name."""
+        dense, experts, grads, moments = state_bytes(cfg, tc.parallel.ep if self.plan is not None else 1)
+        self.planned_state = dense + experts + grads + moments
+        """trainer/plan.py's weight + gradient + optimizer bytes of this rank (activations: `slipstream plan`)."""
+        self._peak_logged = False
+        log.info(
+            "planned bytes per rank (trainer/plan.py): params %.2f GiB (dense %.2f, routed experts %.2f), grads "
+            "%.2f GiB, optimizer %.2f GiB",
+            (dense + experts) / 2**30,
+            dense / 2**30,
+            experts / 2**30,
+            grads / 2**30,
+            moments / 2**30,
+        )
 
     # -- the step ------------------------------------------------------------------------------
 
@@ -244,6 +258,14 @@ class TrainingCore:
                 parts.append(out.stats)
             done.append(self.optimizer.step(update.tokens, lr=lr))
         figures = reduce_figures(self.ranks.all_gather(reduce_figures(parts)))
+        if not self._peak_logged and self.device.type == "cuda":
+            self._peak_logged = True
+            log.info(
+                "planned vs allocated after the first step: weights+grads+optimizer %.2f GiB planned, "
+                "torch.cuda.max_memory_allocated %.2f GiB (the rest: activations, see `slipstream plan`)",
+                self.planned_state / 2**30,
+                torch.cuda.max_memory_allocated(self.device) / 2**30,
+            )
         return StepResult(done, figures, time.perf_counter() - t0)
 
     def evaluate(

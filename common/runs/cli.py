@@ -18,6 +18,7 @@ DELEGATED = {
     "eval": ("evaluator.cli:cli_main", "run benchmarks against an OpenAI-compatible URL"),
     "prep": ("trainer.data.prep:cli_main", "tokenize trainer.data.sources into token shards under trainer.data.root"),
     "convert": ("trainer.convert:cli_main", "convert a model between our checkpoint (DCP) and an HF directory"),
+    "plan": ("trainer.plan:cli_main", "the memory one training rank needs: params, grads, optimizer, activations"),
 }
 
 
