@@ -12,7 +12,7 @@ Scores (per prompt, then pooled as `ifeval` pools them): `prompt_strict` / `prom
 instruction of the prompt followed) and `instruction_level_strict` / `instruction_level_loose` (followed
 instructions over all instructions). Loose: an instruction counts as followed when the response or one of
 its relaxed forms follows it: without its first line, its last line or both, each also with every `*`
-removed (eight forms; `evaluator.benchmarks.instructions.loose_variants`). `score_response_file` scores a
+removed (eight forms; `evaluator.benchmarks.instructions.follows_loose`). `score_response_file` scores a
 file of responses offline, as the paper's own evaluation does: {"prompt", "response"} per line.
 
 The checks are this module's own reading of the paper's definitions. Where the reference implementation
@@ -35,9 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from common.jsonl import read_jsonl
-from evaluator.benchmark import BenchmarkError, Case, ChatMessage, SampleScore, Sampling
+from evaluator.benchmark import BenchmarkError, Case, ChatMessage, Sampling
 from evaluator.benchmarks.ifeval import IFEval
-from evaluator.benchmarks.instructions import loose_variants
 
 DATA_FILE = "ifeval/input_data.jsonl"
 RECORD = (
@@ -328,14 +327,9 @@ def parse_record(record: dict, where: str) -> tuple[str, tuple[PublishedInstruct
     return record["prompt"], tuple(PublishedInstruction.parse(i, k, where) for i, k in zip(ids, kwargs, strict=True))
 
 
-def follows(instruction: PublishedInstruction, response: str, loose: bool) -> bool:
-    """Strict: the response follows it (an empty response follows nothing); loose: one of its eight forms does."""
-    forms = loose_variants(response) if loose else [response]
-    return any(f.strip() and instruction.check(f) for f in forms)
-
-
 class IFEvalPublished(IFEval):
-    """The published IFEval (the module docstring); scored and summarised as `ifeval` is."""
+    """The published IFEval (the module docstring); scored and summarised by `ifeval`'s own score and summarize
+    (follows_strict / follows_loose over the published instructions)."""
 
     name = "ifeval_google"
     # The paper's responses are long (essays of 300+ words); lm-evaluation-harness's ifeval task allows 1280 tokens.
@@ -360,18 +354,6 @@ class IFEvalPublished(IFEval):
         return Case(
             f"ifeval-{record['key']}", (ChatMessage("user", prompt),), self.sampling, 1, {"instructions": instructions}
         )
-
-    def score(self, case: Case, completion: str) -> SampleScore:
-        instructions: Sequence[PublishedInstruction] = case.context["instructions"]
-        strict = [follows(i, completion, loose=False) for i in instructions]
-        loose = [follows(i, completion, loose=True) for i in instructions]
-        values = {
-            "prompt_strict": float(all(strict)),
-            "prompt_loose": float(all(loose)),
-            "instruction_strict": sum(strict) / len(strict),
-            "instruction_loose": sum(loose) / len(loose),
-        }
-        return SampleScore(values, {"instructions": [i.id for i in instructions], "strict": strict, "loose": loose})
 
 
 def score_response_file(input_path: str | Path, responses_path: str | Path) -> dict[str, float]:

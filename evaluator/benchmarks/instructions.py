@@ -14,7 +14,7 @@ import json
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 RELATIONS = ("at_least", "at_most", "exactly")
 
@@ -196,9 +196,15 @@ def loose_variants(response: str) -> list[str]:
     return [v for t in trimmed for v in (t, t.replace("*", ""))]
 
 
-def follows_strict(instruction: Instruction, response: str) -> bool:
+class Checks(Protocol):
+    """An instruction that checks a response: ours (`Instruction`) or the published IFEval's."""
+
+    def check(self, response: str) -> bool: ...
+
+
+def follows_strict(instruction: Checks, response: str) -> bool:
     return bool(response.strip()) and instruction.check(response)
 
 
-def follows_loose(instruction: Instruction, response: str) -> bool:
+def follows_loose(instruction: Checks, response: str) -> bool:
     return any(v.strip() and instruction.check(v) for v in loose_variants(response))

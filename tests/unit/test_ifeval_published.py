@@ -15,9 +15,9 @@ from evaluator.benchmarks.ifeval_published import (
     PUBLISHED_TYPES,
     PublishedInstruction,
     count_sentences,
-    follows,
     score_response_file,
 )
+from evaluator.benchmarks.instructions import follows_strict
 
 # id -> (kwargs, a response that follows it, responses that do not)
 CASES: dict[str, tuple[dict, str, list[str]]] = {
@@ -130,9 +130,9 @@ def test_each_instruction_passes_a_following_response_and_fails_the_others(kind)
     """Strictly (loose scoring, which relaxes the response, is checked on the fixed response file below)."""
     kwargs, good, bad = CASES[kind]
     instruction = PublishedInstruction.parse(kind, kwargs, "test")
-    assert follows(instruction, good, loose=False), good
+    assert follows_strict(instruction, good), good
     for response in bad:
-        assert not follows(instruction, response, loose=False), response
+        assert not follows_strict(instruction, response), response
 
 
 def test_sentences_split_after_terminal_punctuation_not_abbreviations():
