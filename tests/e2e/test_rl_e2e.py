@@ -361,12 +361,12 @@ def assert_sinks_hold_every_duckdb_point(run_dir: Path) -> None:
     """Each role-rank's DuckDB series (tag -> step -> newest value) is what TensorBoard's own EventAccumulator
     reads from its event dir (as float32) and what its offline W&B run's history holds (exactly)."""
     from common.metric_sinks import read_tensorboard, read_wandb, tensorboard_dir, wandb_run_files
-    from common.metrics import read_metrics
+    from common.metrics import read_metrics, writer_dirs
 
     def same(a: float, b: float) -> bool:
         return (math.isnan(a) and math.isnan(b)) or a == b
 
-    series = sorted(p.stem for p in (run_dir / "metrics").glob("*.duckdb"))
+    series = [d.name for d in writer_dirs(run_dir)]
     assert {"trainer-0", "evaluator-0"} <= set(series), series
     for name in series:
         role, rank = name.rsplit("-", 1)
