@@ -26,6 +26,8 @@ from common.metrics import SeriesCache
 from common.runs.dash.panels import eval_score_tags
 from common.runs.dash.sources import LiveState
 
+log = logging.getLogger(__name__)
+
 LOGS = "logs"
 # How often the progress line reads the metrics (what is new since its last read) and Redis.
 PROGRESS_POLL_S = 2.0
@@ -103,6 +105,8 @@ class ConsoleHandler(logging.Handler):
         self.console = console
 
     def emit(self, record: logging.LogRecord) -> None:
+        if not getattr(record, "console", True):  # logged with extra={"console": False}: the log file only
+            return
         try:
             self.console.line(self.format(record))
         except Exception:
@@ -261,6 +265,7 @@ class ProgressLine:
         self.live = live
         self._t0 = time.monotonic()
         self._cache = figures_cache(run_dir)
+        self.polls, self.longest_gap_s, self._warned_slow = 0, 0.0, False
         self._figures = Figures(steps, warmup_steps)
         self._live: LiveState | None = None
         self._stop = threading.Event()
@@ -273,12 +278,31 @@ class ProgressLine:
         """Stop polling and draw the run's final figures (the roles flushed their metrics at exit)."""
         self._stop.set()
         self._thread.join(timeout=10)
+        if self.polls:  # how regularly the line was redrawn, for the run's log (tests read it)
+            log.info(
+                "progress line: %d reads, at most %.2fs apart (every %.0fs)",
+                self.polls,
+                self.longest_gap_s,
+                PROGRESS_POLL_S,
+                extra={"console": False},
+            )
         self.poll(live=False)
         self.console.finish()
 
     def _loop(self) -> None:
+        last = time.monotonic()
         while not self._stop.wait(PROGRESS_POLL_S):
+            start = time.monotonic()
+            self.polls, self.longest_gap_s = self.polls + 1, max(self.longest_gap_s, start - last)
             self.poll(live=True)
+            last = time.monotonic()
+            if (took := last - start) > PROGRESS_POLL_S and not self._warned_slow:
+                self._warned_slow = True
+                log.warning(
+                    "the progress line took %.1fs to read the run's figures (it reads every %.0fs)",
+                    took,
+                    PROGRESS_POLL_S,
+                )
 
     def poll(self, live: bool) -> None:
         """Draw the figures; `live` asks Redis again (else the last answer is shown)."""

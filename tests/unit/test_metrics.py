@@ -21,6 +21,7 @@ from common.metrics import (
     list_segments,
     metrics_path,
     read_metrics,
+    read_tag_stats,
     step_series,
 )
 from common.runs.registry import Registry
@@ -59,6 +60,12 @@ def test_segments_merge_without_losing_or_repeating_a_batch(tmp_path):
     writer.close()
     segments = list_segments(metrics_path(tmp_path, "trainer", 0))
     assert [(s.first, s.last) for s in segments] == [(0, 15), (16, 19), (20, 20)]
+    # Each footer says what its segment holds (rows, first and last step a tag), merged files too.
+    assert [read_tag_stats(s.path) for s in segments] == [
+        {"loss": [16, 0, 15]},
+        {"loss": [4, 16, 19]},
+        {"loss": [1, 20, 20]},
+    ]
     assert step_series(tmp_path, ["loss"]) == {"loss": {b: b * 0.5 for b in range(21)}}
 
 
@@ -217,9 +224,20 @@ def test_series_cache_thins_long_series_and_keeps_the_ends_exact(tmp_path):
     assert cache.last("gen/queue_s") == StepPoint(10_000, cache.last("gen/queue_s").ts_ms, -1.0)
     assert cache.series()["rl/reward_mean"][0].value == 0.75
     assert len(cache.series()["gen/queue_s"]) <= 202
+    # Deferred: the first read leaves the big tag out, the next reads its backlog and what came since, once.
+    deferring = SeriesCache(tmp_path, max_points=100, defer_rows=5_000)
+    assert deferring.update() and deferring.pending
+    assert deferring.tags() == ["rl/reward_mean"] and deferring.series()["rl/reward_mean"][0].value == 0.75
+    with MetricsWriter(tmp_path, "r5", "trainer", flush_interval_s=60) as writer:
+        writer.log("gen/queue_s", 10_001, -2.0)
+    assert deferring.update() and not deferring.pending
+    got = deferring.series()["gen/queue_s"]
+    assert set(got) - {10_001} <= set(cache.series()["gen/queue_s"]) and 100 <= len(got) <= 202
+    assert deferring.first("gen/queue_s").value == 0.0 and deferring.last("gen/queue_s").value == -2.0
+    assert not deferring.update()
     exact = SeriesCache(tmp_path, tags=["gen/queue_s"])
     exact.update()
-    assert len(exact.series()["gen/queue_s"]) == 10_001 and exact.tags() == ["gen/queue_s"]
+    assert len(exact.series()["gen/queue_s"]) == 10_002 and exact.tags() == ["gen/queue_s"]
 
 
 def test_step_series_keeps_the_newest_point_of_a_step_trained_twice(tmp_path):

@@ -119,7 +119,7 @@ class Dashboard:
         if source is None or source.run_dir != run.run_dir:
             source = self._series[run.id] = _Series(run.run_dir)
         with source.lock:  # page loads of one run share its cache: one reads and draws, the others wait for it
-            if source.cache.update():
+            if source.cache.update():  # with a backlog pending, the page's next poll reads it
                 source.generation += 1
             # What the page polls with: new points, a new flow summary or a restarted dashboard change it.
             signature = f"{self._started}.{source.generation}.{flow_summary_signature(run.run_dir)}"

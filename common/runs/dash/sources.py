@@ -24,6 +24,7 @@ from common.weights.fleet import WorkerRecord
 
 # Steps kept per tag for the charts (a tag of more keeps every k-th: common/metrics.py's SeriesCache).
 DASH_MAX_POINTS = 2000
+DASH_DEFER_ROWS = 200_000
 # redis.json: the name the rendezvous writes.
 REDIS_FILE = "redis.json"
 # The newest lifecycle events shown on a live run's page.
@@ -135,8 +136,10 @@ def config_diff(a: Run, b: Run) -> list[tuple[str, object, object]]:
 
 def series_cache(run_dir: Path) -> SeriesCache:
     """A run's series as the page draws them (every role and rank, at most about 2 x DASH_MAX_POINTS steps
-    a tag): the dashboard keeps one per run and each page load reads only the points stored since."""
-    return SeriesCache(run_dir, max_points=DASH_MAX_POINTS)
+    a tag): the dashboard keeps one per run and each page load reads only the points stored since. A first
+    read leaves the tags of more than DASH_DEFER_ROWS rows (per-sample gen/*, which no panel draws) to the
+    next one, so the page of a long run opens within a second."""
+    return SeriesCache(run_dir, max_points=DASH_MAX_POINTS, defer_rows=DASH_DEFER_ROWS)
 
 
 def flow_summary_signature(run_dir: Path) -> str:
