@@ -138,7 +138,8 @@ def _cmd_scripts(args: argparse.Namespace) -> int:
         print(
             f"slipstream: note: {', '.join(local)}: fine for the role scripts on one host, but the Slurm batch "
             "and the Kubernetes manifest put roles on other nodes, which cannot reach a loopback address; "
-            "set them to 0.0.0.0 (with router.auth_token and rollout.api_key)",
+            "set them to 0.0.0.0 (the router and the workers ask for the run's generated tokens, kept in the "
+            "shared meet dir)",
             file=sys.stderr,
         )
     return 0
