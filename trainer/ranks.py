@@ -14,6 +14,7 @@ liveness (pid on the same host, the role heartbeat otherwise) and names the rank
 from __future__ import annotations
 
 import datetime
+import ipaddress
 import json
 import logging
 import os
@@ -169,7 +170,11 @@ def form_group(
             # torchrun's agent serves the store (on every interface: torch offers it no address to bind).
             store = dist.TCPStore(host, port, info.world, is_master=False, timeout=timeout)
         elif info.rank == 0:
-            store = _serve_store(host, port, info.world, timeout, "MASTER_ADDR")
+            listen = torchrun_listen_host(host)
+            if listen is None:
+                store = dist.TCPStore(host, port, info.world, is_master=True, timeout=timeout, wait_for_workers=False)
+            else:
+                store = _serve_store(listen, port, info.world, timeout, "MASTER_ADDR")
         else:
             store = dist.TCPStore(host, port, info.world, is_master=False, timeout=timeout)
     elif info.rank == 0:
@@ -206,6 +211,31 @@ def _serve_store(host: str, port: int, world: int, timeout: datetime.timedelta, 
     return dist.TCPStore(
         host, bound, world, is_master=True, timeout=timeout, wait_for_workers=False, master_listen_fd=sock.detach()
     )
+
+
+def torchrun_listen_host(master_addr: str) -> str | None:
+    """The address of this machine that MASTER_ADDR names, for rank 0's store to listen on; None (torch's own
+    socket, every interface, with a warning saying why) when MASTER_ADDR does not resolve here (a Kubernetes
+    pod's DNS name before the pod is published) or names no address of this machine, or a loopback address
+    under a host name (Debian maps its own host name to 127.0.1.1: the other hosts reach it otherwise)."""
+    try:
+        resolved = [str(info[4][0]) for info in socket.getaddrinfo(master_addr, None, proto=socket.IPPROTO_TCP)]
+    except OSError as exc:
+        why = f"it does not resolve here ({exc})"
+    else:
+        local = {a.address for addrs in psutil.net_if_addrs().values() for a in addrs}
+        ours = [ip for ip in resolved if ip in local or ipaddress.ip_address(ip.split("%")[0]).is_loopback]
+        literal = master_addr == "localhost" or master_addr in resolved
+        if ours and (literal or not ipaddress.ip_address(ours[0].split("%")[0]).is_loopback):
+            return ours[0]
+        why = f"it resolves to {resolved}, " + ("a loopback address" if ours else "no address of this machine")
+    log.warning(
+        "rank 0's process-group store listens on every interface: MASTER_ADDR = %r names no single address to "
+        "listen on (%s); set MASTER_ADDR to rank 0's address",
+        master_addr,
+        why,
+    )
+    return None
 
 
 def pin_socket_interface(host: str, environ: MutableMapping[str, str]) -> None:

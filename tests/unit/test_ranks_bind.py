@@ -9,7 +9,7 @@ import os
 import psutil
 import pytest
 
-from trainer.ranks import RankError, _serve_store, pin_socket_interface
+from trainer.ranks import RankError, _serve_store, pin_socket_interface, torchrun_listen_host
 
 TIMEOUT = datetime.timedelta(seconds=10)
 
@@ -40,3 +40,12 @@ def test_gloo_and_nccl_are_pointed_at_the_interface_of_the_address_unless_set():
     env = {}
     pin_socket_interface("192.0.2.7", env)  # not this machine's: left to gloo and NCCL, with a warning
     assert env == {}
+
+
+def test_a_torchrun_rank_zero_listens_on_the_address_master_addr_names_when_it_names_one_of_its_own(caplog):
+    assert torchrun_listen_host("127.0.0.1") == "127.0.0.1"
+    assert torchrun_listen_host("localhost") in ("127.0.0.1", "::1")
+    # Not this machine's, or not resolvable here: torch's own socket (every interface), said in a warning.
+    assert torchrun_listen_host("192.0.2.7") is None
+    assert torchrun_listen_host("no-such-host.invalid") is None
+    assert "listens on every interface: MASTER_ADDR = 'no-such-host.invalid'" in caplog.text
