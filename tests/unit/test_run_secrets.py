@@ -8,6 +8,7 @@ import os
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -19,12 +20,13 @@ from common.runs.cli import main as cli_main
 
 REPO = Path(__file__).resolve().parents[2]
 
-# Each process waits on a barrier file, then makes (or reads) the secrets and prints them.
+# Each process says it is ready, waits for the start file, then makes (or reads) the secrets and prints them.
 RACER = """
-import sys, time
+import os, sys, time
 from pathlib import Path
 from common.run_secrets import ensure_secrets
 go = Path(sys.argv[2])
+(go.parent / f"ready-{os.getpid()}").touch()
 while not go.exists():
     time.sleep(0.001)
 print(ensure_secrets(Path(sys.argv[1])).router)
@@ -38,6 +40,10 @@ def test_processes_starting_at_once_on_one_meet_dir_all_get_the_same_secrets(tmp
         subprocess.Popen([sys.executable, "-c", RACER, str(meet), str(go)], stdout=subprocess.PIPE, text=True, env=env)
         for _ in range(8)
     ]
+    deadline = time.monotonic() + 60
+    while len(list(tmp_path.glob("ready-*"))) < len(racers):  # all at the line, then one start for all
+        assert time.monotonic() < deadline, "racers did not start within 60 s"
+        time.sleep(0.01)
     go.touch()
     tokens = {racer.communicate(timeout=60)[0].strip() for racer in racers}
     assert all(racer.returncode == 0 for racer in racers)
