@@ -36,7 +36,13 @@ sys.path.insert(0, str(ROOT))
 
 from common.keys import Keys  # noqa: E402
 from common.rendezvous import Rendezvous  # noqa: E402
-from tests.support.fake_openai import Backend, start_backends, start_router_process, wait_published  # noqa: E402
+from tests.support.fake_openai import (  # noqa: E402
+    Backend,
+    start_backends,
+    start_router_process,
+    token,
+    wait_published,
+)
 
 EXP = "bench"
 BODY = json.dumps({"model": "policy", "prompt": "Say hello.", "max_tokens": 1}).encode()
@@ -82,12 +88,13 @@ class _Conn(asyncio.Protocol):
 
 
 class Client:
-    def __init__(self, url: str, path: str = "/v1/completions") -> None:
+    def __init__(self, url: str, token: str = "", path: str = "/v1/completions") -> None:
         self.host, port = url.removeprefix("http://").rsplit(":", 1)
         self.port = int(port)
+        auth = f"Authorization: Bearer {token}\r\n" if token else ""
         self.request = (
             f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(BODY)}\r\n\r\n"
+            f"{auth}Content-Length: {len(BODY)}\r\n\r\n"
         ).encode() + BODY
         self.conn: _Conn | None = None
 
@@ -107,9 +114,9 @@ class Client:
             self.conn.transport.close()
 
 
-async def latencies(urls: list[str], n: int) -> list[float]:
+async def latencies(urls: list[str], n: int, token: str = "") -> list[float]:
     """Seconds per request of one client sending `n` requests one after another (alternating urls)."""
-    clients = [Client(u) for u in urls]
+    clients = [Client(u, token) for u in urls]
     for c in clients:
         await c.connect()
     out = []
@@ -127,9 +134,9 @@ async def latencies(urls: list[str], n: int) -> list[float]:
     return out
 
 
-async def throughput(urls: list[str], clients: int, seconds: float) -> tuple[float, int]:
+async def throughput(urls: list[str], clients: int, seconds: float, token: str = "") -> tuple[float, int]:
     """Requests per second of `clients` concurrent clients over `seconds`, and the count of non-200s."""
-    conns = [Client(urls[i % len(urls)]) for i in range(clients)]
+    conns = [Client(urls[i % len(urls)], token) for i in range(clients)]
     await asyncio.gather(*(c.connect() for c in conns))
     counts = [0] * clients
     errors = 0
@@ -161,6 +168,7 @@ class Target:
     name: str
     urls: list[str]
     pid: int | None = None  # the router process, for its CPU time
+    token: str = ""  # the bearer token it asks for (the Slipstream router: the run's generated one)
     lat: list[float] = field(default_factory=list)
     rps: list[float] = field(default_factory=list)
     cpu_us: list[float] = field(default_factory=list)
@@ -215,10 +223,10 @@ def start_vllm_router(backends: list[Backend], log: Path) -> tuple[subprocess.Po
 
 def measure(target: Target, args: argparse.Namespace) -> None:
     proc = psutil.Process(target.pid) if target.pid else None
-    lat = uvloop.run(latencies(target.urls, args.latency_requests))
+    lat = uvloop.run(latencies(target.urls, args.latency_requests, target.token))
     target.lat += lat[len(lat) // 10 :]  # the first tenth warms connections and caches
     cpu0 = sum(proc.cpu_times()[:2]) if proc else 0.0
-    rps, errors = uvloop.run(throughput(target.urls, args.clients, args.seconds))
+    rps, errors = uvloop.run(throughput(target.urls, args.clients, args.seconds, target.token))
     if proc:
         target.cpu_us.append((sum(proc.cpu_times()[:2]) - cpu0) / (rps * args.seconds) * 1e6)
     target.rps.append(rps)
@@ -255,7 +263,7 @@ def main() -> int:
                 time.sleep(0.1)
             targets = [
                 Target("direct", [b.url for b in backends]),
-                Target("slipstream", [url], ours.pid),
+                Target("slipstream", [url], ours.pid, token(rz.meet)["Authorization"].removeprefix("Bearer ")),
             ]
             vr, vr_url, vr_why = start_vllm_router(backends, tmp / "vllm-router.log")
             if vr is not None:

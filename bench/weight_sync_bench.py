@@ -37,6 +37,7 @@ sys.path.insert(0, str(ROOT))
 from common.config import RendezvousConfig, load_config  # noqa: E402
 from common.keys import Keys  # noqa: E402
 from common.rendezvous import Rendezvous  # noqa: E402
+from common.run_secrets import apply_secrets, read_secrets  # noqa: E402
 from common.weights.export import per_expert_tensors  # noqa: E402
 from common.weights.publisher import WeightPublisher  # noqa: E402
 
@@ -107,6 +108,9 @@ async def bench_size(name: str, overrides: dict, repeats: int, shard_mb: int, vl
             await asyncio.sleep(0.2)
         from transformers import AutoModelForCausalLM
 
+        generated = read_secrets(rz.meet)  # the worker's vLLM asks for the run's generated key
+        assert generated is not None, f"no secrets in {rz.meet}"
+        apply_secrets(cfg, generated)
         (model_dir,) = (work / "run" / "models").glob("*-*")
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         original = {k: v.clone() for k, v in dict(per_expert_tensors(model.state_dict())).items()}

@@ -32,6 +32,7 @@ from common.heartbeat import Heartbeat
 from common.keys import Keys
 from common.redis_client import STOP_WRITE_S
 from common.rendezvous import Rendezvous
+from common.run_secrets import apply_secrets, ensure_secrets
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +122,9 @@ def context_for(
     meet = resolve_meet_dir(cfg, run_dir, env)
     replica = env.get("SLIPSTREAM_REPLICA", "0")
     instance = f"{socket.gethostname()}-{os.getpid()}-{replica}"
+    # The run's generated tokens stand in for a router.auth_token / rollout.api_key the config leaves empty,
+    # so every server of the run asks for one and every client of it sends it.
+    apply_secrets(cfg, ensure_secrets(meet))
     rz = Rendezvous(meet, cfg.rendezvous)
     if connect:
         # Trainer ranks started torchrun-style start together, and the one holding Redis stops it when it

@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import secrets
 import sys
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
@@ -28,6 +29,8 @@ from common.http import RetryPolicy
 from common.log import setup as setup_logging
 from common.metrics import step_series
 from common.net import bearer, free_port
+from common.roles import resolve_meet_dir
+from common.run_secrets import read_secrets
 from common.weights.fleet import WorkerError
 from common.weights.model_files import tokenizer_dir
 from common.weights.versions import committed_versions, version_dir, weight_root
@@ -224,7 +227,7 @@ async def started_worker(
     from trainer.tinykit import resolve_model
 
     wcfg, extra_env = worker_setup(path, overrides, cfg)
-    ro = wcfg.rollout
+    ro = dataclasses.replace(wcfg.rollout, api_key=cfg.rollout.api_key)  # the key run_cli's session sends
     model_dir = await asyncio.to_thread(resolve_model, wcfg, run_dir)
     port = free_port(LOOPBACK)
     url = f"http://{LOOPBACK}:{port}"
@@ -331,8 +334,14 @@ async def run_cli(args: argparse.Namespace) -> list[EvalResult]:
         assert cfg is not None and run_dir is not None
         location = version_files(cfg, run_dir, args.version)
     results = []
-    # A run's workers may require its rollout.api_key; requests given --token send that instead.
-    headers = bearer(cfg.rollout.api_key) if cfg is not None and location is not None else {}
+    # A run's workers ask for its rollout.api_key (the run's generated one unless set), and the server started
+    # here for a --version asks for one too; requests given --token send that instead.
+    headers: dict[str, str] = {}
+    if location is not None:
+        assert cfg is not None and run_dir is not None
+        stored = read_secrets(resolve_meet_dir(cfg, run_dir, os.environ))
+        cfg.rollout.api_key = cfg.rollout.api_key or (stored.workers if stored else secrets.token_urlsafe(32))
+        headers = bearer(cfg.rollout.api_key)
     async with aiohttp.ClientSession(headers=headers) as session, contextlib.AsyncExitStack() as stack:
         url = args.url
         if url is None:

@@ -262,7 +262,13 @@ def worker_vllm(
     echo: bool = True,
 ) -> VllmProcess:
     """The vLLM server a worker of this run starts (not started yet): `vllm_command` listening on `bind`,
-    `vllm_env` over `base_env` (default: this process's environment), its output appended to `log_path`."""
+    `vllm_env` over `base_env` (default: this process's environment), its output appended to `log_path`.
+    Its routes but /health always ask for `ro.api_key` (a run's roles get the run's generated one)."""
+    if not ro.api_key:
+        raise ValueError(
+            f"worker {name}: rollout.api_key is empty; a worker's vLLM always asks for a bearer token (a role of "
+            "the run gets the run's generated one, see common/run_secrets.py; elsewhere set rollout.api_key)"
+        )
     cmd = vllm_command(ro, model_dir, bind[0], bind[1], on_cpu())
     env = vllm_env(run_dir, None if base_env is None else dict(base_env), api_key=ro.api_key)
     return VllmProcess(cmd, env, url, log_path, f"[vllm {name}]", echo)

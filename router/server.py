@@ -28,6 +28,7 @@ from common.metric_sinks import open_metrics
 from common.net import AddressError, advertised, bearer, is_loopback, refuses, url_host
 from common.redis_client import text
 from common.roles import RunContext
+from common.run_secrets import read_secrets
 from router.metrics import Metrics
 from router.pool import PoolSync, WorkerPool
 from router.proxy import Proxy, json_error
@@ -320,6 +321,13 @@ async def main(ctx: RunContext) -> int:
         except RouterError as exc:
             log.error("%s", exc)
             return 2
+        generated = read_secrets(ctx.meet_dir)
+        log.info(
+            "clients send 'Authorization: Bearer <token>' on every route but /health; %s",
+            f"`slipstream token {ctx.meet_dir}` prints it"
+            if generated is not None and ctx.cfg.router.auth_token == generated.router
+            else "the token is router.auth_token",
+        )
         try:
             await asyncio.get_running_loop().create_future()  # serve until cancelled
         finally:

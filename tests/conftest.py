@@ -21,12 +21,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import aiohttp
 import pytest
 
 from common import log
-from common.config import ModelConfig, RendezvousConfig, load_config
+from common.config import Config, ModelConfig, RendezvousConfig, load_config
 from common.keys import Keys
+from common.net import bearer
 from common.rendezvous import Rendezvous
+from common.run_secrets import RunSecrets, apply_secrets, read_secrets
 
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_READY_TIMEOUT_S = 300.0
@@ -55,6 +58,23 @@ class VllmRun:
     @property
     def redis(self):
         return self.rz.info.client()  # type: ignore[union-attr]
+
+    @property
+    def secrets(self) -> RunSecrets:
+        """The tokens the run's roles generated in its meet dir (the router asks for `router`, workers `workers`)."""
+        found = read_secrets(self.rz.meet)
+        assert found is not None, f"no secrets in {self.rz.meet}: has a role of the run started?"
+        return found
+
+    def cfg(self) -> Config:
+        """The run's config as its roles see it: the generated tokens filled in."""
+        cfg = load_config(self.config)
+        apply_secrets(cfg, self.secrets)
+        return cfg
+
+    def worker_session(self) -> aiohttp.ClientSession:
+        """A client session that the workers' routes accept (it sends rollout.api_key)."""
+        return aiohttp.ClientSession(headers=bearer(self.secrets.workers))
 
     def start_role(self, role: str, log_name: str) -> subprocess.Popen:
         env = os.environ | {
@@ -99,7 +119,8 @@ class VllmRun:
 
     def router_workers(self) -> list[dict]:
         url = self.router_url()
-        with urllib.request.urlopen(f"{url}/workers", timeout=5) as r:
+        request = urllib.request.Request(f"{url}/workers", headers=bearer(self.secrets.router))
+        with urllib.request.urlopen(request, timeout=5) as r:
             return json.loads(r.read())["workers"]
 
     def stop(self) -> None:

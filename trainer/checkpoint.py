@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from common.config import Config, from_dict, identity_diff, identity_fingerprint, to_toml
+from common.run_secrets import without_tokens
 from trainer.optim import Optimizer
 
 _PREFIX = "step_"
@@ -171,7 +172,7 @@ def save_checkpoint(
                 "optimizer_steps": optimizer.steps,
                 "optimizer_tokens": optimizer.tokens,
                 "fingerprint": identity_fingerprint(cfg),
-                "config": to_toml(cfg),
+                "config": to_toml(without_tokens(cfg)),  # a checkpoint travels: no bearer tokens in it
             },
             "rng": _rng_state(),
         },

@@ -14,13 +14,14 @@ liveness (pid on the same host, the role heartbeat otherwise) and names the rank
 from __future__ import annotations
 
 import datetime
+import ipaddress
 import json
 import logging
 import os
 import socket
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -151,30 +152,113 @@ def form_group(
 ) -> Ranks:
     """Initialise torch.distributed for `info` (a group of one too: the same path at every size).
 
-    torchrun-style ranks use MASTER_ADDR/MASTER_PORT. Launcher ranks need `store_address`, an object
-    with `publish(addr: str)` (rank 0) and `wait(timeout_s) -> str` (the others): rank 0 opens a
-    TCPStore (torch listens on every interface) and publishes "store_host:port"; the others connect to
-    what they read.
+    torchrun-style ranks meet at MASTER_ADDR/MASTER_PORT. Launcher ranks need `store_address`, an object
+    with `publish(addr: str)` (rank 0) and `wait(timeout_s) -> str` (the others): rank 0 opens the store and
+    publishes "store_host:port"; the others connect to what they read. `store_host` is this rank's advertised
+    address: rank 0's store listens there only (see `_serve_store`), and gloo and NCCL open their sockets on
+    its interface unless GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME say otherwise.
     """
+    env = os.environ
     timeout = datetime.timedelta(seconds=timeout_s)
     backend = _backend(device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    pin_socket_interface(store_host, os.environ)
     if info.source == "torchrun":
-        dist.init_process_group(backend, init_method="env://", rank=info.rank, world_size=info.world, timeout=timeout)
-    else:
-        if info.rank == 0:
-            store = dist.TCPStore(store_host, 0, info.world, is_master=True, timeout=timeout, wait_for_workers=False)
-            if store_address is not None:
-                store_address.publish(f"{store_host}:{store.port}")
+        host, port = env["MASTER_ADDR"], int(env["MASTER_PORT"])
+        if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            # torchrun's agent serves the store (on every interface: torch offers it no address to bind).
+            store = dist.TCPStore(host, port, info.world, is_master=False, timeout=timeout)
+        elif info.rank == 0:
+            listen = torchrun_listen_host(host)
+            if listen is None:
+                store = dist.TCPStore(host, port, info.world, is_master=True, timeout=timeout, wait_for_workers=False)
+            else:
+                store = _serve_store(listen, port, info.world, timeout, "MASTER_ADDR")
         else:
-            if store_address is None:
-                raise RankError(f"rank {info.rank} of {info.world} has no way to find rank 0's store")
-            store = _connect_store(store_address, info, timeout_s)
-        dist.init_process_group(backend, store=store, rank=info.rank, world_size=info.world, timeout=timeout)
+            store = dist.TCPStore(host, port, info.world, is_master=False, timeout=timeout)
+    elif info.rank == 0:
+        store = _serve_store(store_host, 0, info.world, timeout, "trainer.parallel.store_advertise_host")
+        if store_address is not None:
+            store_address.publish(f"{store_host}:{store.port}")
+    else:
+        if store_address is None:
+            raise RankError(f"rank {info.rank} of {info.world} has no way to find rank 0's store")
+        store = _connect_store(store_address, info, timeout_s)
+    dist.init_process_group(backend, store=store, rank=info.rank, world_size=info.world, timeout=timeout)
     control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
     log.info("trainer rank %d of %d formed its %s group (%s start)", info.rank, info.world, backend, info.source)
     return Ranks(info, device, control)
+
+
+def _serve_store(host: str, port: int, world: int, timeout: datetime.timedelta, field: str) -> dist.TCPStore:
+    """Rank 0's TCPStore, listening on `host` only. torch's store server binds every interface when it opens its
+    own socket; handed a listening socket (`master_listen_fd`, libuv backend) it serves that one instead."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(max(128, world))
+    except OSError as exc:
+        sock.close()
+        raise RankError(
+            f"trainer rank 0 cannot listen on {host}:{port} for its process-group store ({exc}); {field} must be "
+            "an address of rank 0's own machine"
+        ) from None
+    bound = int(sock.getsockname()[1])
+    # torch owns the descriptor from here (detach: Python must not close it under the store).
+    return dist.TCPStore(
+        host, bound, world, is_master=True, timeout=timeout, wait_for_workers=False, master_listen_fd=sock.detach()
+    )
+
+
+def torchrun_listen_host(master_addr: str) -> str | None:
+    """The address of this machine that MASTER_ADDR names, for rank 0's store to listen on; None (torch's own
+    socket, every interface, with a warning saying why) when MASTER_ADDR does not resolve here (a Kubernetes
+    pod's DNS name before the pod is published) or names no address of this machine, or a loopback address
+    under a host name (Debian maps its own host name to 127.0.1.1: the other hosts reach it otherwise)."""
+    try:
+        resolved = [str(info[4][0]) for info in socket.getaddrinfo(master_addr, None, proto=socket.IPPROTO_TCP)]
+    except OSError as exc:
+        why = f"it does not resolve here ({exc})"
+    else:
+        local = {a.address for addrs in psutil.net_if_addrs().values() for a in addrs}
+        ours = [ip for ip in resolved if ip in local or ipaddress.ip_address(ip.split("%")[0]).is_loopback]
+        literal = master_addr == "localhost" or master_addr in resolved
+        if ours and (literal or not ipaddress.ip_address(ours[0].split("%")[0]).is_loopback):
+            return ours[0]
+        why = f"it resolves to {resolved}, " + ("a loopback address" if ours else "no address of this machine")
+    log.warning(
+        "rank 0's process-group store listens on every interface: MASTER_ADDR = %r names no single address to "
+        "listen on (%s); set MASTER_ADDR to rank 0's address",
+        master_addr,
+        why,
+    )
+    return None
+
+
+def pin_socket_interface(host: str, environ: MutableMapping[str, str]) -> None:
+    """Point gloo and NCCL at the interface that holds `host` (GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME in
+    `environ`, this process's environment in use), unless they are set already; an address no interface of this
+    machine holds (a NAT's) leaves them alone, with a warning."""
+    wanted = [name for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") if not environ.get(name)]
+    if not wanted:
+        return
+    try:
+        ips = {info[4][0] for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)}
+    except OSError:
+        ips = set()
+    owners = [name for name, addrs in psutil.net_if_addrs().items() if any(a.address in ips for a in addrs)]
+    if not owners:
+        log.warning(
+            "%s is no address of this machine: gloo and NCCL choose their interface themselves (set "
+            "GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME to pin it)",
+            host,
+        )
+        return
+    for name in wanted:
+        environ[name] = owners[0]
 
 
 def _connect_store(store_address: Any, info: RankInfo, timeout_s: float) -> dist.TCPStore:

@@ -269,9 +269,9 @@ class ParallelConfig:
     symm_mem (NVLink symmetric memory, GPUs); auto = p2p."""
     store_advertise_host: str = "auto"
     """Address of rank 0's process-group store that the other ranks are told when they bootstrap through
-    Redis; auto = the address of rank 0's interface that routes to Redis (loopback when Redis is). torch's
-    TCPStore listens on every interface, so there is no bind host to set. torchrun-style starts use
-    MASTER_ADDR/MASTER_PORT instead."""
+    Redis; auto = the address of rank 0's interface that routes to Redis (loopback when Redis is). Rank 0's
+    store listens on this address only, so it must be one of rank 0's own; gloo and NCCL use its interface.
+    torchrun-style starts use MASTER_ADDR/MASTER_PORT instead (rank 0 listens on MASTER_ADDR)."""
 
     def check(self) -> None:
         require(self.ep >= 1, f"trainer.parallel.ep must be >= 1, got {self.ep}")

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 from common.config.coerce import _coerce, _hints, require
-from common.net import is_loopback
 
 
 def identity(default: Any = dataclasses.MISSING, *, factory: Any = dataclasses.MISSING, added: bool = False) -> Any:
@@ -90,7 +89,7 @@ class RouterConfig:
     name: str = "default"
     """Router name; a second router with the same name in one experiment refuses to start."""
     bind_host: str = "127.0.0.1"
-    """Address the router binds; a non-loopback address requires auth_token."""
+    """Address the router binds; loopback or not, clients need its token (auth_token)."""
     advertise_host: str = "auto"
     """Address in the URL the router publishes; auto = bind_host, or for a wildcard bind the address of the
     interface that routes to Redis."""
@@ -109,7 +108,9 @@ class RouterConfig:
     health_timeout_s: float = 5.0
     """Timeout of one health check; a failing worker is evicted until it passes again."""
     auth_token: str = ""
-    """Bearer token required from clients; empty disables auth (allowed only on loopback)."""
+    """Bearer token required from clients on every route but /health (/metrics included: a Prometheus scrape
+    sends it as `authorization: {credentials: ...}`); empty = the run's generated one (`slipstream token
+    MEET_DIR` prints it)."""
     max_body_bytes: int = 16 * 1024 * 1024
     """Largest accepted request body; larger requests get 413."""
     telemetry_period_s: float = 1.0
@@ -118,10 +119,6 @@ class RouterConfig:
 
     def check(self) -> None:
         require(self.telemetry_period_s >= 0, f"router.telemetry_period_s must be >= 0, got {self.telemetry_period_s}")
-        require(
-            is_loopback(self.bind_host) or bool(self.auth_token),
-            f"router.bind_host = {self.bind_host!r} is not loopback: set router.auth_token (or bind 127.0.0.1)",
-        )
         require(self.max_retries >= 0, f"router.max_retries must be >= 0, got {self.max_retries}")
         require(self.affinity_overload_factor >= 1.0, "router.affinity_overload_factor must be >= 1.0")
 
@@ -328,14 +325,15 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.9
     """Fraction of GPU memory vLLM may use (GPU only)."""
     bind_host: str = "127.0.0.1"
-    """Address each vLLM worker's server binds; a non-loopback address requires rollout.api_key."""
+    """Address each vLLM worker's server binds; loopback or not, every route but /health needs api_key."""
     advertise_host: str = "auto"
     """Address in the URL a worker registers; auto = bind_host, or for a wildcard bind the address of the
     interface that routes to Redis."""
     api_key: str = ""
     """Bearer token every request to a vLLM worker must carry (every path but /health, the weight-update
-    routes included); the router, publisher and evaluator send it. Set it through the environment
-    (SLIPSTREAM__rollout__api_key) rather than a committed file."""
+    routes included); the router, publisher and evaluator send it. Empty = the run's generated one (`slipstream
+    token MEET_DIR workers`); a set one belongs in the environment (SLIPSTREAM__rollout__api_key), not a
+    committed file."""
     tensor_parallel_size: int = 1
     """vLLM tensor parallel size."""
     enforce_eager: bool = True
@@ -381,11 +379,6 @@ class RolloutConfig:
     """The task: where prompts come from and how completions are rewarded."""
 
     def check(self) -> None:
-        require(
-            is_loopback(self.bind_host) or bool(self.api_key),
-            f"rollout.bind_host = {self.bind_host!r} is not loopback: set rollout.api_key (vLLM then refuses "
-            "requests without it), or bind 127.0.0.1",
-        )
         require(self.keep_versions >= 1, f"rollout.keep_versions must be >= 1, got {self.keep_versions}")
         require(self.weight_shard_mb >= 1, f"rollout.weight_shard_mb must be >= 1 (MB), got {self.weight_shard_mb}")
         require(

@@ -8,6 +8,7 @@ import importlib
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from common.config import ROLES, ConfigError, add_set_argument, diff, load_config, render
 
@@ -58,9 +59,22 @@ def build_parser() -> argparse.ArgumentParser:
     add_set_argument(p)
     p = sub.add_parser("dash", help="serve the run dashboard of a run root (all its runs) or of one run dir")
     p.add_argument("path", nargs="?", default="runs", metavar="RUN_ROOT|RUN_DIR", help="default: runs")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind; beyond loopback needs --token")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
     p.add_argument("--port", type=int, default=0, help="port to bind; 0 picks a free one (printed)")
-    p.add_argument("--token", help="required secret (as ?token=T once, or 'Authorization: Bearer T')")
+    p.add_argument(
+        "--token",
+        help="the secret it asks for (as ?token=T once, or 'Authorization: Bearer T'); default: the run's own for "
+        "a run dir whose meet dir holds one, else a fresh one; the URL printed at start carries it",
+    )
+    p = sub.add_parser("token", help="print one of a run's generated bearer tokens (from its meet dir's secrets.json)")
+    p.add_argument("path", metavar="MEET_DIR|RUN_DIR", help="the run's meet dir, or a run dir holding meet/")
+    p.add_argument(
+        "which",
+        nargs="?",
+        default="router",
+        choices=("router", "workers", "dash"),
+        help="router: the openai-compatible URL's (default); workers: the vLLM workers'; dash: the dashboard's",
+    )
     for name, (_, help_text) in DELEGATED.items():
         sub.add_parser(name, help=help_text, add_help=False)
     return parser
@@ -124,7 +138,8 @@ def _cmd_scripts(args: argparse.Namespace) -> int:
         print(
             f"slipstream: note: {', '.join(local)}: fine for the role scripts on one host, but the Slurm batch "
             "and the Kubernetes manifest put roles on other nodes, which cannot reach a loopback address; "
-            "set them to 0.0.0.0 (with router.auth_token and rollout.api_key)",
+            "set them to 0.0.0.0 (the router and the workers ask for the run's generated tokens, kept in the "
+            "shared meet dir)",
             file=sys.stderr,
         )
     return 0
@@ -146,6 +161,19 @@ def _cmd_dash(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_token(args: argparse.Namespace) -> int:
+    from common.run_secrets import SecretsError, locate_meet, read_secrets
+
+    try:
+        run = read_secrets(locate_meet(Path(args.path)))
+    except SecretsError as exc:
+        print(f"slipstream: {exc}", file=sys.stderr)
+        return 2
+    assert run is not None  # locate_meet found the file
+    print(getattr(run, args.which))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in DELEGATED:
@@ -159,6 +187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "launch": _cmd_launch,
         "scripts": _cmd_scripts,
         "dash": _cmd_dash,
+        "token": _cmd_token,
     }
     try:
         return commands[args.command](args)

@@ -34,6 +34,7 @@ from common.config import to_toml
 from common.proc import bind_to_cpus, die_with_parent, stop_process_trees
 from common.rendezvous import Rendezvous
 from common.roles import REPORT_FILE
+from common.run_secrets import ensure_secrets
 from common.runs.console import LOGS, Console, ConsoleHandler, ProgressLine, Shown, elapsed, log_path
 from common.runs.dash.server import DashServer
 from common.runs.dash.sources import read_live
@@ -277,7 +278,12 @@ def launch(
         rendezvous.connect()
         if prep.cfg.launch.dash:
             dash = start_dashboard(prep)
-            log.info("dashboard: %s", dash.url(f"/run/{prep.exp}"))
+            log.info(
+                "dashboard: %s (it asks for the run's token once: `slipstream token %s dash` prints it, "
+                "open the URL with ?token=<it>)",
+                dash.url(f"/run/{prep.exp}", with_token=False),
+                prep.meet_dir,
+            )
         if not verbose:
             progress = ProgressLine(
                 console,
@@ -313,7 +319,7 @@ def launch(
 def start_dashboard(prep: Prepared) -> DashServer:
     """The dashboard of the run root on loopback (launch.dash); a port that cannot be bound stops the launch."""
     try:
-        return DashServer(prep.cfg.run.root, port=prep.cfg.launch.dash_port)
+        return DashServer(prep.cfg.run.root, port=prep.cfg.launch.dash_port, token=ensure_secrets(prep.meet_dir).dash)
     except OSError as exc:
         raise LaunchError(
             f"launch.dash: cannot serve the dashboard on port {prep.cfg.launch.dash_port} ({exc}); "

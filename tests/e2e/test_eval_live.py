@@ -38,6 +38,8 @@ from conftest import MAX_MODEL_LEN
 import evaluator.cli
 from common.config import load_config, to_toml
 from common.metrics import MetricsWriter, read_metrics
+from common.net import bearer
+from common.run_secrets import ensure_secrets
 from common.runs.cli import main as slipstream_main
 from common.weights.publisher import WeightPublisher
 from common.weights.workers import apply_version, served_version
@@ -60,7 +62,8 @@ ROUTE = "/v1/completions"
 
 def proxied(run, route: str) -> int:
     """Requests the router proxied on `route` (any final status), from its Prometheus /metrics."""
-    with urllib.request.urlopen(f"{run.router_url()}/metrics", timeout=5) as r:
+    request = urllib.request.Request(f"{run.router_url()}/metrics", headers=bearer(run.secrets.router))
+    with urllib.request.urlopen(request, timeout=5) as r:
         text = r.read().decode()
     return int(total(text, "slipstream_router_requests_total", route=route))
 
@@ -78,8 +81,8 @@ async def test_all_benchmarks_run_end_to_end_through_the_router_against_vllm(dee
     r = run.rz.info.async_client()
     before = {route: proxied(run, route) for route in (ROUTE, "/v1/chat/completions")}
     try:
-        async with aiohttp.ClientSession() as session:
-            backend = Backend(session, run.router_url(), "policy")
+        async with run.worker_session() as session:  # the fleet probe asks the workers; the backend the router
+            backend = Backend(session, run.router_url(), "policy", token=run.secrets.router)
             served = await backend.describe()
             counter = await backend.choose_counter()
             assert served.max_model_len == MAX_MODEL_LEN and "tokenizer at" in repr(counter)
@@ -146,7 +149,7 @@ async def test_live_evaluator_records_each_version_exactly_and_resumes_from_its_
         monkeypatch.setenv(f"SLIPSTREAM__{key}", str(value))
     cache = eval_dir / "evals" / "cache.jsonl"
     n_cases = len(load_benchmark("arithmetic", DATA).cases())
-    cfg = load_config(run.config)
+    cfg = run.cfg()
     # The kit's tokenizer has a chat template and rollout.chat_template is "auto": held-out arithmetic is asked
     # as a chat turn, on vLLM's chat route.
     arithmetic_route = "/v1/chat/completions" if follows_chat_template(cfg, run.run_dir) else ROUTE
@@ -197,7 +200,9 @@ async def test_live_evaluator_records_each_version_exactly_and_resumes_from_its_
     monkeypatch.chdir(ROOT)
     (worker_url,) = [rec["url"] for rec in run.workers().values()]
     cli_out = tmp_path / "cli"
-    args = build_parser().parse_args(["--url", worker_url, "--config", str(run.config), "--out", str(cli_out)])
+    args = build_parser().parse_args(
+        ["--url", worker_url, "--config", str(run.config), "--out", str(cli_out), "--token", run.secrets.workers]
+    )
     (again,) = await run_cli(args)
     recorded = json.loads((eval_dir / "evals" / f"arithmetic.v{v0 + 3}.summary.json").read_text())
     assert (again.version, again.cases, again.generated) == (str(v0 + 3), n_cases, n_cases)
@@ -261,7 +266,7 @@ async def test_pinned_evaluator_records_each_version_once_while_publishes_outpac
         }.items():
             monkeypatch.setenv(f"SLIPSTREAM__{key}", str(value))
         cache = eval_dir / "evals" / "cache.jsonl"
-        cfg = load_config(run.config)
+        cfg = run.cfg()
         original = original_weights(run)
         other = perturbed(original)
         evaluator = run.start_role("evaluator", "evaluator-pinned")
@@ -274,7 +279,7 @@ async def test_pinned_evaluator_records_each_version_once_while_publishes_outpac
             # is asserted below: one row per version, each measured on its own weights.)
             for version, weights in zip(ours[1:], (original, other, original), strict=True):
                 results.append(await pub.publish(version, weights))
-            async with aiohttp.ClientSession() as session:
+            async with run.worker_session() as session:
                 train_at = {w: await served_version(session, rec["url"]) for w, rec in train.items()}
             assert evaluator.wait(timeout=300) == 0  # until_version = v0+4 reached
     finally:
@@ -364,7 +369,7 @@ async def test_lm_eval_tasks_are_recorded_per_version_by_the_live_evaluator(deep
     }.items():
         monkeypatch.setenv(f"SLIPSTREAM__{key}", str(value))
     monkeypatch.setenv("HOME", str(home))
-    cfg = load_config(run.config)
+    cfg = run.cfg()
     weights = original_weights(run)
     sent_before = proxied(run, ROUTE)
     evaluator = run.start_role("evaluator", "evaluator-lm-eval")
@@ -425,6 +430,7 @@ async def test_eval_of_a_run_version_reproduces_the_recorded_row(tmp_path, tmp_p
         ROOT / "configs" / "demo.toml", [f"run.dir={run_dir}", f"evaluator.data_root={DATA}", "evaluator.limit=40"]
     )
     (run_dir / "config.toml").write_text(to_toml(cfg))
+    ensure_secrets(run_dir / "meet")  # what the run's roles left: the server started for --version asks for its key
     own = safetensors.torch.load_file(resolve_model(cfg, run_dir) / "model.safetensors")
     for version, weights in ((0, own), (1, perturbed(own))):
         write_version(run_dir / "weights", version, weights)

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -242,11 +243,26 @@ def test_launch_dash_serves_the_run_page_while_the_run_goes_on_and_prints_its_ur
         lines = []
         for line in launcher.stdout:
             lines.append(line)
-            if found := re.search(r"dashboard: (http://127\.0\.0\.1:\d+/run/lt-dash)$", line.strip()):
+            if found := re.search(
+                r"dashboard: (http://127\.0\.0\.1:\d+/run/lt-dash) \(.*`(slipstream token .*)`", line
+            ):
                 break
         else:
             raise AssertionError("".join(lines))
-        with urllib.request.urlopen(found.group(1), timeout=30) as page:
+        # The log line carries no token, only the command that prints it; the page asks for it, on loopback too.
+        assert "token=" not in found.group(0)
+        with pytest.raises(urllib.error.HTTPError, match="401"):
+            urllib.request.urlopen(found.group(1), timeout=30)
+        printed = subprocess.run(
+            [sys.executable, "-m", "common.runs.cli", *found.group(2).split()[1:]],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        token = printed.stdout.strip()
+        assert token and token not in "".join(lines)
+        with urllib.request.urlopen(f"{found.group(1)}?token={token}", timeout=30) as page:
             assert page.status == 200 and "lt-dash" in page.read().decode()
         out, _ = launcher.communicate(timeout=60)
     finally:
@@ -254,6 +270,7 @@ def test_launch_dash_serves_the_run_page_while_the_run_goes_on_and_prints_its_ur
             launcher.kill()
             launcher.communicate()
     assert launcher.returncode == 0, "".join(lines) + out
+    assert token not in out and token not in (tmp_path / "runs" / "lt-dash" / "logs" / "launch.log").read_text()
 
 
 @pytest.mark.timeout(120)

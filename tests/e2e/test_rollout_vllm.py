@@ -27,6 +27,7 @@ from common.weights.publisher import WeightPublisher
 from common.weights.workers import served_version
 from rollout.client import RolloutClient
 from rollout.vllm_plugin import watchdog
+from tests.support import prom
 from tests.support.prom import total
 
 pytestmark = [pytest.mark.slow]
@@ -81,7 +82,7 @@ def worker_url(run, worker_id: str | None = None) -> str:
 
 
 def publisher(run, r, pause_mode: str = "keep") -> WeightPublisher:
-    cfg = load_config(run.config)
+    cfg = run.cfg()
     cfg.rollout.pause_mode = pause_mode
     return WeightPublisher(r, run.keys, cfg.rollout, run.run_dir)
 
@@ -116,7 +117,7 @@ async def test_worker_registers_and_serves_through_the_router_with_logprobs_and_
     listed = await asyncio.to_thread(run.wait_for, "router pool", run.router_workers, None, 10)
     assert [w["url"] for w in listed] == [entry["url"]]
     r = run.rz.async_client()
-    async with RolloutClient("policy", redis_client=r, keys=run.keys) as client:
+    async with RolloutClient("policy", redis_client=r, keys=run.keys, token=run.secrets.router) as client:
         samples = await client.generate(PROMPT, n=4, max_tokens=12, seed=1, group="g1", ignore_eos=True)
         current = int(await r.get(run.keys.weights_current) or 0)
     await r.aclose()
@@ -127,13 +128,63 @@ async def test_worker_registers_and_serves_through_the_router_with_logprobs_and_
         assert set(s.versions) == {current} and s.finish_reason == "length" and not s.aborted
 
 
+# Every route of the run's router and of its worker's vLLM but /health, on loopback: what each answers without
+# the run's generated token and with a wrong one (the control routes first: anyone who reaches them could pause
+# the worker or replace the policy).
+WORKER_ROUTES = [
+    ("POST", "/pause"),
+    ("POST", "/update_weights"),
+    ("POST", "/collective_rpc"),
+    ("POST", "/resume"),
+    ("POST", "/v1/completions"),
+    ("GET", "/metrics"),
+]
+ROUTER_ROUTES = [
+    ("POST", "/v1/completions"),
+    ("POST", "/v1/chat/completions"),
+    ("GET", "/v1/models"),
+    ("POST", "/inference/v1/generate"),
+    ("GET", "/workers"),
+    ("GET", "/metrics"),
+]
+
+
+@pytest.mark.timeout(120)
+async def test_without_the_runs_token_the_router_and_the_workers_control_routes_answer_401_on_loopback(deepseek_run):
+    run = deepseek_run
+    worker, router = worker_url(run), run.router_url()
+    assert worker.startswith("http://127.0.0.1:") and router.startswith("http://127.0.0.1:")
+    secrets = run.secrets
+    async with aiohttp.ClientSession() as http:
+        for base, routes, right in ((worker, WORKER_ROUTES, secrets.workers), (router, ROUTER_ROUTES, secrets.router)):
+            for method, path in routes:
+                for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Bearer {right}x"}):
+                    async with http.request(method, base + path, json={}, headers=headers) as resp:
+                        assert resp.status == 401, (base, method, path, headers, resp.status, await resp.text())
+            async with http.get(f"{base}/health") as resp:
+                assert resp.status == 200, base  # liveness probes stay open
+        # With the token the same routes answer (the worker's /metrics, the router's /workers and /metrics).
+        for url, token in ((f"{worker}/metrics", secrets.workers), (f"{router}/workers", secrets.router)):
+            async with http.get(url, headers={"Authorization": f"Bearer {token}"}) as resp:
+                assert resp.status == 200, url
+        async with http.get(f"{router}/metrics", headers={"Authorization": f"Bearer {secrets.router}"}) as resp:
+            page = await resp.text()
+    assert resp.status == 200
+    # Each refusal is counted (6 routes x 3 attempts here; other tests of the session may add theirs).
+    assert prom.value(page, "slipstream_router_errors_total", **{"class": "unauthorized"}) >= 18
+
+
 @pytest.mark.timeout(400)
 async def test_publish_changes_greedy_output_and_restoring_reproduces_it_exactly_deepseek(deepseek_run):
     run = deepseek_run
     url = worker_url(run)
     r = run.rz.async_client()
     model = hf_model(model_dir(run))
-    async with RolloutClient("policy", url=url) as client, publisher(run, r) as pub, aiohttp.ClientSession() as http:
+    async with (
+        RolloutClient("policy", url=url, token=run.secrets.workers) as client,
+        publisher(run, r) as pub,
+        run.worker_session() as http,
+    ):
         first = await greedy(client)
         (first_sample,) = await client.generate(PROMPT, max_tokens=24, seed=7, ignore_eos=True)
         d0 = await check_logprobs_match_hf(client, model, seed=11)
@@ -162,7 +213,7 @@ async def test_served_logprobs_equal_transformers_before_and_after_a_publish_qwe
     url = worker_url(run)
     r = run.rz.async_client()
     model = hf_model(model_dir(run))
-    async with RolloutClient("policy", url=url) as client, publisher(run, r) as pub:
+    async with RolloutClient("policy", url=url, token=run.secrets.workers) as client, publisher(run, r) as pub:
         d0 = await check_logprobs_match_hf(client, model, seed=21)
         first = await greedy(client)
         await pub.publish(await next_version(run, r), perturb(model, seed=3))
@@ -173,12 +224,12 @@ async def test_served_logprobs_equal_transformers_before_and_after_a_publish_qwe
     print(f"qwen3 log-prob max |vLLM - HF|: before publish {d0:.2e}, after {d1:.2e}")
 
 
-async def until_running(url: str, n: int, timeout_s: float = 60.0, requests: Sequence[asyncio.Task] = ()) -> None:
+async def until_running(run, url: str, n: int, timeout_s: float = 60.0, requests: Sequence[asyncio.Task] = ()) -> None:
     """Wait until vLLM's scheduler runs n requests (an HTTP request may still sit in the router or queue).
     A request task in `requests` that already ended with an error fails the wait at once with that error
     (otherwise it would only surface as "Task exception was never retrieved" after the session ends)."""
     deadline = time.monotonic() + timeout_s
-    async with aiohttp.ClientSession() as http:
+    async with run.worker_session() as http:
         while True:
             for task in requests:
                 if task.done() and not task.cancelled() and task.exception() is not None:
@@ -199,7 +250,10 @@ async def _in_flight_publish(run, mode: str, max_tokens: int):
     new version, the publish's result)."""
     r = run.rz.async_client()
     model = hf_model(model_dir(run))
-    async with RolloutClient("policy", redis_client=r, keys=run.keys) as client, publisher(run, r, mode) as pub:
+    async with (
+        RolloutClient("policy", redis_client=r, keys=run.keys, token=run.secrets.router) as client,
+        publisher(run, r, mode) as pub,
+    ):
         old = int(await r.get(run.keys.weights_current) or 0)
         # The new weights are made before the requests start (this took 14-21 s next to the busy engine).
         weights = perturb(model, seed=old + 1)
@@ -208,13 +262,13 @@ async def _in_flight_publish(run, mode: str, max_tokens: int):
         # never ran at once.)
         tasks = [asyncio.create_task(client.generate(PROMPT, n=8, max_tokens=max_tokens, seed=1, ignore_eos=True))]
         url = worker_url(run)
-        await until_running(url, 8, requests=tasks)
+        await until_running(run, url, 8, requests=tasks)
         await asyncio.sleep(0.1)  # a few decode steps on the old weights
         # Freeze the requests first: vLLM's engine keeps both cores busy (its worker on one, the engine core's
         # spin-wait on the other), and everything this process does meanwhile was measured 10-80 times slower:
         # a publish took 42 s (writing the 2 MB version 6.5 s of it), longer than the requests (about 28 s),
         # so it found them finished. The publish's own pause (keep or abort) then acts on frozen requests.
-        async with aiohttp.ClientSession() as http, http.post(f"{url}/pause", params={"mode": "keep"}) as resp:
+        async with run.worker_session() as http, http.post(f"{url}/pause", params={"mode": "keep"}) as resp:
             assert resp.status == 200, await resp.text()
         assert not any(t.done() for t in tasks), "requests finished before the pause; raise max_tokens"
         result = await pub.publish(old + 1, weights)
@@ -257,7 +311,7 @@ async def test_late_worker_serves_the_current_version_before_registering_and_kil
     run = deepseek_run
     r = run.rz.async_client()
     model = hf_model(model_dir(run))
-    async with publisher(run, r) as pub, aiohttp.ClientSession() as http:
+    async with publisher(run, r) as pub, run.worker_session() as http:
         while (version := await next_version(run, r)) <= 3:
             await pub.publish(version, perturb(model, seed=version))
         version = await next_version(run, r)
@@ -275,8 +329,12 @@ async def test_late_worker_serves_the_current_version_before_registering_and_kil
             assert entry["weight_version"] == version
             assert await served_version(http, entry["url"]) == str(version)
             async with (
-                RolloutClient("policy", url=entry["url"]) as late,
-                RolloutClient("policy", url=worker_url(run, next(w for w in run.workers() if w != late_id))) as first,
+                RolloutClient("policy", url=entry["url"], token=run.secrets.workers) as late,
+                RolloutClient(
+                    "policy",
+                    url=worker_url(run, next(w for w in run.workers() if w != late_id)),
+                    token=run.secrets.workers,
+                ) as first,
             ):
                 assert await greedy(late) == await greedy(first)
 

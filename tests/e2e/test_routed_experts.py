@@ -73,7 +73,9 @@ async def test_every_position_carries_the_experts_the_trainer_router_chooses_dee
     model = import_hf(model_dir(run)).eval()
     cfg = model.cfg
     r = run.rz.async_client()
-    async with RolloutClient("policy", redis_client=r, keys=run.keys) as client:  # through the router
+    async with RolloutClient(
+        "policy", redis_client=r, keys=run.keys, token=run.secrets.router
+    ) as client:  # through the router
         samples = await client.generate(PROMPT, n=4, max_tokens=32, seed=5, group="re", ignore_eos=True)
     await r.aclose()
     moe = model.moe_layer_ids()
@@ -102,7 +104,7 @@ async def test_a_prompt_served_from_the_prefix_cache_gets_every_row_qwen3(qwen3_
     # Longer than two of the CPU backend's 128-token blocks, so the second request hits two cached blocks.
     prompt = torch.randint(8, model.cfg.vocab_size, (300,), generator=torch.Generator().manual_seed(0)).tolist()
     url = worker_url(run)
-    async with RolloutClient("policy", url=url) as client, aiohttp.ClientSession() as http:
+    async with RolloutClient("policy", url=url, token=run.secrets.workers) as client, run.worker_session() as http:
         (first,) = await client.generate(prompt, max_tokens=8, seed=1, ignore_eos=True)
         before = await prefix_cache_hits(http, url)
         (second,) = await client.generate(prompt, max_tokens=8, seed=2, ignore_eos=True)
@@ -132,7 +134,7 @@ async def test_across_a_keep_mode_publish_rows_come_from_the_sampling_weights(de
     old_model = import_hf(model_dir(run)).eval()
     r = run.rz.async_client()
     url = worker_url(run)
-    async with RolloutClient("policy", url=url) as client, publisher(run, r, "keep") as pub:
+    async with RolloutClient("policy", url=url, token=run.secrets.workers) as client, publisher(run, r, "keep") as pub:
         old = int(await r.get(run.keys.weights_current) or 0)
         new = await next_version(run, r)
         weights = perturb(hf_model(model_dir(run)), seed=new)
@@ -141,7 +143,7 @@ async def test_across_a_keep_mode_publish_rows_come_from_the_sampling_weights(de
         t0 = time.perf_counter()
         task = asyncio.create_task(client.generate(PROMPT, n=n, max_tokens=max_tokens, seed=9, ignore_eos=True))
         task.add_done_callback(lambda _: timeline.setdefault("requests done", time.perf_counter() - t0))
-        await until_running(url, n, requests=[task])
+        await until_running(run, url, n, requests=[task])
         timeline["running"] = time.perf_counter() - t0
         await asyncio.sleep(0.2)  # some tokens on the old weights
         assert not task.done(), "the requests finished before the publish; raise max_tokens"
@@ -180,7 +182,7 @@ async def test_with_a_perturbed_router_bias_replay_gives_back_vllms_log_probs_de
     of the sampled tokens move away from vLLM's; replaying vLLM's routing brings them back within 1e-5."""
     run = deepseek_run
     model = import_hf(model_dir(run)).eval()
-    async with RolloutClient("policy", url=worker_url(run)) as client:
+    async with RolloutClient("policy", url=worker_url(run), token=run.secrets.workers) as client:
         samples = await client.generate(PROMPT, n=4, max_tokens=32, seed=11, ignore_eos=True)  # temperature 1
     tokens = torch.tensor([s.prompt_token_ids + s.token_ids for s in samples])
     P = len(PROMPT)

@@ -18,7 +18,7 @@ import pytest
 from common.config import RendezvousConfig
 from common.keys import Keys
 from common.rendezvous import Rendezvous
-from tests.support.fake_openai import start_backends, start_router_process, wait_published
+from tests.support.fake_openai import start_backends, start_router_process, token, wait_published
 from tests.support.prom import value
 
 CLIENTS = 64
@@ -72,7 +72,7 @@ async def test_kill_9_of_one_backend_under_64_clients_fails_only_requests_that_h
     stop = asyncio.Event()
     try:
         url = wait_published(router, redis, Keys(EXP).router())
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), headers=token(rz.meet)) as http:
 
             async def client_loop(i: int) -> None:
                 n = 0

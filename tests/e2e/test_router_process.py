@@ -18,7 +18,7 @@ import pytest
 from common.config import RendezvousConfig
 from common.keys import Keys
 from common.rendezvous import Rendezvous
-from tests.support.fake_openai import start_backends, start_router_process, wait_published
+from tests.support.fake_openai import start_backends, start_router_process, token, wait_published
 
 EXP = "routerproc"
 
@@ -57,7 +57,7 @@ def test_router_role_publishes_serves_refuses_a_duplicate_and_withdraws(rz: Rend
     try:
         url = wait_published(first, redis, key)
         request = urllib.request.Request(
-            url + "/v1/completions", data=json.dumps({"prompt": "p"}).encode(), method="POST"
+            url + "/v1/completions", data=json.dumps({"prompt": "p"}).encode(), method="POST", headers=token(rz.meet)
         )
         with urllib.request.urlopen(request, timeout=10) as resp:
             assert json.loads(resp.read())["worker"] == "w0"
@@ -109,7 +109,7 @@ def test_a_router_restarted_after_kill_9_takes_over_its_name_before_the_dead_cla
         took = time.monotonic() - killed
         assert url is not None and url != dead_url
         request = urllib.request.Request(
-            url + "/v1/completions", data=json.dumps({"prompt": "p"}).encode(), method="POST"
+            url + "/v1/completions", data=json.dumps({"prompt": "p"}).encode(), method="POST", headers=token(rz.meet)
         )
         with urllib.request.urlopen(request, timeout=10) as resp:
             assert json.loads(resp.read())["worker"] == "w0"

@@ -59,7 +59,7 @@ def test_trainer_logprobs_of_rollout_tokens_match_vllm_behaviour_logprobs(deepse
 
     async def sample_all() -> list[list[Sample]]:
         url = deepseek_run.router_url()
-        async with RolloutClient(cfg.rollout.served_model_name, url=url) as client:
+        async with RolloutClient(cfg.rollout.served_model_name, url=url, token=deepseek_run.secrets.router) as client:
             settings = await asyncio.gather(
                 *(
                     asyncio.gather(

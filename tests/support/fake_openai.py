@@ -32,6 +32,9 @@ from typing import Any
 
 from aiohttp import web
 
+from common.net import bearer
+from common.run_secrets import read_secrets
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -263,6 +266,14 @@ def start_router_process(config: Path, meet: Path, exp: str, **popen: object) ->
     env["PYTHONPATH"] = str(ROOT)
     cmd = [sys.executable, "-m", "common.runs.cli", "run", str(config)]
     return subprocess.Popen(cmd, cwd=ROOT, env=env, text=True, **popen)  # type: ignore[call-overload]
+
+
+def token(meet: Path) -> dict[str, str]:
+    """The Authorization header a router role process of the run at `meet` asks for (its generated token)."""
+    found = read_secrets(meet)
+    if found is None:
+        raise RuntimeError(f"no secrets.json in {meet}: has the router process started?")
+    return bearer(found.router)
 
 
 def wait_published(proc: subprocess.Popen[str], client: Any, key: str, timeout_s: float = 30.0) -> str:

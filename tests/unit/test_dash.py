@@ -20,7 +20,7 @@ from common.keys import Keys
 from common.metrics import MetricsWriter
 from common.rendezvous import Rendezvous
 from common.roles import RUN_FILE
-from common.runs.cli import main as cli_main
+from common.run_secrets import ensure_secrets
 from common.runs.dash import DashServer
 from common.runs.dash.charts import Series, line_chart, nice_ticks
 from common.runs.dash.sources import DashError, RunSource
@@ -184,12 +184,18 @@ def test_a_step_written_twice_is_served_once_with_its_newest_value(tmp_path):
     assert 'data-tag="rl/reward_mean" data-points="2"' in page
 
 
-def test_binding_beyond_loopback_without_a_token_is_refused_naming_the_flag(tmp_path, capsys):
-    write_run(tmp_path / "runs", "dash-b")
-    with pytest.raises(DashError, match="--token"):
-        DashServer(tmp_path / "runs", host="0.0.0.0")
-    assert cli_main(["dash", str(tmp_path / "runs"), "--host", "0.0.0.0"]) == 2
-    assert "needs a token: pass --token" in capsys.readouterr().err
+def test_on_loopback_too_the_dashboard_asks_for_the_runs_token_or_its_own(tmp_path):
+    run_dir = write_run(tmp_path / "runs", "dash-b")
+    run = ensure_secrets(RunSource(run_dir).runs()[0].meet_dir)
+    with DashServer(run_dir) as server:  # one run dir whose meet dir holds the run's secrets: its token
+        base = f"http://127.0.0.1:{server.port}"
+        assert get(base + "/api/run/dash-b/series")[0] == 401
+        assert server.url().endswith(f"?token={run.dash}")
+        assert get(base + "/api/run/dash-b/series", {"Authorization": f"Bearer {run.dash}"})[0] == 200
+    with DashServer(tmp_path / "runs") as server:  # a run root: a token of its own, not the run's
+        assert get(f"http://127.0.0.1:{server.port}/")[0] == 401
+        assert server.token != run.dash and get(server.url("/"))[0] == 200
+        assert "token" not in server.url("/", with_token=False)
 
 
 def test_the_dashboard_serves_prometheus_metrics_of_its_requests(tmp_path):

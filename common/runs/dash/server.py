@@ -1,6 +1,7 @@
 """The dashboard's HTTP layer: a thin aiohttp app over common/runs/dash/sources.py (reads) and panels.py
-(drawing). Loopback by default; any other bind needs a token, accepted once as `Authorization: Bearer`
-or `?token=` and then from a cookie. Blocking reads (SQLite, DuckDB, Redis) run in threads, and the
+(drawing). Every request needs a token, on loopback too, accepted as `Authorization: Bearer`
+or as `?token=` once and then from a cookie: the one given, else the run's (`dash` of its meet dir's
+secrets.json, when the path is one run dir), else one generated for this server. Blocking reads (SQLite, DuckDB, Redis) run in threads, and the
 panels of a run are cached until one of its metrics files changes, so a page polling every 2 s costs a
 stat() per file while nothing is written.
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -22,7 +24,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
-from common.net import is_loopback
+from common.run_secrets import read_secrets
 from common.runs.dash import views
 from common.runs.dash.panels import Panel, build_panels, drawn_tags, flow_counters
 from common.runs.dash.sources import (
@@ -45,19 +47,23 @@ COOKIE = "slipstream_dash"
 LIVE_TIMEOUT_S = 2.0
 
 
-def check_bind(host: str, token: str | None) -> None:
-    """A dashboard reachable from other machines shows configs and worker URLs: it needs a token."""
-    if not is_loopback(host) and not token:
-        raise DashError(
-            f"binding the dashboard to {host!r} (beyond loopback) needs a token: pass --token T (then open the URL "
-            "with ?token=T once), or bind --host 127.0.0.1 and use an SSH tunnel"
-        )
+def dash_token(source: RunSource, given: str | None = None) -> str:
+    """The token the dashboard asks for: `given`, else the run's own when `source` is one run dir whose meet dir
+    holds one, else a fresh one."""
+    if given:
+        return given
+    if source.single is not None:
+        run = read_secrets(source.runs()[0].meet_dir)
+        if run is not None:
+            return run.dash
+    return secrets.token_urlsafe(32)
 
 
-def dash_url(host: str, port: int, token: str | None = None, path: str = "/") -> str:
+def dash_url(host: str, port: int, token: str = "", path: str = "/") -> str:
     """The URL to open; it carries the token, which the browser then keeps as a cookie."""
     shown = "127.0.0.1" if host in ("0.0.0.0", "") else f"[{host}]" if ":" in host else host
-    return f"http://{shown}:{port}{path}" + (f"?token={quote(token)}" if token else "")
+    joint = "&" if "?" in path else "?"
+    return f"http://{shown}:{port}{path}" + (f"{joint}token={quote(token)}" if token else "")
 
 
 class _Series:
@@ -226,9 +232,11 @@ def _prometheus(registry: CollectorRegistry) -> tuple[Callable, Callable[[web.Re
     return count, metrics
 
 
-def make_app(source: RunSource, token: str | None = None) -> web.Application:
+def make_app(source: RunSource, token: str) -> web.Application:
+    if not token:
+        raise DashError("the dashboard needs a token (dash_token() makes one)")
     count, metrics = _prometheus(CollectorRegistry())
-    app = web.Application(middlewares=[count, *([_auth_middleware(token)] if token else [])])
+    app = web.Application(middlewares=[count, _auth_middleware(token)])
     d = Dashboard(source)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/", d.runs_page)
@@ -242,8 +250,7 @@ def make_app(source: RunSource, token: str | None = None) -> web.Application:
     return app
 
 
-async def _start(source: RunSource, host: str, port: int, token: str | None) -> tuple[web.AppRunner, int]:
-    check_bind(host, token)
+async def _start(source: RunSource, host: str, port: int, token: str) -> tuple[web.AppRunner, int]:
     runner = web.AppRunner(make_app(source, token), access_log=None)
     await runner.setup()
     await web.TCPSite(runner, host, port).start()
@@ -254,9 +261,9 @@ class DashServer:
     """The dashboard on its own event loop in a daemon thread: `url`, then `stop()`."""
 
     def __init__(self, path: str | Path, host: str = "127.0.0.1", port: int = 0, token: str | None = None) -> None:
-        check_bind(host, token)
         self.source = RunSource(path)
-        self.host, self.token = host, token
+        self.host, self.token = host, dash_token(self.source, token)
+        token = self.token
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="slipstream-dash", daemon=True)
         self._thread.start()
@@ -264,8 +271,9 @@ class DashServer:
             _start(self.source, host, port, token), self._loop
         ).result(timeout=30)
 
-    def url(self, path: str = "/") -> str:
-        return dash_url(self.host, self.port, self.token, path)
+    def url(self, path: str = "/", with_token: bool = True) -> str:
+        """The URL of `path`, carrying the token unless `with_token` is False (for a log line)."""
+        return dash_url(self.host, self.port, self.token if with_token else "", path)
 
     def stop(self) -> None:
         asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(timeout=30)
@@ -286,8 +294,9 @@ def start_in_thread(path: str | Path, host: str = "127.0.0.1", port: int = 0, to
 
 
 async def serve(path: str | Path, host: str, port: int, token: str | None) -> None:
-    """Serve until cancelled (Ctrl-C), printing the URL to open."""
+    """Serve until cancelled (Ctrl-C), printing the URL to open (with its token, once, to the terminal)."""
     source = RunSource(path)
+    token = dash_token(source, token)
     runner, bound = await _start(source, host, port, token)
     print(f"slipstream dash: serving {source.path} at {dash_url(host, bound, token)}", flush=True)
     try:
