@@ -220,10 +220,23 @@ class Launcher:
             self.console.line(f"[{rep.label}]   {line.rsplit(chr(13), 1)[-1]}")
 
     def teardown(self) -> None:
-        """SIGTERM every child's group and descendants, SIGKILL what survives the grace period."""
-        stop_process_trees(
-            [rep.proc for rep in self.replicas if rep.proc is not None], self.prep.cfg.launch.stop_timeout_s
-        )
+        """SIGTERM every child's group and descendants, SIGKILL what survives the grace period: in stages
+        (TEARDOWN_STAGES), callers before the servers they call."""
+        for stage in range(len(TEARDOWN_STAGES) + 1):
+            procs = [rep.proc for rep in self.replicas if rep.proc is not None and _teardown_stage(rep.role) == stage]
+            if procs:
+                stop_process_trees(procs, self.prep.cfg.launch.stop_timeout_s)
+
+
+# The roles stopped after the first stage, in order: whatever calls the router and the workers (the trainer, the
+# evaluator, a command of one's own) stops first, so that none of them sees its server go away mid-request and
+# retries into a dying one (the end of a demo used to log the evaluator's retries against a vLLM shutting down);
+# then the router, then the workers.
+TEARDOWN_STAGES = ("router", "vllm")
+
+
+def _teardown_stage(role: str) -> int:
+    return TEARDOWN_STAGES.index(role) + 1 if role in TEARDOWN_STAGES else 0
 
 
 def launch(

@@ -130,6 +130,26 @@ def test_sigint_tears_the_whole_tree_down_within_ten_seconds(tmp_path):
 
 
 @pytest.mark.timeout(120)
+def test_teardown_stops_the_callers_before_the_router_and_the_router_before_the_workers(tmp_path):
+    """At the end of a run the evaluator (and any caller) gets SIGTERM first, the router next, the vLLM workers
+    last: no client sees its server go away mid-request (the demo's evaluator used to retry into a dying vLLM)."""
+    cfg = make_config(
+        tmp_path,
+        role("trainer", "exit0", critical=True, extra='env = {EXIT_AFTER_S = "3"}\n'),
+        role("vllm", "record-term"),
+        role("router", "record-term"),
+        role("evaluator", "record-term"),
+    )
+    launcher = start_launch(cfg, "lt-order")
+    out, _ = launcher.communicate(timeout=90)
+    assert launcher.returncode == 0, out
+    terms = sorted(
+        (tmp_path / "runs" / "lt-order" / "pids").glob("term-*"), key=lambda p: int(p.name.rsplit("-", 1)[1])
+    )
+    assert [p.name.split("-")[1] for p in terms] == ["evaluator", "router", "vllm"], out
+
+
+@pytest.mark.timeout(120)
 def test_kill_9_of_the_launcher_ends_every_role_and_its_redis(tmp_path):
     """A SIGKILLed launcher cannot tear anything down: the kernel sends each role SIGTERM for it."""
     cfg = make_config(tmp_path, role("server", "sleep", critical=True), role("helper", "sleep", extra="replicas = 2\n"))

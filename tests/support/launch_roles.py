@@ -1,6 +1,7 @@
 """Small stand-in processes for the launcher tests: each records its pid under <run_dir>/pids and then
 sleeps, exits with a code, ignores SIGTERM, leaves a grandchild in its own session, or (`once`) fails on its
 first start when it is replica FAIL_REPLICA, sleeps on the first start otherwise, and succeeds after a second;
+`record-term` notes when SIGTERM came;
 `affinity` prints the CPUs it and a child of it may run on and its thread settings."""
 
 import os
@@ -43,6 +44,13 @@ elif mode == "affinity":
     if "EXIT_AFTER_S" in os.environ:
         time.sleep(float(os.environ["EXIT_AFTER_S"]))
         sys.exit(0)
+elif mode == "record-term":
+    # Notes when SIGTERM came (the launcher's teardown order), then exits.
+    def on_term(*_: object) -> None:
+        (pids / f"term-{os.environ['ROLE']}-{time.monotonic_ns()}").touch()
+        sys.exit(0)
+
+    signal.signal(signal.SIGTERM, on_term)
 elif mode.startswith("exit"):
     time.sleep(float(os.environ.get("EXIT_AFTER_S", "0.5")))
     sys.exit(int(mode[len("exit") :]))
