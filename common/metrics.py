@@ -622,7 +622,7 @@ class SeriesCache:
     10,000-step run costs as much as one of a short run, and the newest figures are exact.
 
     With `defer_rows`, a first read leaves out the tags that hold more rows than that (the per-sample gen/*
-    figures: 7 million rows a tag in a 10,000-step demo, against 10,000 for a per-step figure): everything else
+    figures: 10 million rows a tag in a 10,000-step demo, against 10,000 for a per-step figure): everything else
     is there at once, and the next `update()` reads those tags' backlog (`pending` says one waits)."""
 
     def __init__(

@@ -407,7 +407,8 @@ def assert_metrics_never_blocked(run: Launch, reads: int) -> None:
     assert not re.search(r"metrics flush to .* failed|stayed locked", log), re.findall(r".*metrics flush.*", log)
     series = step_series(run.run_dir, ["rl/reward_mean", "perf/step_s", "rl/accuracy"], role="trainer")
     assert all(sorted(series[t]) == list(range(STEPS)) for t in series) and len(series) == 3, series
-    found = re.findall(r"progress line: (\d+) reads, at most ([0-9.]+)s apart", log)
+    launcher_log = (run.run_dir / "logs" / "launch.log").read_text()  # the line is kept off the console
+    found = re.findall(r"progress line: (\d+) reads, at most ([0-9.]+)s apart", launcher_log)
     assert found, "the launcher did not log its progress line's reads"
     polls, gap = int(found[-1][0]), float(found[-1][1])
     print(f"metrics: {reads} whole reads beside the run; progress line {polls} reads, at most {gap:.2f}s apart")
