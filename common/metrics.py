@@ -311,13 +311,16 @@ class MetricsWriter:
             except Exception as exc:
                 if not failing:
                     log.warning(
-                        "metrics flush to %s failed; its %d points stay buffered and are retried every %.0fs: %s",
+                        "metrics flush to %s failed; its %d points stay buffered and are retried every %.3gs: %s",
                         self.path,
                         len(self._tags),
                         self.flush_interval_s,
                         exc,
                     )
                 failing = str(exc)
+                # The next try waits out the interval even if a full buffer rings again: no hot loop on a full disk.
+                if self._closed.wait(self.flush_interval_s):
+                    return
                 continue
             if failing:
                 log.warning("metrics flush to %s works again (it had failed: %s)", self.path, failing)
