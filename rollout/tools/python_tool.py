@@ -57,7 +57,11 @@ except BaseException as exc:
     tb = exc.__traceback__.tb_next
     traceback.clear_frames(tb)
     traceback.print_exception(type(exc), exc, tb)
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
     os._exit(1)
 """
 
@@ -197,6 +201,12 @@ class PythonTool:
             ) from exc
         os.close(status_w)
         netns = _hold_namespace(proc.pid)
+        # The leader's exit, seen through a pidfd: proc.wait() would also wait for its pipes, which a process
+        # it left behind may hold open.
+        try:
+            leader: int | None = os.pidfd_open(proc.pid)
+        except ProcessLookupError:
+            leader = None
         assert proc.stdout is not None and proc.stderr is not None
         readers = asyncio.gather(
             _read_capped(proc.stdout, limits.output_bytes), _read_capped(proc.stderr, limits.output_bytes)
@@ -204,13 +214,13 @@ class PythonTool:
         timed_out = False
         try:
             try:
-                await asyncio.wait_for(proc.wait(), limits.wall_s)
+                await asyncio.wait_for(_until_readable(leader), limits.wall_s)
             except TimeoutError:
                 timed_out = True
             _kill_everything(proc.pid, netns)
-            await proc.wait()
             try:
                 (out, out_total), (err, err_total) = await asyncio.wait_for(readers, 5.0)
+                await asyncio.wait_for(proc.wait(), 5.0)
             except TimeoutError:
                 raise ToolSetupError(
                     "python tool: the child's output pipes stayed open after it was killed: a process escaped "
@@ -221,8 +231,9 @@ class PythonTool:
             readers.cancel()
             raise
         finally:
-            if netns is not None:
-                os.close(netns)
+            for fd in (netns, leader):
+                if fd is not None:
+                    os.close(fd)
         wall_s = loop.time() - started
         os.set_blocking(status_r, False)
         try:
@@ -347,6 +358,19 @@ def _kill_everything(pid: int, netns: int | None) -> None:
                 continue
         if not found:
             return
+
+
+async def _until_readable(fd: int | None) -> None:
+    """Wait until `fd` (a pidfd: its process exited) is readable; None is an fd that already was."""
+    if fd is None:
+        return
+    loop = asyncio.get_running_loop()
+    ready: asyncio.Future[None] = loop.create_future()
+    loop.add_reader(fd, lambda: None if ready.done() else ready.set_result(None))
+    try:
+        await ready
+    finally:
+        loop.remove_reader(fd)
 
 
 async def _read_capped(stream: asyncio.StreamReader, budget: int) -> tuple[bytes, int]:
