@@ -37,10 +37,16 @@ _CLONE_NEWNET = 0x40000000
 _MIB = 1 << 20
 _libc = ctypes.CDLL(None, use_errno=True)
 
-# Runs the model's code as __main__ and reports, on the status pipe whose fd is argv[1], the limits that
-# surface as Python exceptions (address space: MemoryError; file size: EFBIG, since Python ignores SIGXFSZ).
+# Waits for the parent's go byte on stdin (then stdin is /dev/null), runs the model's code as __main__ and
+# reports, on the status pipe whose fd is argv[1], the limits that surface as Python exceptions (address
+# space: MemoryError; file size: EFBIG, since Python ignores SIGXFSZ).
 _RUNNER = r"""
 import errno, os, sys, traceback
+if sys.stdin.buffer.read(1) != b"g":  # the go byte: the parent holds our namespace and pid before code runs
+    os._exit(0)
+null = os.open(os.devnull, os.O_RDONLY)
+os.dup2(null, 0)
+os.close(null)
 status, code = int(sys.argv[1]), sys.argv[2]
 sys.argv = ["<tool>"]
 namespace = {"__name__": "__main__", "__builtins__": __builtins__}
@@ -186,7 +192,7 @@ class PythonTool:
         try:
             proc = await asyncio.create_subprocess_exec(
                 self.python, "-I", "-S", "-B", "-c", _RUNNER, str(status_w), code,
-                stdin=asyncio.subprocess.DEVNULL,
+                stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE,
                 cwd=scratch,
@@ -207,7 +213,9 @@ class PythonTool:
             leader: int | None = os.pidfd_open(proc.pid)
         except ProcessLookupError:
             leader = None
-        assert proc.stdout is not None and proc.stderr is not None
+        assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
+        proc.stdin.write(b"g")
+        proc.stdin.close()
         readers = asyncio.gather(
             _read_capped(proc.stdout, limits.output_bytes), _read_capped(proc.stderr, limits.output_bytes)
         )

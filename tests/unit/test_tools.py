@@ -246,7 +246,8 @@ async def test_an_endless_loop_is_stopped_by_the_cpu_limit_within_it(tmp_path):
     print(f"cpu loop: stopped after {result.wall_s:.2f}s wall, {cpu_used:.2f}s CPU")
     assert result.limit == "cpu time limit 1s exceeded" and result.exit_code == -signal.SIGXCPU
     assert result.text.startswith("error: cpu time limit 1s exceeded\nkilled by SIGXCPU")
-    assert 0.9 <= cpu_used <= 1.5  # rusage samples ticks, so it may read a little under the exact limit
+    # The kernel stops it at 1s of its own clock; rusage, adjusted from tick samples, reads 0.88-0.98s on a loaded machine.
+    assert 0.7 <= cpu_used <= 1.5
     assert result.wall_s is not None and result.wall_s < 60
 
 
@@ -376,6 +377,7 @@ async def test_as_another_user_the_code_cannot_read_the_run_s_files(tmp_path):
 
 async def test_without_a_network_namespace_the_tool_refuses_and_says_how_to_fix_it(tmp_path, monkeypatch):
     monkeypatch.setattr(python_tool, "_netns_checked", False)
+    monkeypatch.setattr(python_tool, "_netns_error", None)  # restored afterwards, like the flag
     monkeypatch.setattr(python_tool, "_PROBE", "import sys; sys.exit('Operation not permitted')")
     with pytest.raises(
         ToolSetupError, match=r"unshare\(CLONE_NEWNET\) failed: Operation not permitted\. Run the role as root"
@@ -395,3 +397,18 @@ def test_bad_limits_and_modes_are_refused_naming_the_setting(tmp_path):
         PythonTool(tmp_path, network="host")
     with pytest.raises(ValueError, match="user = 'no-such-user-37': no such account"):
         PythonTool(tmp_path, user="no-such-user-37")
+
+
+async def test_concurrent_calls_each_get_their_own_sandbox_and_cleaning_one_spares_the_others(tmp_path):
+    tool = _tool(tmp_path, wall_s=20)
+    slow = "import os, time\ntime.sleep(1.0)\nprint('slow', os.getpid())"
+    quick = "import subprocess\nsubprocess.Popen(['sleep', '100'], start_new_session=True)\nprint('quick')"
+    results = await asyncio.gather(tool.run(slow), *(tool.run(quick) for _ in range(3)))
+    assert [r.exit_code for r in results] == [0, 0, 0, 0]
+    assert results[0].stdout.startswith("slow ") and all(r.stdout == "quick\n" for r in results[1:])
+    assert list((tmp_path / "run" / "tools" / "python").iterdir()) == []
+
+
+async def test_the_code_reads_an_empty_stdin(tmp_path):
+    result = await _tool(tmp_path).run("import sys\nprint(repr(sys.stdin.read()))")
+    assert (result.exit_code, result.stdout) == (0, "''\n")
