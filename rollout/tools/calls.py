@@ -11,8 +11,10 @@ pair, anywhere in the turn's text, calls taken in the order they appear:
 misspelt key is told to the model rather than ignored. A malformed call (bad JSON, a missing name, arguments
 that are not an object, a tag never closed, a closing tag never opened) becomes a `CallError` in the list, in
 its place: the parser never raises, because a model's malformed call is an observation for the model to
-read, not a lost sample. A result goes back as the text of one `<tool_response>` tag pair per call, in call
-order, newline inside both tags (`render_response`); the chat template decides whose turn that text is.
+read, not a lost sample. Tags are found before the JSON is read, so a string holding a closing tag writes it
+`<\\/tool_call>` (JSON's escaped slash). A result goes back as the text of one `<tool_response>` tag pair per
+call, in call order, newline inside both tags (`render_response`); the chat template decides whose turn that
+text is.
 """
 
 from __future__ import annotations

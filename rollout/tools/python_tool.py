@@ -161,7 +161,10 @@ class PythonTool:
     async def run(self, code: str) -> ToolResult:
         """Run `code`; the result says what it printed, how it exited and which limit, if any, stopped it."""
         await _check_network_namespace()
-        size = len(code.encode("utf-8", "surrogatepass"))
+        try:
+            size = len(code.encode("utf-8"))
+        except UnicodeEncodeError as exc:  # a lone surrogate, which JSON's \u escapes can carry
+            return self._refuse(f"code is not valid Unicode at character {exc.start} ({exc.reason}); remove it")
         if size > self.limits.code_bytes:
             return self._refuse(f"code is {size} bytes; the limit is {self.limits.code_bytes}")
         if "\0" in code:
@@ -310,7 +313,12 @@ async def _check_network_namespace() -> None:
                 stdout=asyncio.subprocess.DEVNULL,
                 stderr=asyncio.subprocess.PIPE,
             )
-            _, err = await asyncio.wait_for(probe.communicate(), 30)
+            try:
+                _, err = await asyncio.wait_for(probe.communicate(), 30)
+            except TimeoutError:
+                probe.kill()
+                await probe.wait()
+                raise ToolSetupError("python tool: the network namespace probe did not finish in 30 s") from None
             if probe.returncode != 0:
                 _netns_error = f"unshare(CLONE_NEWNET) failed: {err.decode(errors='replace').strip()}"
         _netns_checked = True

@@ -81,6 +81,11 @@ def test_unclosed_and_unopened_tags_are_errors_naming_where_they_are():
     assert isinstance(never, CallError) and "never closed" in never.message and never.text.endswith('{"name"')
 
 
+def test_a_closing_tag_inside_a_string_is_written_with_json_s_escaped_slash():
+    (call,) = parse_calls('<tool_call>{"name": "echo", "arguments": {"s": "<\\/tool_call>"}}</tool_call>')
+    assert isinstance(call, ToolCall) and call.arguments == {"s": "</tool_call>"}
+
+
 def test_the_parser_never_raises_whatever_the_text():
     rng = random.Random(37)
     pieces = ["<tool_call>", "</tool_call>", "{", "}", '"name"', ":", '"x"', "[", "]", "1e999", "\\", "\ud800", "\x00"]
@@ -412,3 +417,9 @@ async def test_concurrent_calls_each_get_their_own_sandbox_and_cleaning_one_spar
 async def test_the_code_reads_an_empty_stdin(tmp_path):
     result = await _tool(tmp_path).run("import sys\nprint(repr(sys.stdin.read()))")
     assert (result.exit_code, result.stdout) == (0, "''\n")
+
+
+async def test_code_with_a_lone_surrogate_is_refused_as_an_observation(tmp_path):
+    (call,) = parse_calls('<tool_call>{"name": "python", "arguments": {"code": "print(1) # \\ud800"}}</tool_call>')
+    result = await ToolRegistry([_tool(tmp_path)]).call(call)
+    assert result.is_error and result.text.startswith("error: code is not valid Unicode at character 11 (surrogates")
