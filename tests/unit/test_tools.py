@@ -251,8 +251,9 @@ async def test_an_endless_loop_is_stopped_by_the_cpu_limit_within_it(tmp_path):
     print(f"cpu loop: stopped after {result.wall_s:.2f}s wall, {cpu_used:.2f}s CPU")
     assert result.limit == "cpu time limit 1s exceeded" and result.exit_code == -signal.SIGXCPU
     assert result.text.startswith("error: cpu time limit 1s exceeded\nkilled by SIGXCPU")
-    # The kernel stops it at 1s of its own clock; rusage, adjusted from tick samples, reads 0.88-0.98s on a loaded machine.
-    assert 0.7 <= cpu_used <= 1.5
+    # SIGXCPU says the kernel stopped it at 1s of its own clock. rusage reads less on a loaded VM (0.74-0.98s
+    # seen), so only the upper bound is tight; the lower one shows it ran for a while rather than died at start.
+    assert 0.5 <= cpu_used <= 1.5
     assert result.wall_s is not None and result.wall_s < 60
 
 
