@@ -172,23 +172,22 @@ class PythonTool:
         parent = self.run_dir / "tools" / "python"
         parent.mkdir(parents=True, exist_ok=True)
         scratch = Path(tempfile.mkdtemp(prefix="call-", dir=parent))
-        status_r, status_w = os.pipe()
         try:
             if self._ids is not None:
                 os.chown(scratch, *self._ids)
-            return await self._run_in(scratch, code, status_r, status_w)
+            status_r, status_w = os.pipe()
+            try:
+                return await self._run_in(scratch, code, status_r, status_w)
+            finally:
+                os.close(status_r)
         finally:
-            for fd in (status_r, status_w):
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass  # status_w is closed once the child has it
             shutil.rmtree(scratch)
 
     def _refuse(self, why: str) -> ToolResult:
         return ToolResult(self.name, f"error: {why}", is_error=True)
 
     async def _run_in(self, scratch: Path, code: str, status_r: int, status_w: int) -> ToolResult:
+        """The call in `scratch`; it owns `status_w` (closed once the child has it) but not `status_r`."""
         limits = self.limits
         loop = asyncio.get_running_loop()
         started = loop.time()
@@ -208,7 +207,8 @@ class PythonTool:
             raise ToolSetupError(
                 f"python tool: cannot start {self.python!r}: {exc}; set `python` to an interpreter"
             ) from exc
-        os.close(status_w)
+        finally:
+            os.close(status_w)
         netns = _hold_namespace(proc.pid)
         # The leader's exit, seen through a pidfd: proc.wait() would also wait for its pipes, which a process
         # it left behind may hold open.

@@ -424,3 +424,12 @@ async def test_code_with_a_lone_surrogate_is_refused_as_an_observation(tmp_path)
     (call,) = parse_calls('<tool_call>{"name": "python", "arguments": {"code": "print(1) # \\ud800"}}</tool_call>')
     result = await ToolRegistry([_tool(tmp_path)]).call(call)
     assert result.is_error and result.text.startswith("error: code is not valid Unicode at character 11 (surrogates")
+
+
+async def test_calls_leave_no_descriptor_open_in_the_caller(tmp_path):
+    tool = _tool(tmp_path, wall_s=1)
+    await tool.run("print(1)")  # the first call starts what lives on (the child watcher, the loop's pipes)
+    before = len(os.listdir("/proc/self/fd"))
+    for code in ("print(1)", "import time\ntime.sleep(5)", "1/0", "x = ' ' * 10**9"):
+        await tool.run(code)
+    assert len(os.listdir("/proc/self/fd")) == before
