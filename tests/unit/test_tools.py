@@ -15,6 +15,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import uvloop
 
 from rollout.tools import python_tool
 from rollout.tools.calls import CallError, ToolCall, parse_calls, render_response
@@ -433,3 +434,15 @@ async def test_calls_leave_no_descriptor_open_in_the_caller(tmp_path):
     for code in ("print(1)", "import time\ntime.sleep(5)", "1/0", "x = ' ' * 10**9"):
         await tool.run(code)
     assert len(os.listdir("/proc/self/fd")) == before
+
+
+def test_the_tool_works_in_uvloop_the_loop_the_generation_controller_runs(tmp_path):
+    code = "import subprocess\nprint(subprocess.Popen(['sleep', '100'], start_new_session=True).pid)"
+
+    async def calls() -> tuple[ToolResult, ToolResult]:
+        tool = _tool(tmp_path, wall_s=1)
+        return await tool.run(code), await tool.run("import time\ntime.sleep(100)")
+
+    left_behind, sleeper = uvloop.run(calls())
+    assert left_behind.exit_code == 0 and _gone(int(left_behind.stdout))
+    assert sleeper.limit == "wall time 1s exceeded, killed"
