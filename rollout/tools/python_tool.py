@@ -263,8 +263,15 @@ class PythonTool:
         if not stdout and not stderr:
             lines.append("(no output)")
         return ToolResult(
-            self.name, "\n".join(lines), limit is not None or rc != 0, rc, stdout, stderr, limit, wall_s
-        )  # fmt: skip
+            self.name,
+            "\n".join(lines),
+            is_error=limit is not None or rc != 0,
+            exit_code=rc,
+            stdout=stdout,
+            stderr=stderr,
+            limit=limit,
+            wall_s=wall_s,
+        )
 
     def _limit_hit(self, rc: int, status: bytes, timed_out: bool) -> str | None:
         limits = self.limits
