@@ -22,12 +22,14 @@ from typing import TextIO
 
 import duckdb
 
-from common.metrics import read_metrics
+from common.metrics import SeriesCache
 from common.runs.dash.panels import eval_score_tags
-from common.runs.dash.sources import LiveState, metrics_signature
+from common.runs.dash.sources import LiveState
+
+log = logging.getLogger(__name__)
 
 LOGS = "logs"
-# How often the progress line reads the metrics (when a file changed) and Redis.
+# How often the progress line reads the metrics (what is new since its last read) and Redis.
 PROGRESS_POLL_S = 2.0
 # Off a terminal: the shortest time between two printed progress lines.
 PROGRESS_EVERY_S = 15.0
@@ -103,6 +105,8 @@ class ConsoleHandler(logging.Handler):
         self.console = console
 
     def emit(self, record: logging.LogRecord) -> None:
+        if not getattr(record, "console", True):  # logged with extra={"console": False}: the log file only
+            return
         try:
             self.console.line(self.format(record))
         except Exception:
@@ -163,15 +167,25 @@ class Figures:
     problem: str = ""
 
 
-def read_figures(run_dir: Path, steps: int, warmup_steps: int) -> Figures:
-    """The run's figures from its DuckDB metrics (every role and rank)."""
+# The tags the progress line shows: the newest point of each (and the first of each score) is all it reads.
+FIGURE_TAGS = ("rl/reward_mean", "train/loss", "warmup/loss", "perf/samples_per_s", "train/tokens_per_s")
+
+
+def figures_cache(run_dir: Path) -> SeriesCache:
+    """What read_figures reads, kept between polls: each poll reads only the points stored since."""
+    return SeriesCache(run_dir, tags=FIGURE_TAGS, prefixes=("eval/",), max_points=64)
+
+
+def read_figures(run_dir: Path, steps: int, warmup_steps: int, cache: SeriesCache | None = None) -> Figures:
+    """The run's figures from its metrics (every role and rank), brought up to date in `cache` when given."""
+    if cache is None:
+        cache = figures_cache(run_dir)
+    cache.update()
     f = Figures(steps, warmup_steps)
-    series: dict[str, dict[int, float]] = {}
-    for p in read_metrics(run_dir):  # ordered by tag, step, time: a step's newest point comes last
-        series.setdefault(p.tag, {})[p.step] = p.value
 
     def last(tag: str) -> tuple[int, float] | None:
-        return max(series[tag].items()) if series.get(tag) else None
+        p = cache.last(tag)
+        return None if p is None else (p.step, p.value)
 
     if rl := last("rl/reward_mean"):
         f.step, f.reward = rl[0] + 1, rl[1]  # RL steps are logged 0-based
@@ -179,10 +193,10 @@ def read_figures(run_dir: Path, steps: int, warmup_steps: int) -> Figures:
         f.step, f.loss = pre  # pretraining steps 1-based
     if (warm := last("warmup/loss")) and f.step is None:
         f.warm_step, f.loss = warm[0] + 1, warm[1]  # logged at the 0-based step
-    for bench, tags in eval_score_tags(series).items():
-        scores = series[tags[0]]
-        first, newest = min(scores), max(scores)
-        f.heldout[bench] = (first, scores[first], newest, scores[newest])
+    for bench, tags in eval_score_tags(cache.tags()).items():
+        first, newest = cache.first(tags[0]), cache.last(tags[0])
+        assert first is not None and newest is not None  # a listed tag has points
+        f.heldout[bench] = (first.step, first.value, newest.step, newest.value)
     if rate := last("perf/samples_per_s"):
         f.rate = f"{rate[1]:.0f} samples/s"
     elif rate := last("train/tokens_per_s"):
@@ -250,7 +264,8 @@ class ProgressLine:
         self.console, self.run_dir, self.steps, self.warmup_steps = console, run_dir, steps, warmup_steps
         self.live = live
         self._t0 = time.monotonic()
-        self._signature = ""
+        self._cache = figures_cache(run_dir)
+        self.polls, self.longest_gap_s, self._warned_slow = 0, 0.0, False
         self._figures = Figures(steps, warmup_steps)
         self._live: LiveState | None = None
         self._stop = threading.Event()
@@ -263,23 +278,39 @@ class ProgressLine:
         """Stop polling and draw the run's final figures (the roles flushed their metrics at exit)."""
         self._stop.set()
         self._thread.join(timeout=10)
+        if self.polls:  # how regularly the line was redrawn, for the run's log (tests read it)
+            log.info(
+                "progress line: %d reads, at most %.2fs apart (every %.0fs)",
+                self.polls,
+                self.longest_gap_s,
+                PROGRESS_POLL_S,
+                extra={"console": False},
+            )
         self.poll(live=False)
         self.console.finish()
 
     def _loop(self) -> None:
+        last = time.monotonic()
         while not self._stop.wait(PROGRESS_POLL_S):
+            start = time.monotonic()
+            self.polls, self.longest_gap_s = self.polls + 1, max(self.longest_gap_s, start - last)
             self.poll(live=True)
+            last = time.monotonic()
+            if (took := last - start) > PROGRESS_POLL_S and not self._warned_slow:
+                self._warned_slow = True
+                log.warning(
+                    "the progress line took %.1fs to read the run's figures (it reads every %.0fs)",
+                    took,
+                    PROGRESS_POLL_S,
+                )
 
     def poll(self, live: bool) -> None:
         """Draw the figures; `live` asks Redis again (else the last answer is shown)."""
         figures = self._figures
         try:
-            signature = metrics_signature(self.run_dir)
-            if signature != self._signature:
-                figures = read_figures(self.run_dir, self.steps, self.warmup_steps)
-                self._figures, self._signature = figures, signature
+            figures = self._figures = read_figures(self.run_dir, self.steps, self.warmup_steps, self._cache)
             problem = ""
-        except (OSError, duckdb.Error) as exc:  # TimeoutError is an OSError
+        except (OSError, duckdb.Error) as exc:
             problem = f"metrics unreadable: {exc}"
         if live:
             self._live = self.live()

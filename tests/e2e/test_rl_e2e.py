@@ -335,10 +335,13 @@ def test_ppo_with_a_critic_and_a_kl_to_the_reference_learns_sampling_at_temperat
     from common.metrics import step_series
 
     run = Launch(short_root, "rl-ppo", *PPO_SETS, ALL_SINKS, LEARNING_BENCHMARKS)
+    reader = MetricsReaderLoop(run.run_dir)
     try:
         run.finish(1200)
     finally:
         run.stop()
+        reads = reader.stop()
+    assert_metrics_never_blocked(run, reads)
     assert_sinks_hold_every_duckdb_point(run.run_dir)
     print(f"ppo held-out: {end_of_run_rise(run.scores(), 0, STEPS)}")
     print(f"ppo sampled reward: {reward_rise(trainer_rewards(run.run_dir), STEPS)}")
@@ -356,17 +359,71 @@ def test_ppo_with_a_critic_and_a_kl_to_the_reference_learns_sampling_at_temperat
 
 ALL_SINKS = 'metrics.sinks=["duckdb", "tensorboard", "wandb"]'
 
+# Reads every metrics segment of a run from scratch, again and again, until stdin closes: the heaviest reader
+# there is (the console and the dashboard read incrementally); prints how many whole reads it made.
+_READ_LOOP = """
+import sys, threading
+from common.metrics import read_metrics
+done = threading.Event()
+threading.Thread(target=lambda: (sys.stdin.read(), done.set()), daemon=True).start()
+reads = 0
+while not done.is_set():
+    read_metrics(sys.argv[1])
+    reads += 1
+print(reads, flush=True)
+"""
+
+
+class MetricsReaderLoop:
+    """Another process reading the run's metrics continuously while it runs (issue 38: a reader once held the
+    trainer's DuckDB file past its writer's patience)."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _READ_LOOP, str(run_dir)],
+            cwd=REPO,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+
+    def stop(self) -> int:
+        """The number of whole reads made; fails with the reader's output if it died."""
+        out, _ = self.proc.communicate("", timeout=120)
+        assert self.proc.returncode == 0, f"the metrics reader failed:\n{out[-3000:]}"
+        return int(out.split()[-1])
+
+
+def assert_metrics_never_blocked(run: Launch, reads: int) -> None:
+    """With a reader reading every segment all along: no role logged a failed flush (a lock, a full buffer),
+    every step's figures are there, and the launcher's progress line read its figures every PROGRESS_POLL_S
+    with no gap longer than that plus 2 s."""
+    from common.metrics import step_series
+    from common.runs.console import PROGRESS_POLL_S
+
+    log = run.log()
+    assert reads > 10, f"the reader made only {reads} whole reads"
+    assert not re.search(r"metrics flush to .* failed|stayed locked", log), re.findall(r".*metrics flush.*", log)
+    series = step_series(run.run_dir, ["rl/reward_mean", "perf/step_s", "rl/accuracy"], role="trainer")
+    assert all(sorted(series[t]) == list(range(STEPS)) for t in series) and len(series) == 3, series
+    found = re.findall(r"progress line: (\d+) reads, at most ([0-9.]+)s apart", log)
+    assert found, "the launcher did not log its progress line's reads"
+    polls, gap = int(found[-1][0]), float(found[-1][1])
+    print(f"metrics: {reads} whole reads beside the run; progress line {polls} reads, at most {gap:.2f}s apart")
+    assert polls > 10 and gap <= PROGRESS_POLL_S + 2.0, (polls, gap)
+
 
 def assert_sinks_hold_every_duckdb_point(run_dir: Path) -> None:
     """Each role-rank's DuckDB series (tag -> step -> newest value) is what TensorBoard's own EventAccumulator
     reads from its event dir (as float32) and what its offline W&B run's history holds (exactly)."""
     from common.metric_sinks import read_tensorboard, read_wandb, tensorboard_dir, wandb_run_files
-    from common.metrics import read_metrics
+    from common.metrics import read_metrics, writer_dirs
 
     def same(a: float, b: float) -> bool:
         return (math.isnan(a) and math.isnan(b)) or a == b
 
-    series = sorted(p.stem for p in (run_dir / "metrics").glob("*.duckdb"))
+    series = [d.name for d in writer_dirs(run_dir)]
     assert {"trainer-0", "evaluator-0"} <= set(series), series
     for name in series:
         role, rank = name.rsplit("-", 1)

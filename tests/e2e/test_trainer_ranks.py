@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from common.config import load_config
-from common.metrics import read_metrics
+from common.metrics import has_metrics, read_metrics
 from trainer.checkpoint import list_checkpoints, load_model_weights
 from trainer.model import build_model
 
@@ -309,7 +309,7 @@ def test_a_rank_killed_with_sigkill_ends_the_trainer_within_15_s_naming_the_rank
             assert time.monotonic() < deadline and survivor.poll() is None, "rank 0 did not start Redis"
             time.sleep(0.2)
         victim = start_rank(cfg, "pt-kill", 1, 2, port)
-        while not list((run_dir / "metrics").glob("trainer-0.duckdb")) or _losses_so_far(run_dir) < 3:
+        while not has_metrics(run_dir, "trainer") or _losses_so_far(run_dir) < 3:
             assert time.monotonic() < deadline + 120 and survivor.poll() is None, "training did not start"
             time.sleep(0.5)
         victim.kill()

@@ -76,12 +76,12 @@ def console_errors(driver: WebDriver) -> list[str]:
 
 
 def duckdb_step_counts(run_dir: Path) -> dict[str, int]:
-    """tag -> distinct steps over every metrics file of the run, straight from DuckDB."""
+    """tag -> distinct steps over every metrics segment of the run, straight from DuckDB."""
     steps: dict[str, set[int]] = {}
-    for path in sorted((run_dir / "metrics").glob("*.duckdb")):
-        with duckdb.connect(str(path), read_only=True) as con:
-            for tag, step in con.execute("SELECT DISTINCT tag, step FROM metrics").fetchall():
-                steps.setdefault(tag, set()).add(step)
+    with duckdb.connect() as con:
+        query = "SELECT DISTINCT tag, step FROM read_parquet($files)"
+        for tag, step in con.execute(query, {"files": str(run_dir / "metrics" / "*" / "*.parquet")}).fetchall():
+            steps.setdefault(tag, set()).add(step)
     return {tag: len(s) for tag, s in steps.items()}
 
 

@@ -149,10 +149,11 @@ def get(url: str, headers: dict[str, str] | None = None) -> tuple[int, str, dict
 
 def duckdb_points(run_dir: Path) -> dict[str, list[list[float]]]:
     points: dict[str, list[list[float]]] = {}
-    for path in sorted((run_dir / "metrics").glob("*.duckdb")):
-        with duckdb.connect(str(path), read_only=True) as con:
-            for tag, step, value in con.execute("SELECT tag, step, value FROM metrics ORDER BY tag, step").fetchall():
-                points.setdefault(tag, []).append([step, value])
+    segments = str(run_dir / "metrics" / "*" / "*.parquet")  # read here by DuckDB alone, not by our readers
+    with duckdb.connect() as con:
+        query = "SELECT tag, step, value FROM read_parquet($files) ORDER BY tag, step"
+        for tag, step, value in con.execute(query, {"files": segments}).fetchall():
+            points.setdefault(tag, []).append([step, value])
     return points
 
 

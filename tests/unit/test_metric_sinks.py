@@ -118,13 +118,13 @@ class _BrokenSink:
         raise OSError("No space left on device")
 
 
-def test_a_failing_sink_is_logged_once_and_costs_duckdb_and_the_other_sinks_nothing(tmp_path, caplog):
+def test_a_failing_sink_is_logged_once_and_costs_the_segments_and_the_other_sinks_nothing(tmp_path, caplog):
     broken = _BrokenSink()
     cfg = load_config(None)
     tb = TensorBoardSink(tensorboard_dir(tmp_path, "trainer", 0), run_info(cfg, "e", "trainer", 0))
     writer = MetricsWriter(tmp_path, "e", "trainer", batch_size=1000, flush_interval_s=0.05, sinks=[broken, tb])
     with caplog.at_level(logging.WARNING, logger="common.metrics"):
-        for rounds in range(1, 4):  # each round's points reach DuckDB by the timer thread: it outlives the failures
+        for rounds in range(1, 4):  # each round's points reach disk by the timer thread: it outlives the failures
             for step in range(rounds * 30 - 30, rounds * 30):
                 writer.log("loss", step, step * 0.5)
             deadline = time.monotonic() + 10
@@ -136,7 +136,7 @@ def test_a_failing_sink_is_logged_once_and_costs_duckdb_and_the_other_sinks_noth
         writer.close()
     assert broken.calls >= 4
     assert [r.getMessage() for r in caplog.records if "sink broken" in r.getMessage()] == [
-        f"metrics sink broken of {writer.path} failed; its points are dropped, DuckDB keeps them"
+        f"metrics sink broken of {writer.path} failed; its points are dropped, the segments keep them"
     ]
     assert [(p.step, p.value) for p in read_metrics(tmp_path)] == [(s, s * 0.5) for s in range(100)]
     assert read_tensorboard(tensorboard_dir(tmp_path, "trainer", 0)) == {"loss": {s: s * 0.5 for s in range(100)}}

@@ -12,11 +12,11 @@ import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
+from common.metrics import StepPoint
 from common.runs.dash import charts
 from common.runs.dash.charts import Series, Span
-from common.runs.dash.sources import TaggedPoint
 
-Tagged = Mapping[str, Mapping[int, TaggedPoint]]
+Tagged = Mapping[str, Mapping[int, StepPoint]]
 
 _LAYER = re.compile(r"^router/layer(\d+)/load_cv$")
 # Per-benchmark bookkeeping the evaluator logs beside the scores: not a score to plot.

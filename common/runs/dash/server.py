@@ -31,10 +31,10 @@ from common.runs.dash.sources import (
     Run,
     RunSource,
     config_diff,
-    metrics_signature,
+    flow_summary_signature,
     read_flow_summary,
     read_live,
-    read_series,
+    series_cache,
 )
 
 log = logging.getLogger(__name__)
@@ -60,9 +60,17 @@ def dash_url(host: str, port: int, token: str | None = None, path: str = "/") ->
     return f"http://{shown}:{port}{path}" + (f"?token={quote(token)}" if token else "")
 
 
+class _Series:
+    """One run's SeriesCache and the lock that serialises its page loads (they run in threads)."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir, self.cache, self.lock = run_dir, series_cache(run_dir), threading.Lock()
+        self.generation = 0  # updates that read new points
+
+
 @dataclass
 class _Cached:
-    signature: str
+    signature: str  # of the points read and flow_summary.json
     panels: list[Panel]
     extras: str
     series: dict[str, list[list[float]]]
@@ -97,6 +105,8 @@ class Dashboard:
     def __init__(self, source: RunSource) -> None:
         self.source = source
         self._cache: dict[str, _Cached] = {}
+        self._series: dict[str, _Series] = {}
+        self._started = time.time_ns()
 
     async def _run(self, run_id: str) -> Run:
         try:
@@ -105,21 +115,28 @@ class Dashboard:
             raise web.HTTPNotFound(text=f"404: {exc.args[0]}; the runs are listed at /") from None
 
     def _panels(self, run: Run) -> _Cached:
-        signature = metrics_signature(run.run_dir)
-        cached = self._cache.get(run.id)
-        if cached is not None and cached.signature == signature:
+        source = self._series.get(run.id)
+        if source is None or source.run_dir != run.run_dir:
+            source = self._series[run.id] = _Series(run.run_dir)
+        with source.lock:  # page loads of one run share its cache: one reads and draws, the others wait for it
+            if source.cache.update():  # with a backlog pending, the page's next poll reads it
+                source.generation += 1
+            # What the page polls with: new points, a new flow summary or a restarted dashboard change it.
+            signature = f"{self._started}.{source.generation}.{flow_summary_signature(run.run_dir)}"
+            cached = self._cache.get(run.id)
+            if cached is not None and cached.signature == signature:
+                return cached
+            series = source.cache.series()
+            try:
+                summary, problem = read_flow_summary(run.run_dir), ""
+            except DashError as exc:  # caught mid-write (the trainer writes it in place): the next change redraws it
+                summary, problem = None, str(exc)
+            panels = build_panels(series, summary, problem)
+            undrawn = sorted(t for t in series if t not in drawn_tags(panels) and not t.startswith("flow/"))
+            extras = views.counters_html(flow_counters(series), undrawn)
+            raw = {tag: [[step, p.value] for step, p in points.items()] for tag, points in series.items()}
+            cached = self._cache[run.id] = _Cached(signature, panels, extras, raw)
             return cached
-        series = read_series(run.run_dir)
-        try:
-            summary, problem = read_flow_summary(run.run_dir), ""
-        except DashError as exc:  # caught mid-write (the trainer writes it in place): the next change redraws it
-            summary, problem = None, str(exc)
-        panels = build_panels(series, summary, problem)
-        undrawn = sorted(t for t in series if t not in drawn_tags(panels) and not t.startswith("flow/"))
-        extras = views.counters_html(flow_counters(series), undrawn)
-        raw = {tag: [[step, p.value] for step, p in sorted(points.items())] for tag, points in series.items()}
-        cached = self._cache[run.id] = _Cached(signature, panels, extras, raw)
-        return cached
 
     async def _live(self, run: Run) -> LiveState:
         try:

@@ -1,12 +1,11 @@
-"""Where the dashboard reads a run from: the registry (SQLite), the metrics (DuckDB, through
-common/metrics.py's readers, read-only while the roles write), the run dir's flow_summary.json, and
+"""Where the dashboard reads a run from: the registry (SQLite), the metrics (segment files, through
+common/metrics.py's SeriesCache, incrementally: a page load reads only what was stored since the last), the run dir's flow_summary.json, and
 the experiment's live Redis (through the meet dir's redis.json). Blocking reads; the server runs them
 in threads. A Redis that is gone or slow is "not running", never an error or a wait."""
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import time
 import tomllib
@@ -17,12 +16,15 @@ import redis
 
 from common.config import ConfigError, diff, from_dict
 from common.keys import Keys
-from common.metrics import read_metrics
+from common.metrics import SeriesCache
 from common.redis_client import RedisInfo
 from common.roles import RUN_FILE
 from common.runs.registry import Registry, RunRecord
 from common.weights.fleet import WorkerRecord
 
+# Steps kept per tag for the charts (a tag of more keeps every k-th: common/metrics.py's SeriesCache).
+DASH_MAX_POINTS = 2000
+DASH_DEFER_ROWS = 200_000
 # redis.json: the name the rendezvous writes.
 REDIS_FILE = "redis.json"
 # The newest lifecycle events shown on a live run's page.
@@ -49,13 +51,6 @@ class Run:
     config_toml: str
     run_dir: Path
     meet_dir: Path
-
-
-@dataclass(frozen=True)
-class TaggedPoint:
-    step: int
-    ts_ms: int
-    value: float
 
 
 @dataclass
@@ -139,25 +134,20 @@ def config_diff(a: Run, b: Run) -> list[tuple[str, object, object]]:
     return diff(configs[0], configs[1])
 
 
-def metrics_signature(run_dir: Path) -> str:
-    """Changes whenever a metrics file (or flow_summary.json) of the run changes: the key of the page's cache."""
-    parts = []
-    for path in sorted((run_dir / "metrics").glob("*")) + [run_dir / "flow_summary.json"]:
-        with contextlib.suppress(FileNotFoundError):
-            st = path.stat()
-            parts.append(f"{path.name}:{st.st_mtime_ns}:{st.st_size}")
-    return hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
+def series_cache(run_dir: Path) -> SeriesCache:
+    """A run's series as the page draws them (every role and rank, at most about 2 x DASH_MAX_POINTS steps
+    a tag): the dashboard keeps one per run and each page load reads only the points stored since. A first
+    read leaves the tags of more than DASH_DEFER_ROWS rows (per-sample gen/*, which no panel draws) to the
+    next one, so the page of a long run opens within a second."""
+    return SeriesCache(run_dir, max_points=DASH_MAX_POINTS, defer_rows=DASH_DEFER_ROWS)
 
 
-def read_series(run_dir: Path) -> dict[str, dict[int, TaggedPoint]]:
-    """tag -> step -> point of every role and rank of a run; a step written twice (a resumed run) keeps
-    its newest point, as common/metrics.py's step_series does."""
-    series: dict[str, dict[int, TaggedPoint]] = {}
-    if not (run_dir / "metrics").is_dir():
-        return series
-    for p in read_metrics(run_dir):  # ordered by tag, step, time: the newest point of a step comes last
-        series.setdefault(p.tag, {})[p.step] = TaggedPoint(p.step, p.ts_ms, p.value)
-    return series
+def flow_summary_signature(run_dir: Path) -> str:
+    """Changes when flow_summary.json appears or is rewritten."""
+    with contextlib.suppress(FileNotFoundError):
+        st = (run_dir / "flow_summary.json").stat()
+        return f"{st.st_mtime_ns}:{st.st_size}"
+    return ""
 
 
 def read_flow_summary(run_dir: Path) -> dict | None:

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from common.metrics import step_series
+from common.metrics import has_metrics, step_series
 from rollout.flow.events import FlowCounters
 from rollout.flow.sim.simulator import Costs, ThroughputModel
 
@@ -103,9 +103,9 @@ def read_run(run_dir: str | Path) -> RunMetrics:
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise CalibrationError(f"run dir {run_dir} does not exist; give a run's directory (runs/<experiment>)")
-    if not list((run_dir / "metrics").glob("trainer-*.duckdb")):
+    if not has_metrics(run_dir, "trainer"):
         raise CalibrationError(
-            f"{run_dir} has no trainer metrics ({run_dir / 'metrics'}/trainer-*.duckdb); give the directory of a "
+            f"{run_dir} has no trainer metrics ({run_dir / 'metrics'}/trainer-*/); give the directory of a "
             "run whose trainer ran flow steps"
         )
     series = step_series(run_dir, [*GEN, *STEP, *PUBLISH], role="trainer")
