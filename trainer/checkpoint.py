@@ -7,6 +7,7 @@ N more steps gives bitwise the weights of 2N uninterrupted steps (on CPU)."""
 
 from __future__ import annotations
 
+import os
 import random
 import shutil
 import time
@@ -23,14 +24,17 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
     set_state_dict,
 )
+from torch.distributed.checkpoint.storage import WriteResult
 
 from common.config import Config, from_dict, identity_diff, identity_fingerprint, to_toml
+from common.fault import fault_point
 from common.run_secrets import without_tokens
 from trainer.optim import Optimizer
 
@@ -121,9 +125,18 @@ def _single_process_quiet() -> Iterator[None]:
         yield
 
 
+class _Writer(dcp.FileSystemWriter):
+    """DCP's file writer with the chaos benchmark's fault point (common/fault.py) between the data files and
+    the `.metadata` that completes a checkpoint."""
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        fault_point("checkpoint_save")
+        super().finish(metadata, results)
+
+
 def _dcp_save(state: dict[str, Any], path: Path) -> None:
     with _single_process_quiet():
-        dcp.save(state, checkpoint_id=str(path))
+        dcp.save(state, storage_writer=_Writer(str(path)))
 
 
 def _dcp_load(state: dict[str, Any], path: str | Path) -> None:
@@ -159,8 +172,19 @@ def save_checkpoint(
     companions: Mapping[str, Companion] | None = None,
 ) -> Path:
     """Write checkpoint `root/step_<state.step>` (with the `companions` beside the model); then keep only the
-    newest `keep` (0 = all)."""
+    newest `keep` (0 = all).
+
+    The checkpoint is written into `root/.step_<N>.partial` and renamed into place once whole, so a save that
+    dies (a kill, a full disk) never leaves a directory that `list_checkpoints` takes, nor damages a complete
+    checkpoint of the same step (the end of a run saves the step an interval save may have saved)."""
     path = checkpoint_dir(root, state.step)
+    partial = path.with_name(f".{path.name}.partial")
+    # One rank moves directories: under several ranks each would race the others. DCP's first collective
+    # (planning) comes before any rank writes, so the others never write into a directory removed here.
+    lead = not dist.is_initialized() or dist.get_rank() == 0
+    if lead:
+        for stale in Path(root).glob(f".{_PREFIX}*"):  # left by a save that died; this one is the only writer
+            shutil.rmtree(stale)
     model_sd, optim_sd = get_state_dict(model, optimizer.optimizers)
     _dcp_save(
         {
@@ -176,12 +200,19 @@ def save_checkpoint(
             },
             "rng": _rng_state(),
         },
-        path,
+        partial,
     )
-    # One rank prunes: under several ranks each would race the others through the same directories.
-    if keep > 0 and (not dist.is_initialized() or dist.get_rank() == 0):
-        for old in list_checkpoints(root)[:-keep]:
-            shutil.rmtree(old)
+    if lead:
+        if path.exists():  # replaced whole: moved aside first, so a kill in between leaves it in a dot directory
+            replaced = path.with_name(f".{path.name}.replaced")
+            os.rename(path, replaced)
+            os.rename(partial, path)
+            shutil.rmtree(replaced)
+        else:
+            os.rename(partial, path)
+        if keep > 0:
+            for old in list_checkpoints(root)[:-keep]:
+                shutil.rmtree(old)
     return path
 
 

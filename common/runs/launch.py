@@ -17,9 +17,11 @@ killed. The same processes for several machines are written by common/runs/scrip
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import queue
+import shutil
 import signal
 import subprocess
 import sys
@@ -49,6 +51,11 @@ TAIL_BYTES = 16384
 
 # Put into the exit queue by a restart timer: start that replica again.
 RESTART = -(10**6)
+# The run dir's file system is full (its free bytes under MIN_FREE_BYTES, or a log write failed with ENOSPC):
+# the launcher stops the run with one error line and returns this code (errno ENOSPC's number).
+DISK_FULL = errno.ENOSPC
+MIN_FREE_BYTES = 4 << 20
+DISK_POLL_S = 1.0
 
 
 def restarts_on_failure(rep: Replica) -> bool:
@@ -76,6 +83,8 @@ class Launcher:
         self._signal: int | None = None
         self._stopped: set[str] = set()  # replicas this launcher stopped for a restart: their exit is no failure
         self._shown: dict[str, Shown] = {}  # per replica: what its current life put on the console
+        self._full = threading.Event()  # the run dir's disk is full: role output goes nowhere from then on
+        self._done = threading.Event()
 
     def log_of(self, rep: Replica) -> Path:
         return log_path(self.prep.run_dir, f"{rep.entry}-{rep.index}")
@@ -120,7 +129,15 @@ class Launcher:
         shown = self._shown[rep.label]
         with logfile:
             for raw in proc.stdout:
-                logfile.write(raw)
+                if self._full.is_set():
+                    continue  # drained, so the role is not blocked on its pipe; neither file nor console takes it
+                try:
+                    logfile.write(raw)
+                except OSError as exc:
+                    if exc.errno != errno.ENOSPC:
+                        raise
+                    self._disk_full(f"writing {self.log_of(rep)} failed: {exc.strerror}")
+                    continue
                 line = raw.decode(errors="replace").rstrip("\n")
                 if self.verbose:
                     self.console.line(prefix + line)
@@ -129,6 +146,28 @@ class Launcher:
         code = proc.wait()
         self._exits.put((rep, code))
 
+    def _disk_full(self, why: str) -> None:
+        """Stop the run (once): the run dir's file system is full. The roles' output after this is dropped:
+        it cannot be logged, and it would be the same failure told by every role."""
+        if self._full.is_set():
+            return
+        self._full.set()
+        self._exits.put((None, DISK_FULL))
+        log.error(
+            "the disk of the run dir %s is full (%s): stopping the run. Its checkpoints and weight versions are "
+            "written whole or not at all; free space there, then continue with `slipstream launch --resume %s`",
+            self.prep.run_dir,
+            why,
+            self.prep.run_dir,
+        )
+
+    def _watch_disk(self) -> None:
+        while not self._done.wait(DISK_POLL_S):
+            free = shutil.disk_usage(self.prep.run_dir).free
+            if free < MIN_FREE_BYTES:
+                self._disk_full(f"{free} bytes free, under the {MIN_FREE_BYTES >> 20} MiB a run needs")
+                return
+
     def _on_signal(self, signum: int, _frame: object) -> None:
         self._signal = signum
         self._exits.put((None, 128 + signum))
@@ -136,11 +175,13 @@ class Launcher:
     def run(self) -> int:
         """Start everything, wait for the outcome, tear down; returns the run's exit code."""
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        threading.Thread(target=self._watch_disk, daemon=True, name="disk watch").start()
         try:
             for rep in self.replicas:
                 self._start(rep)
             return self._wait()
         finally:
+            self._done.set()
             self.teardown()
             for s, handler in previous.items():
                 signal.signal(s, handler)
@@ -153,7 +194,8 @@ class Launcher:
                 self._start(rep)
                 continue
             if rep is None:
-                log.info("received %s: stopping the run", signal.Signals(code - 128).name)
+                if code != DISK_FULL:
+                    log.info("received %s: stopping the run", signal.Signals(code - 128).name)
                 return code
             if rep.label in self._stopped:
                 self._stopped.discard(rep.label)
@@ -247,7 +289,7 @@ def launch(
     prep = prepare(config_path, overrides, resume=resume)
     console = Console(sys.stdout)
     (prep.run_dir / LOGS).mkdir(exist_ok=True)
-    own_log = logging.FileHandler(log_path(prep.run_dir, "launch"))
+    own_log = RunDirLog(log_path(prep.run_dir, "launch"))
     logsetup.setup("launch", prep.exp, prep.cfg.run.log_level, handlers=[ConsoleHandler(console), own_log])
     if not prep.cfg.launch.roles:
         raise ValueError(f"{config_path}: [launch.roles] is empty; add e.g. [launch.roles.trainer] critical = true")
@@ -327,6 +369,17 @@ def launch(
             prep.run_dir,
         )
     return code
+
+
+class RunDirLog(logging.FileHandler):
+    """The launcher's own log file in the run dir. Its lines are on the console too: a write that fails because
+    the disk is full (which the launcher reports once, `Launcher._disk_full`) is not reported again per line."""
+
+    def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 - logging's name
+        exc = sys.exc_info()[1]
+        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+            return
+        super().handleError(record)
 
 
 def start_dashboard(prep: Prepared) -> DashServer:

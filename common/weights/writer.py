@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
+from common.fault import fault_point
 from common.weights.base import PublishError
 from common.weights.export import per_expert_views
 from common.weights.index import ABORT_MARKER, PartReport, ShardRecord, shard_name, write_index
@@ -114,6 +115,8 @@ class VersionPart:
                 partial = path.with_name(path.name + ".partial")
                 partial.write_bytes(data)
                 os.rename(partial, path)  # a streaming reader sees the whole shard or nothing
+                if i == self.first_shard:
+                    fault_point("publish")  # the chaos benchmark's kill mid-publish (common/fault.py)
                 report.shards[path.name] = ShardRecord(len(data), zlib.crc32(data), tuple(tensors))
         except BaseException as exc:
             _mark_aborted(self.tmp, exc)

@@ -8,7 +8,8 @@ does not know raises before that file is loaded. With `{"path": DIR, "shards": K
 being written (the publisher streams it; layout in common/weights/index.py): shard i appears by an
 atomic rename once whole, so the engine loads shard i while the publisher (or another trainer rank)
 writes shard i+1. It waits at most `wait_s` seconds for each shard and stops at once if a writer
-leaves an `ABORTED` file (its write failed). Streamed shards are NOT checksummed: the index is written
+leaves an `ABORTED` file (its write failed) or the directory goes away (a publisher killed mid-write left no
+marker; the trainer that resumes removes its unfinished directory). Streamed shards are NOT checksummed: the index is written
 after the last shard, when the load is already done; the atomic rename is what guards them. Tensors
 are streamed, one at a time, into `model.load_weights` inside vLLM's layer-wise
 reload (`initialize_layerwise_reload` on start, `finalize_layerwise_reload` on finish), so HF-named
@@ -79,6 +80,12 @@ class FileUpdateInfo(WeightTransferUpdateInfo):
                 raise RuntimeError(
                     f"file weight update: the publisher aborted the version streamed into {shard.parent}: "
                     f"{abort.read_text()[:500]}"
+                )
+            if not shard.parent.is_dir():
+                # A publisher killed mid-write leaves no marker; its successor removes the unfinished directory.
+                raise RuntimeError(
+                    f"file weight update: {shard.parent} was removed before shard {index + 1} of {self.shards} "
+                    "appeared: its publisher died mid-write and the version will never be complete"
                 )
             if time.monotonic() > deadline:
                 raise TimeoutError(

@@ -3,6 +3,8 @@ exit codes propagate, signals tear the whole process tree down, and nothing surv
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import re
 import signal
@@ -95,6 +97,33 @@ def test_a_failing_role_stops_the_run_with_its_exit_code(tmp_path):
     wait_for(lambda: not survivors(pids), 5, "all processes to be gone")
     record = Registry.for_root(tmp_path / "runs").get("lt-fail")
     assert record.status == "failed"
+
+
+@pytest.mark.timeout(120)
+def test_a_full_run_dir_disk_stops_the_run_with_one_error_line_naming_it_and_no_traceback(tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs as the run dir needs root")
+    run_dir = tmp_path / "runs" / "lt-full"
+    run_dir.mkdir(parents=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(run_dir)], check=True)
+    try:
+        cfg = make_config(tmp_path, role("server", "grandchild", critical=True), role("chatty", "chatty"))
+        launcher = start_launch(cfg, "lt-full")
+        wait_for(lambda: (run_dir / "pids" / "ready-chatty-0").exists(), 30, "the chatty role to start")
+        with open(run_dir / "filler", "wb", buffering=0) as fh, contextlib.suppress(OSError):
+            while True:
+                fh.write(b"\0" * 65536)
+        filled = time.monotonic()
+        out, _ = launcher.communicate(timeout=60)
+        assert launcher.returncode == errno.ENOSPC, out
+        assert time.monotonic() - filled < 15
+        assert f"the disk of the run dir {run_dir} is full" in out and "launch --resume" in out, out
+        assert "Traceback" not in out and "Logging error" not in out, out
+        pids = recorded_pids(run_dir)
+        wait_for(lambda: not survivors(pids), 5, "all processes to be gone")
+        assert Registry.for_root(tmp_path / "runs").get("lt-full").status == "failed"
+    finally:
+        subprocess.run(["umount", "-l", str(run_dir)], check=False)
 
 
 @pytest.mark.timeout(120)

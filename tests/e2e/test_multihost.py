@@ -5,7 +5,9 @@ the trainer and the evaluator; each process is started by the script `slipstream
 it, with every listener bound to 0.0.0.0 and advertised as `auto`, so the addresses the roles find
 each other by are the ones the run chose itself. The demo trains on-policy for 10 RL steps (the end-to-end test of the on-policy strategy: it trains
 on fresh samples only) and every version reaches its evaluator on host C; then every process
-of host B is killed and the router must evict the worker. Namespaces need root (`ip netns`): the test
+of host B is killed and the router must evict the worker. Mid-run host B is partitioned (its link to the
+bridge down for PARTITION_S): the router evicts its worker, admits it again once the link is back, and the
+run finishes every step. Namespaces need root (`ip netns`): the test
 skips with the reason where that is refused. Only 192.0.2.0/24 is used, only inside the namespaces
 made here, and they are deleted at the end.
 """
@@ -30,6 +32,8 @@ HOSTS = {"a": "192.0.2.1", "b": "192.0.2.2", "c": "192.0.2.3"}
 ROUTER_TOKEN = "router-secret"
 VLLM_KEY = "vllm-secret"
 TTL_S = 2.0
+# How long host B's link is down mid-run: longer than the heartbeat TTL and the router's health-check timeout.
+PARTITION_S = 8.0
 # No learning bar here: the evaluator on host C starts late (its first version is 2 or 3, already trained), so
 # what is left to rise over 10 on-policy steps is within the noise of a score on the 74 training facts. Measured
 # 2026-12-05, greedy accuracy on the training facts from the first version evaluated to the mean of versions
@@ -122,7 +126,7 @@ def http(method: str, url: str, token: str = "") -> str:
 
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
-def test_three_hosts_train_the_demo_from_the_scripts_and_the_router_evicts_a_dead_host(short_root):
+def test_three_hosts_train_the_demo_from_the_scripts_survive_a_partition_and_the_router_evicts_a_dead_host(short_root):
     if os.geteuid() != 0:
         pytest.skip("network namespaces need root")
     exp = "multihost"
@@ -166,10 +170,10 @@ def test_three_hosts_train_the_demo_from_the_scripts_and_the_router_evicts_a_dea
         def log_of(entry: str) -> str:
             return (short_root / f"{entry}.log").read_text(errors="replace")
 
-        def wait_for(entry: str, pattern: str, timeout_s: float) -> re.Match[str]:
+        def wait_for(entry: str, pattern: str, timeout_s: float, start: int = 0) -> re.Match[str]:
             deadline = time.monotonic() + timeout_s
             while time.monotonic() < deadline:
-                found = re.search(pattern, log_of(entry))
+                found = re.compile(pattern).search(log_of(entry), start)
                 if found:
                     return found
                 assert procs[entry].poll() is None, f"{entry} exited:\n{log_of(entry)[-4000:]}"
@@ -192,6 +196,27 @@ def test_three_hosts_train_the_demo_from_the_scripts_and_the_router_evicts_a_dea
         for path in ("/pause", "/v1/models"):
             assert hosts.run("c", http("POST" if path == "/pause" else "GET", worker_url + path)).startswith("401")
         assert hosts.run("c", http("GET", worker_url + "/v1/models", VLLM_KEY)).startswith("200")
+
+        # Host B is cut off (its link to the bridge down) for PARTITION_S mid-run: the router on host A drops its
+        # worker (its heartbeat expires, or a health check fails: whichever comes first); once the link is back
+        # the worker is admitted again and the run goes on to its last step.
+        wait_for("trainer", r"step 3: reward", 900)
+        offset = len(log_of("router"))
+        ip("-n", hosts.hub, "link", "set", "vb", "down")
+        cut_at = time.monotonic()
+        try:
+            evicted = wait_for(
+                "router", rf"worker \S+ at {re.escape(worker_url)} (evicted|removed)", PARTITION_S + 20, offset
+            )
+        finally:
+            time.sleep(max(0.0, PARTITION_S - (time.monotonic() - cut_at)))
+            ip("-n", hosts.hub, "link", "set", "vb", "up")
+        healed_at = time.monotonic()
+        wait_for("router", rf"worker \S+ at {re.escape(worker_url)} admitted", 120, evicted.end())
+        print(
+            f"partition of host B: evicted {evicted.group(0)!r}; admitted again "
+            f"{time.monotonic() - healed_at:.1f} s after the link came back"
+        )
 
         assert procs["trainer"].wait(timeout=1200) == 0, log_of("trainer")[-6000:]
         trainer_log = log_of("trainer")

@@ -2,6 +2,7 @@
 sleeps, exits with a code, ignores SIGTERM, leaves a grandchild in its own session, or (`once`) fails on its
 first start when it is replica FAIL_REPLICA, sleeps on the first start otherwise, and succeeds after a second;
 `record-term` notes when SIGTERM came;
+`chatty` prints a line every 50 ms;
 `affinity` prints the CPUs it and a child of it may run on and its thread settings."""
 
 import os
@@ -51,6 +52,12 @@ elif mode == "record-term":
         sys.exit(0)
 
     signal.signal(signal.SIGTERM, on_term)
+elif mode == "chatty":
+    # A line every 50 ms: output the launcher keeps writing to the role's log (until the disk is full).
+    (pids / f"ready-{os.environ['ROLE']}-{replica}").touch()
+    for i in range(12000):
+        print(f"line {i}", flush=True)
+        time.sleep(0.05)
 elif mode.startswith("exit"):
     time.sleep(float(os.environ.get("EXIT_AFTER_S", "0.5")))
     sys.exit(int(mode[len("exit") :]))

@@ -1,4 +1,10 @@
-"""Checkpoints: exact resume (2N steps == N + resume + N, bitwise on CPU) and identity refusal."""
+"""Checkpoints: exact resume (2N steps == N + resume + N, bitwise on CPU), identity refusal, and a save killed
+midway that no resume takes."""
+
+import os
+import signal
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -76,3 +82,50 @@ def test_flow_state_rng_and_keep(tmp_path):
     state = load_checkpoint(list_checkpoints(tmp_path)[-1], model, opt, cfg)
     assert state.flow_state == flow and state.step == 3
     torch.testing.assert_close(torch.rand(4), expected)
+
+
+# A process that saves step 2, then is SIGKILLed by the fault point in the middle of saving step 2 again (the
+# end of a run saves the step an interval save may have saved): data files written, `.metadata` not.
+_KILLED_MID_SAVE = """
+import sys, torch
+from pathlib import Path
+from common.config import Config
+from trainer.checkpoint import TrainState, save_checkpoint
+from trainer.optim import Optimizer
+root, arm = Path(sys.argv[1]), Path(sys.argv[2])
+cfg = Config()
+torch.manual_seed(0)
+model = torch.nn.Linear(3, 3)
+opt = Optimizer(model, cfg.trainer.optim)
+save_checkpoint(root, model, opt, TrainState(step=2, flow_state={"saved": "first"}), cfg)
+torch.save(model.state_dict(), root / "first.pt")
+with torch.no_grad():
+    model.weight.add_(1.0)
+arm.touch()
+save_checkpoint(root, model, opt, TrainState(step=2, flow_state={"saved": "second"}), cfg)
+print("the fault point did not fire")
+"""
+
+
+def test_a_save_killed_midway_leaves_the_complete_checkpoint_of_that_step_and_is_never_resumed_from(tmp_path):
+    arm = tmp_path / "arm"
+    env = {**os.environ, "SLIPSTREAM_FAULT": f"checkpoint_save:{arm}"}
+    done = subprocess.run(
+        [sys.executable, "-c", _KILLED_MID_SAVE, str(tmp_path), str(arm)], env=env, capture_output=True, timeout=120
+    )
+    assert done.returncode == -signal.SIGKILL, done.stderr.decode()[-2000:]
+    assert not arm.exists(), "the fault fires once per arming: it removes the arming file"
+    partial = tmp_path / ".step_00000002.partial"
+    assert any(partial.glob("*.distcp")) and not (partial / ".metadata").exists(), "killed after the data files"
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000002"]
+    cfg = Config()
+    model = torch.nn.Linear(3, 3)
+    opt = Optimizer(model, cfg.trainer.optim)
+    state = load_checkpoint(list_checkpoints(tmp_path)[-1], model, opt, cfg)
+    assert state.flow_state == {"saved": "first"}
+    first = torch.load(tmp_path / "first.pt")
+    assert all(torch.equal(model.state_dict()[k], first[k]) for k in first)
+    # The next save of this process's successor clears what the dead one left and replaces step 2 whole.
+    save_checkpoint(tmp_path, model, opt, TrainState(step=2, flow_state={"saved": "third"}), cfg)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["step_00000002"]
+    assert load_checkpoint(tmp_path / "step_00000002", model, opt, cfg).flow_state == {"saved": "third"}

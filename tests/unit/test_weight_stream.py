@@ -8,6 +8,11 @@ on disk. The workers are small aiohttp apps that read the files with that same r
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -20,6 +25,7 @@ from common.keys import Keys
 from common.weights.base import PublishError
 from common.weights.index import ABORT_MARKER, INDEX_NAME, shard_name
 from common.weights.publisher import WeightPublisher
+from common.weights.versions import committed_versions, unfinished_versions
 from common.weights.writer import VersionWriter, plan_shards
 from rollout.vllm_plugin.file_engine import FileUpdateInfo
 from tests.support.rl_routes import reading_worker, register
@@ -78,6 +84,55 @@ def test_the_reader_stops_on_the_abort_marker_and_on_a_shard_that_never_comes(tm
     with pytest.raises(TimeoutError, match=r"shard 1 of 2 .* did not appear within 0 s"):
         list(FileUpdateInfo(path=str(tmp_path), shards=2, wait_s=0.2).files())
     assert time.monotonic() - t0 < 5
+
+
+# A publisher SIGKILLed by the fault point once its first of three shards is in place (common/fault.py).
+_KILLED_MID_PUBLISH = """
+import sys, torch
+from pathlib import Path
+from common.weights.writer import write_version
+tensors = {f"t{i}": torch.full((1 << 17,), float(i)) for i in range(6)}  # 0.5 MB each: 3 shards of 1 MB
+write_version(Path(sys.argv[1]), 7, tensors, shard_bytes=1 << 20)
+print("the fault point did not fire")
+"""
+
+
+def test_a_publisher_killed_mid_version_commits_nothing_and_its_reader_stops_when_the_directory_is_removed(
+    tmp_path: Path,
+):
+    arm = tmp_path.parent / "arm"
+    arm.touch()
+    done = subprocess.run(
+        [sys.executable, "-c", _KILLED_MID_PUBLISH, str(tmp_path)],
+        env={**os.environ, "SLIPSTREAM_FAULT": f"publish:{arm}"},
+        capture_output=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == -signal.SIGKILL, done.stderr.decode()[-2000:]
+    assert not arm.exists()
+    assert committed_versions(tmp_path) == []
+    [tmp] = unfinished_versions(tmp_path)
+    assert sorted(p.name for p in tmp.glob("*.safetensors")) == [shard_name(0, 3)], "killed after the first shard"
+    got: list[str] = []
+    failure: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            for name, _ in FileUpdateInfo(path=str(tmp), shards=3, wait_s=120).tensors():
+                got.append(name)
+        except BaseException as exc:
+            failure.append(exc)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    time.sleep(0.5)  # the reader has shard 0 and waits for shard 1, which no one will write
+    assert got == ["t0", "t1"] and reader.is_alive()
+    t0 = time.monotonic()
+    shutil.rmtree(tmp)  # what the trainer that resumes does with a dead publisher's directory
+    reader.join(30)
+    assert time.monotonic() - t0 < 5
+    assert len(failure) == 1 and "was removed before shard 2 of 3" in str(failure[0])
 
 
 @pytest.mark.timeout(60)
