@@ -9,8 +9,11 @@ configs pass /health and crash on the first request) and RL's sampling shapes ha
 batched (vLLM's CPU sampler compiles them on first sight, a stall of seconds). A worker of the train pool
 (`rollout.pool`, the default) then catches up to `weights:current` if the run has published weights,
 registers in the `workers` hash and heartbeats `worker_alive(id)`. While serving it watches three
-things: vLLM exiting (the role exits non-zero), its registry entry vanishing (a publisher evicted it:
-exit non-zero so it is restarted, never left on old weights), and `weights:current` moving past its
+things: vLLM exiting (the role exits non-zero), its registry entry vanishing (a publisher evicted it: a
+train worker whose vLLM still answers loads `weights:current` whole, which also undoes a half-applied update
+and resumes a server the failed update left paused, and registers again, so a host cut off mid-publish
+rejoins when its link is back; an eval worker, or one whose reload fails, exits non-zero to be restarted,
+never left on old weights), and `weights:current` moving past its
 own version without it (a publish that raced its registration: it catches up itself, under the
 same per-worker lock publishers take, so the two never interleave). A worker of
 the eval pool registers in `eval_workers` instead, which neither the router nor the publisher
@@ -30,10 +33,12 @@ import signal
 import sys
 import time
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+from redis.exceptions import LockError
 
 from common.aio import cancel_and_join
 from common.config import Config, RolloutConfig
@@ -447,6 +452,34 @@ async def main(ctx: RunContext) -> int:
         await client.aclose()
 
 
+async def _rejoin(ctx: RunContext, client, session: aiohttp.ClientSession, record: WorkerRecord) -> bool:
+    """Register an evicted train worker again after loading `weights:current` into its live server; False
+    when that fails (the caller exits to be restarted).
+
+    A publisher evicts a worker whose update failed: an error, or the worker out of reach (its heartbeat
+    expired: a partitioned host). Its weights may be half-updated and its server left paused; a whole load of
+    the current version replaces every tensor (vLLM's layer-wise reload takes a layer whose reload had
+    begun) and ends with /resume. Under the worker's weight lock, as publishers drive it; a version published
+    meanwhile is followed by the serve loop as after a first registration."""
+    log.warning(
+        "worker %s was evicted (a weight update failed on it, or it was out of reach): loading weights:current "
+        "whole and registering again",
+        record.id,
+    )
+    try:
+        async with weight_lock(client, ctx.keys, record.id):
+            version = await catch_up(ctx, client, session, record.url, None)
+            await register(client, ctx.keys.workers, replace(record, weight_version=version, started_at=time.time()))
+    except (WorkerError, LockError, aiohttp.ClientError, TimeoutError) as exc:
+        log.error("worker %s could not load weights:current again: %s", record.id, exc)
+        return False
+    await announce(
+        client, ctx.keys, "vllm", "worker registered", worker=record.id, url=record.url, version=version, pool="train"
+    )
+    log.info("registered worker %s again at %s serving weight version %d", record.id, record.url, version)
+    return True
+
+
 async def _serve(
     ctx: RunContext, client, session, vllm: VllmProcess, worker_id: str, record: WorkerRecord, registry: str
 ) -> int:
@@ -461,8 +494,12 @@ async def _serve(
                 return EXIT_VLLM_DIED
             entry = await read_record(client, registry, worker_id)
             if entry is None:
-                log.error("worker %s was evicted (a weight update failed on it); exiting to be restarted", worker_id)
-                return EXIT_EVICTED
+                if registry != ctx.keys.workers or not await _rejoin(ctx, client, session, record):
+                    log.error(
+                        "worker %s was evicted (a weight update failed on it); exiting to be restarted", worker_id
+                    )
+                    return EXIT_EVICTED
+                continue
             if registry != ctx.keys.workers:
                 continue  # an eval worker's version is the evaluator's to set
             current = await current_version(client, ctx.keys)

@@ -3,8 +3,8 @@ registers and serves through the router; published weights change what it serves
 them reproduces the first outputs exactly; served log-probs equal a transformers forward of the
 same weights (fp32, both tiny architectures, before and after a publish); keep-mode pauses carry
 in-flight requests across versions, abort-mode pauses return them partial and marked; a worker
-started late serves the current version before it registers; kill -9 removes a worker within the
-heartbeat TTL. One vLLM server per architecture is shared by all tests (conftest.py)."""
+started late serves the current version before it registers; an evicted worker reloads the current
+version into its live server and registers again; kill -9 removes a worker within the heartbeat TTL. One vLLM server per architecture is shared by all tests (conftest.py)."""
 
 from __future__ import annotations
 
@@ -23,8 +23,9 @@ import torch
 from conftest import MAX_MODEL_LEN
 
 from common.config import load_config
+from common.weights.fleet import evict
 from common.weights.publisher import WeightPublisher
-from common.weights.workers import served_version
+from common.weights.workers import served_version, weight_lock
 from rollout.client import RolloutClient
 from rollout.vllm_plugin import watchdog
 from tests.support import prom
@@ -344,6 +345,39 @@ async def test_late_worker_serves_the_current_version_before_registering_and_kil
                 await asyncio.sleep(0.1)
             log = (run.run_dir / "worker-late.log").read_text()
             vllm_pid = int(re.search(r"started vLLM pid (\d+)", log)[1])
+
+            # Evicted as a publish cut off mid-update leaves it (paused, out of the pool), while a new version
+            # is published without it: it loads that version whole into the same vLLM server, resumes and
+            # registers again (a partitioned host rejoining). The test holds the worker's weight lock until the
+            # publish is done, so the reload is of the new version, into a paused server.
+            async with http.post(f"{entry['url']}/pause?mode=keep") as paused:
+                assert paused.status == 200, await paused.text()
+            async with weight_lock(r, run.keys, late_id):
+                await evict(r, run.keys, late_id, "test: a weight update cut off mid-way")
+                version = await next_version(run, r)
+                await pub.publish(version, perturb(model, seed=version))
+            rejoined = await asyncio.to_thread(
+                run.wait_for,
+                "the evicted late worker registering again",
+                lambda: (run.workers().get(late_id) or {}).get("weight_version") == version,
+                proc,
+                120,
+            )
+            assert rejoined and proc.poll() is None
+            assert int(re.findall(r"started vLLM pid (\d+)", (run.run_dir / "worker-late.log").read_text())[-1]) == (
+                vllm_pid
+            ), "the evicted worker restarted vLLM instead of reloading it"
+            assert f"registered worker {late_id} again" in (run.run_dir / "worker-late.log").read_text()
+            assert await served_version(http, entry["url"]) == str(version)
+            async with (
+                RolloutClient("policy", url=entry["url"], token=run.secrets.workers) as late,
+                RolloutClient(
+                    "policy",
+                    url=worker_url(run, next(w for w in run.workers() if w != late_id)),
+                    token=run.secrets.workers,
+                ) as first,
+            ):
+                assert await greedy(late) == await greedy(first)  # unpaused, on the same weights as the others
             server = psutil.Process(vllm_pid)
             group = [server, *server.children(recursive=True)]  # API server, engine core, workers
 
