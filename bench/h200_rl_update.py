@@ -204,7 +204,8 @@ def main() -> None:
     )
 
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1))
+    # The step's figures hold tensors: written as their values.
+    Path(args.out).write_text(json.dumps(out, indent=1, default=lambda v: v.tolist() if torch.is_tensor(v) else str(v)))
     if args.profile or out["mfu_989_all"] < args.profile_below:
         from torch.profiler import ProfilerActivity, profile, record_function
 
