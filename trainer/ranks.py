@@ -7,7 +7,8 @@ Our launcher (`[launch.roles.trainer] replicas = W`) sets SLIPSTREAM_REPLICA and
 instead: rank 0 opens a TCPStore and publishes its address under the experiment's `trainer:store`
 key, the other ranks read it from Redis. The gradient group is gloo on CPUs and NCCL on GPUs; a gloo
 group beside it carries the small Python objects rank 0 sends the others (what to train, publish or
-save next), so the control messages never touch the GPUs. `RankWatch` polls the other ranks'
+save next), so the control messages never touch the GPUs; its collectives wait
+`trainer.parallel.command_timeout_s`, since rank 0 may wait minutes for rollouts between two commands. `RankWatch` polls the other ranks'
 liveness (pid on the same host, the role heartbeat otherwise) and names the rank that died.
 """
 
@@ -149,8 +150,13 @@ def form_group(
     store_address: Any = None,
     timeout_s: float = BOOTSTRAP_TIMEOUT_S,
     store_host: str = "127.0.0.1",
+    command_timeout_s: float = BOOTSTRAP_TIMEOUT_S,
 ) -> Ranks:
     """Initialise torch.distributed for `info` (a group of one too: the same path at every size).
+
+    `timeout_s` bounds the bootstrap and the training collectives; the control group (rank 0's commands) is a
+    gloo group of its own whose collectives wait `command_timeout_s` (trainer.parallel.command_timeout_s): the
+    other ranks wait there while rank 0 waits for rollouts.
 
     torchrun-style ranks meet at MASTER_ADDR/MASTER_PORT. Launcher ranks need `store_address`, an object
     with `publish(addr: str)` (rank 0) and `wait(timeout_s) -> str` (the others): rank 0 opens the store and
@@ -186,7 +192,7 @@ def form_group(
             raise RankError(f"rank {info.rank} of {info.world} has no way to find rank 0's store")
         store = _connect_store(store_address, info, timeout_s)
     dist.init_process_group(backend, store=store, rank=info.rank, world_size=info.world, timeout=timeout)
-    control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
+    control = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=command_timeout_s))
     log.info("trainer rank %d of %d formed its %s group (%s start)", info.rank, info.world, backend, info.source)
     return Ranks(info, device, control)
 

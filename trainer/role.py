@@ -134,7 +134,15 @@ async def main(ctx: RunContext) -> int:
     device = _device(ctx.cfg, info)
     client = ctx.redis
     store = RedisStoreAddress(client, ctx.keys.trainer_store)
-    ranks = await asyncio.to_thread(form_group, info, device, store, BOOTSTRAP_TIMEOUT_S, _store_host(ctx))
+    ranks = await asyncio.to_thread(
+        form_group,
+        info,
+        device,
+        store,
+        BOOTSTRAP_TIMEOUT_S,
+        _store_host(ctx),
+        ctx.cfg.trainer.parallel.command_timeout_s,
+    )
     record = rank_record(ctx.instance)
     client.hset(ctx.keys.trainer_ranks, str(ranks.rank), json.dumps(record))
     # Every rank's record is this group's before any rank watches the others: a record left by a rank of

@@ -272,9 +272,16 @@ class ParallelConfig:
     Redis; auto = the address of rank 0's interface that routes to Redis (loopback when Redis is). Rank 0's
     store listens on this address only, so it must be one of rank 0's own; gloo and NCCL use its interface.
     torchrun-style starts use MASTER_ADDR/MASTER_PORT instead (rank 0 listens on MASTER_ADDR)."""
+    command_timeout_s: float = 1800.0
+    """How long the other ranks wait for rank 0's next command. Between two commands rank 0 may wait for
+    rollouts (every worker restarting, a slow generation, a loaded machine), so this is far longer than the
+    collectives' own timeout (two minutes); a rank that died is caught sooner, by the rank watch."""
 
     def check(self) -> None:
         require(self.ep >= 1, f"trainer.parallel.ep must be >= 1, got {self.ep}")
+        require(
+            self.command_timeout_s > 0, f"trainer.parallel.command_timeout_s must be > 0, got {self.command_timeout_s}"
+        )
 
 
 @dataclass

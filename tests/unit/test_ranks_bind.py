@@ -1,15 +1,19 @@
 """Rank 0's process-group store listens on the rank's advertised address only, and gloo/NCCL are pointed at that
-address's interface (trainer/ranks.py); the other ranks' paths through it are tests/e2e/test_trainer_ranks.py's."""
+address's interface (trainer/ranks.py); the other ranks' paths through it are tests/e2e/test_trainer_ranks.py's.
+The control group waits for rank 0's next command longer than the training collectives' timeout."""
 
 from __future__ import annotations
 
 import datetime
 import os
+import time
 
 import psutil
 import pytest
+import torch
+import torch.multiprocessing as mp
 
-from trainer.ranks import RankError, _serve_store, pin_socket_interface, torchrun_listen_host
+from trainer.ranks import RankError, RankInfo, _serve_store, form_group, pin_socket_interface, torchrun_listen_host
 
 TIMEOUT = datetime.timedelta(seconds=10)
 
@@ -49,3 +53,53 @@ def test_a_torchrun_rank_zero_listens_on_the_address_master_addr_names_when_it_n
     assert torchrun_listen_host("192.0.2.7") is None
     assert torchrun_listen_host("no-such-host.invalid") is None
     assert "listens on every interface: MASTER_ADDR = 'no-such-host.invalid'" in caplog.text
+
+
+class _FileAddress:
+    """The store address through a file (the launcher's ranks pass it through Redis): rank 1 connects only once
+    rank 0's store listens."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def publish(self, addr: str) -> None:
+        with open(self.path + ".tmp", "w") as f:
+            f.write(addr)
+        os.rename(self.path + ".tmp", self.path)
+
+    def wait(self, timeout_s: float) -> str:
+        deadline = time.monotonic() + timeout_s
+        while not os.path.exists(self.path):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no store address in {self.path}")
+            time.sleep(0.05)
+        with open(self.path) as f:
+            return f.read()
+
+
+COLLECTIVE_S, COMMAND_S, IDLE_S = 4.0, 60.0, 7.0
+
+
+def _command_after_a_long_wait(rank: int, path: str, out: str) -> None:
+    ranks = form_group(
+        RankInfo(rank, 2, rank, "launcher"),
+        torch.device("cpu"),
+        _FileAddress(path),
+        COLLECTIVE_S,
+        "127.0.0.1",
+        COMMAND_S,
+    )
+    if rank == 0:
+        time.sleep(IDLE_S)  # rank 0 waiting for rollouts, longer than the collectives' timeout
+    got = ranks.broadcast({"command": "step"} if rank == 0 else None)
+    with open(f"{out}.{rank}", "w") as f:
+        f.write(repr(got))
+    ranks.barrier()
+    ranks.close()
+
+
+def test_the_other_ranks_wait_for_rank_zeros_next_command_longer_than_the_collectives_timeout(tmp_path):
+    """Rank 0 sends its next command after more than the gradient group's timeout: the control group waits
+    trainer.parallel.command_timeout_s (a control group on the gradient group's timeout fails this)."""
+    mp.spawn(_command_after_a_long_wait, args=(str(tmp_path / "store"), str(tmp_path / "got")), nprocs=2, join=True)
+    assert (tmp_path / "got.1").read_text() == repr({"command": "step"})
