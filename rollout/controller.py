@@ -60,8 +60,19 @@ _WAKE = object()  # put into waiting queues when a fatal error or close() must w
 class GenerationController:
     """Runs items through a genable on a private event loop with at most `max_concurrent` in flight."""
 
-    def __init__(self, genable: Genable, flow: FlowConfig, *, name: str = "generation") -> None:
-        """A controller with the cap, retries, timeout and error budget of the flow config section."""
+    def __init__(
+        self,
+        genable: Genable,
+        flow: FlowConfig,
+        *,
+        name: str = "generation",
+        on_close: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
+        """A controller with the cap, retries, timeout and error budget of the flow config section.
+
+        `on_close` is awaited on the controller's loop when it closes, after the work in flight stopped: what
+        the genable opened on that loop (its HTTP session) is closed there, whichever thread closes the
+        controller (a stop on SIGTERM closes it from another thread before the flow's own end does)."""
         if flow.max_concurrent < 1:
             raise ValueError(f"max_concurrent must be >= 1, got {flow.max_concurrent}")
         if flow.max_retries < 0 or flow.retry_backoff_s < 0 or flow.error_budget < 0:
@@ -77,6 +88,7 @@ class GenerationController:
         self.request_timeout_s = flow.request_timeout_s
         self.error_budget = flow.error_budget
         self.name = name
+        self._on_close = on_close
 
         self._stats = ControllerStats()
         self._next_ticket = 0
@@ -383,6 +395,11 @@ class GenerationController:
         tasks = [t for t in asyncio.all_tasks(self._loop) if t is not asyncio.current_task()]
         if tasks:
             await asyncio.wait(tasks, timeout=timeout)
+        if self._on_close is not None:
+            try:
+                await asyncio.wait_for(self._on_close(), timeout)
+            except Exception as exc:  # closing must not stop the close; say what was left open
+                log.warning("%s controller: closing its genable failed: %r", self.name, exc)
 
     def _set_fatal(self, error: BaseException, cause: BaseException) -> None:
         if self._fatal is None:

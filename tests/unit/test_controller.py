@@ -241,3 +241,40 @@ def test_the_controller_takes_the_flow_sections_knobs_and_tqdm_counts_items():
         ctl.set_tqdm(disabled=False, total=5, desc="gen")
         list(ctl.generate(range(5)))
         assert ctl._bar.n == 5
+
+
+class SessionBackend:
+    """A genable holding an aiohttp session opened on the controller's loop (as SampleGenerator does)."""
+
+    def __init__(self):
+        self.session = None
+        self.closed_on: str | None = None
+
+    async def __call__(self, item):
+        import aiohttp
+
+        if self.session is None:
+            self.session = aiohttp.ClientSession()
+        await asyncio.sleep(30)  # in flight when the controller closes
+        return item
+
+    async def close(self):
+        await self.session.close()
+        self.closed_on = threading.current_thread().name
+
+
+@pytest.mark.timeout(20)
+def test_closing_from_another_thread_closes_the_genables_session_on_the_controllers_loop():
+    """A stop (SIGTERM) closes the controller from another thread while a request is in flight: `on_close` runs
+    on the controller's loop after the request was cancelled, so the session opened there is closed there."""
+    backend = SessionBackend()
+    ctl = GenerationController(backend, FlowConfig(), name="gen", on_close=backend.close)
+    ctl.submit(1)
+    deadline = time.monotonic() + 5
+    while backend.session is None:
+        assert time.monotonic() < deadline, "the request never started"
+        time.sleep(0.01)
+    closer = threading.Thread(target=ctl.close, name="stopper")
+    closer.start()
+    closer.join(10)
+    assert backend.session.closed and backend.closed_on == "gen-loop"

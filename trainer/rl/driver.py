@@ -126,7 +126,7 @@ class RLTrainer(TrainerRank):
         policy = policy_from_config(self.cfg.flow, num_prompts=len(self.task), max_steps=self.cfg.trainer.steps)
         generator = SampleGenerator(self.cfg, self.ctx, self.task, self.tokenizer)
         runtime = self.start_flow(policy, generator, resumed)
-        with self.generating(runtime.controller, generator):
+        with self.generating(runtime.controller):
             self._serve(policy.served_step)  # the generators serve the weights the flow state expects
             report = runtime.run()  # calls train_step, publish and checkpoint until the policy finishes
         self.save(runtime.final_state())
@@ -156,7 +156,9 @@ class RLTrainer(TrainerRank):
     ) -> FlowRuntime[Problem, Rollout]:
         """The generation controller and the flow runtime with this trainer's callbacks, restored from the
         checkpoint's flow state on a resume."""
-        controller = self.controller = GenerationController(generator, self.cfg.flow, name="rollout")
+        controller = self.controller = GenerationController(
+            generator, self.cfg.flow, name="rollout", on_close=generator.close
+        )
         if self.stop_requested.is_set():
             controller.close()
         controller.set_tqdm(disabled=False, total=None, desc="samples")
@@ -175,8 +177,9 @@ class RLTrainer(TrainerRank):
         return runtime
 
     @contextlib.contextmanager
-    def generating(self, controller: GenerationController, generator: SampleGenerator) -> Iterator[None]:
-        """Close the generator and its controller when the flow ends; a controller closed by `stop` is a stop."""
+    def generating(self, controller: GenerationController) -> Iterator[None]:
+        """Close the controller (and with it the generator, its `on_close`) when the flow ends; a controller
+        closed by `stop` is a stop."""
         try:
             yield
         except ControllerClosed:
@@ -184,8 +187,6 @@ class RLTrainer(TrainerRank):
                 raise StopRequested("stopped while training") from None
             raise
         finally:
-            with contextlib.suppress(ControllerClosed):
-                controller.run_coroutine(generator.close()).result(timeout=10)
             controller.close()
 
     def stop(self) -> None:
