@@ -322,10 +322,11 @@ def _rows(batch: Mapping[str, torch.Tensor]) -> int:
 
 def cross_entropy_loss(n_targets: int) -> LossFn:
     """Next-token cross-entropy over micro-batches {"tokens": [B, L], "targets": [B, L]} (targets < 0 are
-    not trained), normalised by the step's global target count `n_targets`."""
+    not trained), normalised by the step's global target count `n_targets`; packed rows (trainer/pack.py) carry
+    their "positions" and "documents" too."""
 
     def loss_fn(model: Transformer, mb: Batch) -> LossOutput:
-        logits = model(mb["tokens"])
+        logits = model(mb["tokens"], mb.get("positions"), documents=mb.get("documents"))
         targets = mb["targets"].reshape(-1)
         ce = torch.nn.functional.cross_entropy(
             logits.float().reshape(-1, logits.shape[-1]), targets.masked_fill(targets < 0, -100), reduction="sum"
