@@ -1,6 +1,7 @@
 """Next-token pretraining, a driver of the training core (trainer/core.py): JSONL text through a
 tokenizer, or pre-tokenized arrays, or a mixture of sources prepped into token shards by `slipstream prep`
-(trainer/data/), packed into fixed-length rows; the core does the rest (ranks,
+(trainer/data/), packed into fixed-length rows (with trainer.pack, attention stays inside each EOS-ended
+document: trainer/pack.py); the core does the rest (ranks,
 optimizer, schedule, checkpoints). `ROLE=trainer` with `trainer.mode = "pretrain"` runs it on every
 trainer rank (trainer/role.py); `python -m trainer.pretrain` runs one rank without the rendezvous. Loss, gradient norm, throughput and per-MoE-layer router telemetry
 go to a metrics writer (anything with `log(tag, step, value)`, e.g. common.metrics.MetricsWriter).
