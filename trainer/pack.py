@@ -13,7 +13,7 @@ row. Pure functions; the RL batch, the warm start and pretraining build their pa
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -58,7 +58,7 @@ def pack_rows(lengths: Sequence[int], budget: int, world: int = 1) -> list[list[
     return [sorted(rows[r]) for rank in ranks for r in rank]
 
 
-def pack_tensors(samples: Sequence[Batch], rows: Sequence[Sequence[int]], fill: dict[str, float]) -> Batch:
+def pack_tensors(samples: Sequence[Batch], rows: Sequence[Sequence[int]], fill: Mapping[str, float]) -> Batch:
     """Samples' per-token tensors (each sample a dict of [n_i, ...] tensors, n_i its tokens) laid into packed
     rows [R, L, ...] (L: the longest row), padding filled with `fill[name]` (0 when not named), beside
     "documents" [R, L] (the sample's index within its row, -1: padding) and "positions" [R, L] (0.. within
@@ -81,7 +81,7 @@ def pack_tensors(samples: Sequence[Batch], rows: Sequence[Sequence[int]], fill: 
 
 
 def pack_batch(
-    batch: Batch, lengths: Sequence[int], parts: Sequence[slice], budget: int, world: int, fill: dict[str, float]
+    batch: Batch, lengths: Sequence[int], parts: Sequence[slice], budget: int, world: int, fill: Mapping[str, float]
 ) -> tuple[Batch, list[slice]]:
     """A batch of one right-padded sample per row, packed: `lengths` [B] the samples' tokens (row b's first
     lengths[b] positions), `parts` the row slices that must stay apart (the PPO mini-batches, each an optimizer
