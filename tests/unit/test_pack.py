@@ -80,6 +80,24 @@ def test_a_token_sees_only_its_own_sample_in_a_packed_row(model_cfg):
         assert not torch.allclose(after[7:10], packed[7:10])
 
 
+def test_the_flex_document_mask_is_the_dense_one():
+    """The CUDA path's mask_mod (run here through eager flex attention on the CPU) attends as the CPU path's
+    dense mask, for MLA's unequal q/k and v head dims and for grouped kv heads."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    from trainer.model.attention import DocumentMask, attend, same_document
+
+    documents = torch.tensor([[0] * 7 + [1] * 3 + [2] * 11 + [3] * 5 + [-1] * 4, [0] * 20 + [1] * 10])
+    B, S = documents.shape
+    block_mask = create_block_mask(same_document(documents), B, None, S, S, device="cpu")
+    g = torch.Generator().manual_seed(0)
+    for heads, kv_heads, d, dv in ((4, 4, 96, 32), (4, 2, 32, 32)):
+        q = torch.randn(B, heads, S, d, generator=g)
+        k, v = torch.randn(B, kv_heads, S, d, generator=g), torch.randn(B, kv_heads, S, dv, generator=g)
+        flex = flex_attention(q, k, v, block_mask=block_mask, scale=0.1, enable_gqa=heads != kv_heads)
+        assert torch.allclose(flex, attend(q, k, v, DocumentMask(documents), 0.1), atol=1e-5)
+
+
 def _rollouts(routed: bool, layers: int, k: int) -> list[Rollout]:
     """Samples of SHAPES with their own temperatures, top-k and top-p (and vLLM's routing when `routed`)."""
     g = torch.Generator().manual_seed(5)

@@ -37,23 +37,28 @@ def attention_backends(device: torch.device) -> Iterator[None]:
         yield
 
 
+def same_document(documents: torch.Tensor):
+    """Flex attention's mask_mod of packed rows `documents` [B, S]: query q sees key k of its own document, k <= q."""
+
+    def mask_mod(b, h, q, k):
+        return (documents[b, q] == documents[b, k]) & (k <= q)
+
+    return mask_mod
+
+
 class DocumentMask:
     """Where each query of a packed batch may look: keys of its own document at or before it. `documents`
     [B, S] holds each position's document within its row (-1: padding, which sees only padding, so no row of
     the softmax is empty). Built once per forward and shared by every layer: on CUDA as flex attention's
-    block mask (blocks wholly outside every document are skipped), elsewhere as a dense bool mask for SDPA,
-    which is exact and O(S^2) per row."""
+    block mask (blocks wholly outside every document are skipped; compiled, not yet measured on a GPU),
+    elsewhere as a dense bool mask for SDPA, which is exact and O(S^2) per row."""
 
     def __init__(self, documents: torch.Tensor) -> None:
         B, S = documents.shape
         self.flex: BlockMask | None = None
         self.dense: torch.Tensor | None = None
         if documents.is_cuda:
-
-            def same_document(b, h, q, k):  # flex attention's mask_mod
-                return (documents[b, q] == documents[b, k]) & (k <= q)
-
-            self.flex = create_block_mask(same_document, B, None, S, S, device=documents.device)
+            self.flex = create_block_mask(same_document(documents), B, None, S, S, device=documents.device)
         else:
             causal = torch.ones(S, S, dtype=torch.bool, device=documents.device).tril()
             self.dense = ((documents.unsqueeze(2) == documents.unsqueeze(1)) & causal).unsqueeze(1)  # [B, 1, S, S]
@@ -73,7 +78,7 @@ def attend(
     if mask.flex is not None:
         global _compiled_flex
         if _compiled_flex is None:  # eager flex attention materialises the scores; compiled it is a fused kernel
-            _compiled_flex = torch.compile(flex_attention, dynamic=False)
+            _compiled_flex = torch.compile(flex_attention)  # automatic dynamic shapes: row lengths vary per batch
         return _compiled_flex(q, k, v, block_mask=mask.flex, scale=scale, enable_gqa=gqa)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense, scale=scale, enable_gqa=gqa)
 
