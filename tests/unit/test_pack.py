@@ -217,8 +217,10 @@ def test_a_packed_rl_update_is_the_padded_update(aggregation, mini_batches, repl
     assert diff <= 1e-5
 
 
-def test_the_warm_start_packed_is_the_warm_start_padded():
-    """A supervised step on rows of prompt + answer (the warm start's layout) packed and padded."""
+@pytest.mark.parametrize("checkpointing", ["none", "selective"])
+def test_the_warm_start_packed_is_the_warm_start_padded(checkpointing):
+    """A supervised step on rows of prompt + answer (the warm start's layout) packed and padded, with the blocks'
+    activations kept or (selective) recomputed in the backward, where the document mask goes along."""
     g = torch.Generator().manual_seed(2)
     rows = [torch.randint(1, 128, (p + n + 1,), generator=g) for p, n in SHAPES]
     L = max(map(len, rows))
@@ -232,6 +234,7 @@ def test_the_warm_start_packed_is_the_warm_start_padded():
     cores = []
     for b in (batch, packed_warm_start_batch(batch, 0, 1, pad_id=0)):
         cfg = Config()
+        cfg.trainer.activation_checkpoint = checkpointing
         core = TrainingCore(cfg, Ranks.single(torch.device("cpu")), build_model(cfg.trainer.model, seed=0))
         result = core.step(b, cross_entropy_loss(n_targets), 4, tokens=0, lr=1e-3)
         cores.append((core, result.figures["loss"], b["tokens"].numel()))
