@@ -184,6 +184,9 @@ class TrainingCore:
             grads / 2**30,
             moments / 2**30,
         )
+        if tc.pack and not tc.packs() and ranks.is_main:
+            # Said once, at the start: a run asked to pack that trains padded rows should not be a surprise.
+            log.info("trainer.pack = true, but rows stay padded: %s", "; ".join(tc.padding_reasons()))
 
     # -- the step ------------------------------------------------------------------------------
 

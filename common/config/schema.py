@@ -571,7 +571,8 @@ class TrainerConfig:
     right-padded row each, attention kept inside each sample (trainer/pack.py). The same losses and updates as
     padding, on fewer positions. Applies to GRPO's RL updates, the warm start and pretraining (documents end
     at the tokenizer's EOS); PPO with a critic (GAE runs per row) and a sequence balance loss
-    (trainer.optim.seq_aux_loss_coef > 0, taken per row) train padded rows whatever this says. false: padding."""
+    (trainer.optim.seq_aux_loss_coef > 0, taken per row) train padded rows whatever this says (the trainer's log
+    says so at the start). false: padding."""
     pack_tokens: int = 0
     """Token budget of a packed row; 0: the step's longest sample (rows no longer than padding's, so a forward of
     trainer.rl.micro_batch_samples rows holds at most the tokens it holds padded). Pretraining rows are
@@ -628,9 +629,21 @@ class TrainerConfig:
         )
 
     def packs(self) -> bool:
-        """Whether rows are packed: trainer.pack, where packing gives padding's update (not under PPO's critic,
-        whose GAE runs per row, nor with a sequence balance loss, taken per row)."""
-        return self.pack and self.rl.algorithm != "ppo" and self.optim.seq_aux_loss_coef == 0
+        """Whether rows are packed: trainer.pack, where packing gives padding's update (see `padding_reasons`)."""
+        return self.pack and not self.padding_reasons()
+
+    def padding_reasons(self) -> list[str]:
+        """Why rows stay padded although trainer.pack is true, each with the setting that would pack them: PPO's
+        critic (its GAE runs per row) and a sequence balance loss (taken per row). Empty when nothing stops it."""
+        reasons = []
+        if self.mode == "rl" and self.rl.algorithm == "ppo":
+            reasons.append('trainer.rl.algorithm = "ppo" (its critic\'s GAE runs per row; "grpo" packs)')
+        if self.optim.seq_aux_loss_coef > 0:
+            reasons.append(
+                f"trainer.optim.seq_aux_loss_coef = {self.optim.seq_aux_loss_coef:g} (the sequence balance loss is "
+                "taken per row; 0 packs)"
+            )
+        return reasons
 
 
 @dataclass

@@ -4,6 +4,7 @@ sample's boundary, and the packed RL update, warm start and pretraining rows aga
 from __future__ import annotations
 
 import copy
+import logging
 
 import numpy as np
 import pytest
@@ -325,3 +326,28 @@ def test_packed_is_the_default_where_exact():
     cfg = copy.deepcopy(Config())
     cfg.trainer.rl.algorithm = "ppo"
     assert not cfg.trainer.packs()
+
+
+def test_a_run_asked_to_pack_that_trains_padded_rows_says_why_once_at_the_start(caplog):
+    cfg = Config()
+    cfg.trainer.rl.algorithm = "ppo"
+    cfg.trainer.optim.seq_aux_loss_coef = 1e-3
+    model = build_model(cfg.trainer.model, seed=0)
+    with caplog.at_level(logging.INFO, logger="trainer.core"):
+        TrainingCore(cfg, Ranks.single(torch.device("cpu")), model)
+    said = [r.getMessage() for r in caplog.records if "trainer.pack" in r.getMessage()]
+    assert said == [
+        'trainer.pack = true, but rows stay padded: trainer.rl.algorithm = "ppo" (its critic\'s GAE runs per row; '
+        '"grpo" packs); trainer.optim.seq_aux_loss_coef = 0.001 (the sequence balance loss is taken per row; 0 packs)'
+    ]
+    caplog.clear()
+    cfg.trainer.pack = False  # asked for padding: nothing to say
+    with caplog.at_level(logging.INFO, logger="trainer.core"):
+        TrainingCore(cfg, Ranks.single(torch.device("cpu")), build_model(cfg.trainer.model, seed=0))
+    assert not [r for r in caplog.records if "trainer.pack" in r.getMessage()]
+
+
+def test_pretraining_has_no_critic_to_keep_its_rows_padded():
+    cfg = Config()
+    cfg.trainer.mode, cfg.trainer.rl.algorithm = "pretrain", "ppo"
+    assert cfg.trainer.packs()
