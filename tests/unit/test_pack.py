@@ -18,7 +18,13 @@ from trainer.model import build_model
 from trainer.model.sampling import RowSampling
 from trainer.pack import pack_rows, padding_positions, stream_documents
 from trainer.ranks import Ranks
-from trainer.rl.batch import packed_rl_batch, packed_warm_start_batch, padded_batch, sampling_rows
+from trainer.rl.batch import (
+    packed_rl_batch,
+    packed_warm_start_batch,
+    padded_batch,
+    rollout_lengths,
+    sampling_rows,
+)
 from trainer.rl.replay import routing_batch
 from trainer.rl.update import mini_batch_rows, proximal_fn, rl_updates
 
@@ -163,7 +169,7 @@ def rl_step(cfg: Config, packed: bool, world: int = 1, core: TrainingCore | None
     batch = _padded_rl_batch(cfg, rollouts, core.model)
     rows = mini_batch_rows([4] * (len(rollouts) // 4), rl.mini_batches)
     if packed:
-        batch, rows = packed_rl_batch(batch, rollouts, rows, cfg.trainer.pack_tokens, world, pad_id=0)
+        batch, rows = packed_rl_batch(batch, rollout_lengths(rollouts), rows, cfg.trainer.pack_tokens, world, pad_id=0)
     result = core.step_updates(rl_updates(batch, rows, rl), rl.micro_batch_samples, prepare=proximal_fn(rl))
     return core, result, batch
 

@@ -77,19 +77,23 @@ def warm_start_batch(
     return {"tokens": tokens[:, :-1], "targets": targets}, int((targets >= 0).sum())
 
 
+def rollout_lengths(rollouts: list[Rollout]) -> list[int]:
+    """Each rollout's tokens (prompt + completion): its padded row's first positions, what packing lays out."""
+    return [len(r.sample.prompt_token_ids) + len(r.sample.token_ids) for r in rollouts]
+
+
 def packed_rl_batch(
     batch: dict[str, torch.Tensor],
-    rollouts: list[Rollout],
+    lengths: list[int],
     parts: list[slice],
     pack_tokens: int,
     world: int,
     pad_id: int,
 ) -> tuple[dict[str, torch.Tensor], list[slice]]:
     """An RL step's batch of one padded row per rollout (`padded_batch`, `sampling_rows` and the per-sample
-    tensors beside them) packed (trainer/pack.py), each PPO mini-batch (`parts`) on its own, in rows of
-    `pack_tokens` (0: the longest sample) balanced over `world` ranks. Returns the batch and the mini-batches'
-    rows in it."""
-    lengths = [len(r.sample.prompt_token_ids) + len(r.sample.token_ids) for r in rollouts]
+    tensors beside them; `lengths`: each row's tokens, `rollout_lengths`) packed (trainer/pack.py), each PPO
+    mini-batch (`parts`) on its own, in rows of `pack_tokens` (0: the longest sample) balanced over `world`
+    ranks. Returns the batch and the mini-batches' rows in it."""
     # A packed row's padding is never trained (targets -1, mask 0) and is taken at temperature 1, untruncated.
     fill = {"tokens": pad_id, "targets": -1, "routing": -1, "temperature": 1, "top_p": 1}
     return pack_batch(batch, lengths, parts, pack_tokens or max(lengths), world, fill)

@@ -71,6 +71,7 @@ from trainer.rl.batch import (
     packed_warm_start_batch,
     padded_batch,
     rewind_ledger,
+    rollout_lengths,
     sampling_rows,
     warm_start_batch,
 )
@@ -337,7 +338,12 @@ class RLTrainer(TrainerRank):
         padded_positions = tokens.numel()
         if self.cfg.trainer.packs():
             batch, rows = packed_rl_batch(
-                batch, rollouts, rows, self.cfg.trainer.pack_tokens, self.ranks.world, self.tokenizer.pad_token_id
+                batch,
+                rollout_lengths(rollouts),
+                rows,
+                self.cfg.trainer.pack_tokens,
+                self.ranks.world,
+                self.tokenizer.pad_token_id,
             )
         t1 = time.perf_counter()
         result = self.command(RLStep(batch, rows, step))
