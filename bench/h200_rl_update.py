@@ -118,6 +118,13 @@ class RecordedMask(DocumentMask):
         RecordedMask.built.append("flex" if self.flex is not None else "sdpa")
 
 
+def compiled_graphs() -> tuple[int, int]:
+    """(graphs torch.compile has made, graph breaks it has met) in this process so far."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"]), int(sum(counters["graph_break"].values()))
+
+
 def plain(v: object) -> object:
     """A figure as JSON holds it: a tensor as a float (one element) or a list."""
     if isinstance(v, torch.Tensor):
@@ -222,6 +229,7 @@ def main() -> None:
             flush=True,
         )
         RecordedMask.built = []
+        graphs, breaks = compiled_graphs()
         warm, first = [], {}
         for i in range(args.warmup):
             t0 = time.perf_counter()
@@ -236,6 +244,9 @@ def main() -> None:
                 flush=True,
             )
         attention = attention_used(device, RecordedMask.built)
+        graphs_after, breaks_after = compiled_graphs()
+        if tc.compile:  # what torch.compile made of this layout's warm-up: new graphs (recompiles) and graph breaks
+            attention += f"; compile: {graphs_after - graphs} new graphs, {breaks_after - breaks} graph breaks"
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         per_step = []
