@@ -185,7 +185,14 @@ class Transformer(nn.Module):
 
 
 def compile_blocks(model: Transformer, **compile_kwargs) -> Transformer:
-    """torch.compile each decoder block in place (parameter names unchanged); returns the model."""
+    """torch.compile each decoder block in place (parameter names unchanged); returns the model.
+
+    The blocks share one code object, whose compiled variants (dense and MoE blocks, training and the no-grad
+    proximal forward, padded rows and packed rows with a document mask) outnumber dynamo's default limit of 8:
+    past it every block would run eager (and flex attention unfused), so the limit is raised."""
+    dynamo = torch._dynamo.config
+    dynamo.recompile_limit = max(dynamo.recompile_limit, 64)
+    dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, 512)
     for block in model.model.layers:
         block.compile(**compile_kwargs)
     return model
