@@ -2,6 +2,8 @@
 the policy sampling its own completions in torch (on-policy, temperature 1, no vLLM), and the held-out
 arithmetic benchmark (greedy) before and after. Compares trainer.rl.algorithm = grpo and ppo (and any --set)
 on the same warm start and sampling seed; it measures what the objective learns, not the system's timing.
+Rows are packed as the trainer packs them (trainer.pack, default on where exact; `--set trainer.pack=false`
+pads): each RL step prints the token positions its forwards compute packed and padded.
 
     PYTHONPATH=. python bench/ppo_learning.py --steps 15 --set trainer.rl.algorithm=ppo
 """
@@ -20,9 +22,10 @@ from common.config import load_config
 from evaluator.benchmark import load_benchmark
 from rollout.tasks.load import load_task
 from trainer.core import TrainingCore, cross_entropy_loss
+from trainer.pack import pack_batch
 from trainer.ranks import Ranks
 from trainer.rl.advantages import group_advantages, zero_variance_groups
-from trainer.rl.batch import warm_start_batch
+from trainer.rl.batch import packed_warm_start_batch, warm_start_batch
 from trainer.rl.critic import build_critic, copy_trunk, ppo_step, value_model
 from trainer.rl.update import mini_batch_rows, proximal_fn, rl_updates
 from trainer.setup import initial_model
@@ -91,6 +94,8 @@ def main() -> None:
     t0 = time.time()
     for step in range(w.steps):
         batch, n = warm_start_batch(task, tok, step, w.batch_size, cfg.rollout.chat_template)
+        if cfg.trainer.packs():
+            batch = packed_warm_start_batch(batch, cfg.trainer.pack_tokens, 1, tok.pad_token_id)
         core.step(batch, cross_entropy_loss(n), w.batch_size, tokens=0, lr=w.lr)
     core.optimizer.reset_moments()
     if critic is not None:
@@ -149,6 +154,12 @@ def main() -> None:
             "top_p": torch.ones(B),
         }
         mbs = mini_batch_rows([S] * int(keep.sum()), rl.mini_batches)
+        padded_positions = tokens.numel()
+        if cfg.trainer.packs():
+            lengths = [len(s) for s in seqs]
+            fill = {"tokens": tok.pad_token_id, "targets": -1, "temperature": 1, "top_p": 1}
+            batch, mbs = pack_batch(batch, lengths, mbs, cfg.trainer.pack_tokens or L, 1, fill)
+        positions = f"positions {batch['tokens'].numel()} (padded {padded_positions})"
         if critic is not None:
             result = ppo_step(core, critic, batch, mbs, rl, train_policy=step >= rl.critic.warmup_steps)
         else:
@@ -159,7 +170,9 @@ def main() -> None:
             for k in ("critic/value_loss", "critic/explained_variance", "critic/value_mean", "rl/advantage_std")
             if k in f
         )
-        print(f"step {step} reward {float(rewards.mean()):.3f} groups {int(keep.sum())} {extra}", flush=True)
+        print(
+            f"step {step} reward {float(rewards.mean()):.3f} groups {int(keep.sum())} {positions} {extra}", flush=True
+        )
         if step >= args.steps - LAST:
             tail.append(heldout(core.model, tok, cases, bench))
     end = tail[-1]

@@ -184,6 +184,9 @@ class TrainingCore:
             grads / 2**30,
             moments / 2**30,
         )
+        if tc.pack and not tc.packs() and ranks.is_main:
+            # Said once, at the start: a run asked to pack that trains padded rows should not be a surprise.
+            log.info("trainer.pack = true, but rows stay padded: %s", "; ".join(tc.padding_reasons()))
 
     # -- the step ------------------------------------------------------------------------------
 
@@ -322,10 +325,11 @@ def _rows(batch: Mapping[str, torch.Tensor]) -> int:
 
 def cross_entropy_loss(n_targets: int) -> LossFn:
     """Next-token cross-entropy over micro-batches {"tokens": [B, L], "targets": [B, L]} (targets < 0 are
-    not trained), normalised by the step's global target count `n_targets`."""
+    not trained), normalised by the step's global target count `n_targets`; packed rows (trainer/pack.py) carry
+    their "positions" and "documents" too."""
 
     def loss_fn(model: Transformer, mb: Batch) -> LossOutput:
-        logits = model(mb["tokens"])
+        logits = model(mb["tokens"], mb.get("positions"), documents=mb.get("documents"))
         targets = mb["targets"].reshape(-1)
         ce = torch.nn.functional.cross_entropy(
             logits.float().reshape(-1, logits.shape[-1]), targets.masked_fill(targets < 0, -100), reduction="sum"

@@ -1,6 +1,7 @@
 """Next-token pretraining, a driver of the training core (trainer/core.py): JSONL text through a
 tokenizer, or pre-tokenized arrays, or a mixture of sources prepped into token shards by `slipstream prep`
-(trainer/data/), packed into fixed-length rows; the core does the rest (ranks,
+(trainer/data/), packed into fixed-length rows (with trainer.pack, attention stays inside each EOS-ended
+document: trainer/pack.py); the core does the rest (ranks,
 optimizer, schedule, checkpoints). `ROLE=trainer` with `trainer.mode = "pretrain"` runs it on every
 trainer rank (trainer/role.py); `python -m trainer.pretrain` runs one rank without the rendezvous. Loss, gradient norm, throughput and per-MoE-layer router telemetry
 go to a metrics writer (anything with `log(tag, step, value)`, e.g. common.metrics.MetricsWriter).
@@ -30,6 +31,7 @@ from trainer.data.mixture import Mixture, effective_probabilities
 from trainer.data.shards import open_prepped
 from trainer.data.tokenizer import TokenizerIdentity, load_tokenizer
 from trainer.optim import StepStats, router_figures
+from trainer.pack import stream_documents
 from trainer.ranks import Ranks
 from trainer.setup import resolve_device, starting_model
 
@@ -146,6 +148,17 @@ class Pretrainer:
         self.state = self.core.resume(self.ckpt_root) or TrainState()
         if self.state.data_cursor:
             self.sampler.restore(self.state.data_cursor)
+        self.eos: int | None = None
+        """End-of-document id: packed rows keep attention inside each document (trainer.pack)."""
+        if cfg.trainer.packs():
+            self.eos = (
+                data.eos_id if data.eos_id is not None or not data.tokenizer else load_tokenizer(data.tokenizer)[1]
+            )
+            if self.eos is None:
+                log.warning(
+                    "trainer.pack: no end-of-document id (pass --eos-id or a tokenizer with an eos token): rows "
+                    "attend across documents"
+                )
 
     def train_step(self) -> tuple[float, StepStats]:
         """One optimizer step over grad_accum micro-batches of batch_size rows (over all ranks); returns
@@ -155,6 +168,8 @@ class Pretrainer:
         targets = rows[:, 1:]
         n_targets = int((targets >= 0).sum())
         batch = {"tokens": rows[:, :-1].clamp(min=0), "targets": targets}
+        if self.eos is not None:
+            batch |= stream_documents(batch["tokens"], self.eos)
         per_forward = -(-self.data.batch_size // self.ranks.world)
         result = self.core.step(batch, cross_entropy_loss(n_targets), per_forward, tokens=n_targets)
         return result.figures["loss"], result.optim

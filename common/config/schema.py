@@ -573,6 +573,17 @@ class TrainerConfig:
     and runs its forward again in the backward; selective keeps the matrix products' and attention's results and
     recomputes the cheap ops (norms, RoPE, activations, routing, permutations). Which ops are kept, and what
     torch.compile changes: trainer/model/recompute.py. Training results are the same in every mode."""
+    pack: bool = True
+    """Sequence packing: samples laid end to end in rows of at most trainer.pack_tokens tokens instead of one
+    right-padded row each, attention kept inside each sample (trainer/pack.py). The same losses and updates as
+    padding, on fewer positions. Applies to GRPO's RL updates, the warm start and pretraining (documents end
+    at the tokenizer's EOS); PPO with a critic (GAE runs per row) and a sequence balance loss
+    (trainer.optim.seq_aux_loss_coef > 0, taken per row) train padded rows whatever this says (the trainer's log
+    says so at the start). false: padding."""
+    pack_tokens: int = 0
+    """Token budget of a packed row; 0: the step's longest sample (rows no longer than padding's, so a forward of
+    trainer.rl.micro_batch_samples rows holds at most the tokens it holds padded). Pretraining rows are
+    trainer.data.seq_len long whatever this says."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """Model shape."""
     experts: ExpertsConfig = field(default_factory=ExpertsConfig)
@@ -618,10 +629,28 @@ class TrainerConfig:
             f"trainer.rl.critic.warmup_steps = {self.rl.critic.warmup_steps} leaves none of trainer.steps = "
             f"{self.steps} RL steps to the policy; set fewer warm-up steps or more steps",
         )
+        require(self.pack_tokens >= 0, f"trainer.pack_tokens = {self.pack_tokens} must be >= 0 (0: the longest sample)")
         require(
             self.mode != "pretrain" or bool(self.data.path) or bool(self.data.sources),
             'trainer.mode = "pretrain" needs trainer.data.path (one file) or [[trainer.data.sources]] (a mixture)',
         )
+
+    def packs(self) -> bool:
+        """Whether rows are packed: trainer.pack, where packing gives padding's update (see `padding_reasons`)."""
+        return self.pack and not self.padding_reasons()
+
+    def padding_reasons(self) -> list[str]:
+        """Why rows stay padded although trainer.pack is true, each with the setting that would pack them: PPO's
+        critic (its GAE runs per row) and a sequence balance loss (taken per row). Empty when nothing stops it."""
+        reasons = []
+        if self.mode == "rl" and self.rl.algorithm == "ppo":
+            reasons.append('trainer.rl.algorithm = "ppo" (its critic\'s GAE runs per row; "grpo" packs)')
+        if self.optim.seq_aux_loss_coef > 0:
+            reasons.append(
+                f"trainer.optim.seq_aux_loss_coef = {self.optim.seq_aux_loss_coef:g} (the sequence balance loss is "
+                "taken per row; 0 packs)"
+            )
+        return reasons
 
 
 @dataclass

@@ -1,7 +1,9 @@
 """Causal self-attention in the two shapes we train: MLA (DeepSeek-V3: low-rank compressed keys and
 values, a rotary part shared by all heads, q/k head = nope + rope dims, v head separate) and GQA
 (grouped key/value heads; Qwen3-MoE adds RMSNorm on each query and key head, Mixtral has none). Both end in
-`F.scaled_dot_product_attention`; the kernel is chosen from outside (see `attention_backends`)."""
+`attend`: causal `F.scaled_dot_product_attention` for rows of one sample (the kernel chosen from outside, see
+`attention_backends`), or, for packed rows of several samples, attention that never crosses a sample's boundary
+(`DocumentMask`: a block-diagonal causal mask for SDPA on the CPU, flex attention's block mask on CUDA)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from common.config import ModelConfig
 from trainer.model.norm import RMSNorm
@@ -32,6 +35,52 @@ def attention_backends(device: torch.device) -> Iterator[None]:
     order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
     with sdpa_kernel(order, set_priority=True):
         yield
+
+
+def same_document(documents: torch.Tensor):
+    """Flex attention's mask_mod of packed rows `documents` [B, S]: query q sees key k of its own document, k <= q."""
+
+    def mask_mod(b, h, q, k):
+        return (documents[b, q] == documents[b, k]) & (k <= q)
+
+    return mask_mod
+
+
+class DocumentMask:
+    """Where each query of a packed batch may look: keys of its own document at or before it. `documents`
+    [B, S] holds each position's document within its row (-1: padding, which sees only padding, so no row of
+    the softmax is empty). Built once per forward and shared by every layer: on CUDA as flex attention's
+    block mask (blocks wholly outside every document are skipped; compiled, not yet measured on a GPU),
+    elsewhere as a dense bool mask for SDPA, which is exact and O(S^2) per row."""
+
+    def __init__(self, documents: torch.Tensor) -> None:
+        B, S = documents.shape
+        self.flex: BlockMask | None = None
+        self.dense: torch.Tensor | None = None
+        if documents.is_cuda:
+            self.flex = create_block_mask(same_document(documents), B, None, S, S, device=documents.device)
+        else:
+            causal = torch.ones(S, S, dtype=torch.bool, device=documents.device).tril()
+            self.dense = ((documents.unsqueeze(2) == documents.unsqueeze(1)) & causal).unsqueeze(1)  # [B, 1, S, S]
+
+
+_compiled_flex = None
+
+
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: DocumentMask | None, scale: float | None = None
+) -> torch.Tensor:
+    """Causal attention of q [B, heads, S, d], k [B, kv heads, S, d], v [B, kv heads, S, dv] -> [B, heads, S, dv],
+    within each row's documents when `mask` is given (grouped kv heads are repeated by the kernel)."""
+    gqa = k.shape[1] != q.shape[1]
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    if mask.flex is not None:
+        global _compiled_flex
+        if _compiled_flex is None:  # eager flex attention materialises the scores; compiled it is a fused kernel
+            _compiled_flex = torch.compile(flex_attention)  # automatic dynamic shapes: row lengths vary per batch
+        return _compiled_flex(q, k, v, block_mask=mask.flex, scale=scale, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense, scale=scale, enable_gqa=gqa)
 
 
 class MLA(nn.Module):
@@ -58,7 +107,9 @@ class MLA(nn.Module):
         self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, cfg.num_heads * (self.nope_dim + self.v_dim), bias=False)
         self.o_proj = nn.Linear(cfg.num_heads * self.v_dim, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: DocumentMask | None = None
+    ) -> torch.Tensor:
         B, S, _ = x.shape
         if hasattr(self, "q_proj"):
             q = self.q_proj(x)
@@ -73,9 +124,7 @@ class MLA(nn.Module):
         k_rope = apply_rope(k_rope.view(B, S, 1, self.rope_dim), cos, sin, interleaved=True)
         q = torch.cat((q_nope, q_rope), dim=-1)
         k = torch.cat((k_nope, k_rope.expand(B, S, self.num_heads, self.rope_dim)), dim=-1)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=self.scale
-        )  # [B, heads, S, v_dim]
+        out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, self.scale)  # [B, heads, S, v_dim]
         return self.o_proj(out.transpose(1, 2).reshape(B, S, self.num_heads * self.v_dim))
 
 
@@ -98,7 +147,9 @@ class GQA(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: DocumentMask | None = None
+    ) -> torch.Tensor:
         B, S, _ = x.shape
         q = self.q_proj(x).view(B, S, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(B, S, self.num_kv_heads, self.head_dim)
@@ -107,11 +158,5 @@ class GQA(nn.Module):
         v = self.v_proj(x).view(B, S, self.num_kv_heads, self.head_dim)
         q = apply_rope(q, cos, sin, interleaved=False)
         k = apply_rope(k, cos, sin, interleaved=False)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2),
-            k.transpose(1, 2),
-            v.transpose(1, 2),
-            is_causal=True,
-            enable_gqa=self.num_kv_heads != self.num_heads,
-        )
+        out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
         return self.o_proj(out.transpose(1, 2).reshape(B, S, self.num_heads * self.head_dim))

@@ -18,19 +18,26 @@ import torch.nn.functional as F
 
 @dataclass
 class RowSampling:
-    """The sampling parameters of each row of a batch, as vLLM applied them: temperature [B] (> 0),
-    top_k [B] (int; <= 0 or >= vocab: off, as vLLM's 0 and -1) and top_p [B] (in (0, 1]; 1: off)."""
+    """The sampling parameters of a batch, as vLLM applied them, one per row ([B]: a row is one sample) or one
+    per token ([B, S]: packed rows hold several samples): temperature (> 0), top_k (int; <= 0 or >= vocab: off,
+    as vLLM's 0 and -1) and top_p (in (0, 1]; 1: off)."""
 
     temperature: torch.Tensor
     top_k: torch.Tensor
     top_p: torch.Tensor
 
     def __post_init__(self) -> None:
-        if not (self.temperature.shape == self.top_k.shape == self.top_p.shape) or self.temperature.dim() != 1:
+        if not (self.temperature.shape == self.top_k.shape == self.top_p.shape) or self.temperature.dim() not in (1, 2):
             raise ValueError(
                 f"temperature {tuple(self.temperature.shape)}, top_k {tuple(self.top_k.shape)} and top_p "
-                f"{tuple(self.top_p.shape)} must be one value per row ([B] each)"
+                f"{tuple(self.top_p.shape)} must be one value per row ([B] each) or per token ([B, S] each)"
             )
+
+    def per_token(self, S: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(temperature, top_k, top_p), each [B * S]: every position's parameters."""
+        if self.temperature.dim() == 2:
+            return self.temperature.reshape(-1), self.top_k.reshape(-1), self.top_p.reshape(-1)
+        return tuple(t.repeat_interleave(S) for t in (self.temperature, self.top_k, self.top_p))  # type: ignore[return-value]
 
 
 def logprobs_of(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -74,37 +81,32 @@ def sampled_logprobs(
     logits: torch.Tensor, targets: torch.Tensor, sampling: RowSampling
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, S, V], targets [B, S] (< 0: not a target, gives 0) -> (float32 [B, S] log-probs of the
-    targets under each row's sampling distribution, bool [B, S] the targets outside the trainer's own kept
-    set). Such a target (the sampler kept it at a numerical boundary the trainer's logits fall the other side
-    of) is added to its position's kept set instead of giving -inf; the caller counts them."""
+    targets under each position's sampling distribution, bool [B, S] the targets outside the trainer's own
+    kept set). Such a target (the sampler kept it at a numerical boundary the trainer's logits fall the other
+    side of) is added to its position's kept set instead of giving -inf; the caller counts them."""
     B, S, V = logits.shape
-    T, top_k, top_p = sampling.temperature, sampling.top_k, sampling.top_p
+    T, top_k, top_p = sampling.per_token(S)
+    flat, tgt = logits.reshape(B * S, V), targets.reshape(B * S)
     truncated = ((top_k > 0) & (top_k < V)) | (top_p < 1)
     tempered = (T != 1) & ~truncated
-    outside = torch.zeros(B, S, dtype=torch.bool, device=logits.device)
+    outside = torch.zeros(B * S, dtype=torch.bool, device=logits.device)
     if not bool((truncated | tempered).any()):
-        return logprobs_of(logits, targets), outside
-    out = torch.zeros(B, S, dtype=torch.float32, device=logits.device)
+        return logprobs_of(logits, targets), outside.view(B, S)
+    out = torch.zeros(B * S, dtype=torch.float32, device=logits.device)
     plain = ~(truncated | tempered)
     if bool(plain.any()):
-        out[plain] = logprobs_of(logits[plain], targets[plain])
+        out[plain] = logprobs_of(flat[plain], tgt[plain])
     if bool(tempered.any()):
-        scaled = logits[tempered].float() / T[tempered].float().view(-1, 1, 1)
-        out[tempered] = logprobs_of(scaled, targets[tempered])
+        out[tempered] = logprobs_of(flat[tempered].float() / T[tempered].float().unsqueeze(1), tgt[tempered])
     if bool(truncated.any()):
-        rows = truncated.nonzero().squeeze(1)
-        scaled = logits[rows].float() / T[rows].float().view(-1, 1, 1)
-        tgt = targets[rows]
-        b = len(rows)
-        keep = kept_tokens(
-            scaled.reshape(b * S, V), top_k[rows].repeat_interleave(S), top_p[rows].repeat_interleave(S)
-        ).view(b, S, V)
-        index = tgt.clamp(min=0).unsqueeze(-1)
-        missing = ~keep.gather(-1, index).squeeze(-1) & (tgt >= 0)
+        scaled = flat[truncated].float() / T[truncated].float().unsqueeze(1)
+        kept_targets = tgt[truncated]
+        keep = kept_tokens(scaled, top_k[truncated], top_p[truncated])
+        index = kept_targets.clamp(min=0).unsqueeze(-1)
+        outside[truncated] = ~keep.gather(-1, index).squeeze(-1) & (kept_targets >= 0)
         keep.scatter_(-1, index, True)
-        out[rows] = logprobs_of(scaled.masked_fill(~keep, float("-inf")), tgt)
-        outside[rows] = missing
-    return out, outside
+        out[truncated] = logprobs_of(scaled.masked_fill(~keep, float("-inf")), kept_targets)
+    return out.view(B, S), outside.view(B, S)
 
 
 __all__ = ["RowSampling", "logprobs_of", "kept_tokens", "sampled_logprobs"]

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from common.config import ModelConfig
-from trainer.model.attention import GQA, MLA, attention_backends
+from trainer.model.attention import GQA, MLA, DocumentMask, attention_backends
 from trainer.model.moe import MLP, MoE
 from trainer.model.norm import RMSNorm
 from trainer.model.recompute import run_block
@@ -34,8 +34,9 @@ class Block(nn.Module):
         sin: torch.Tensor,
         routing: torch.Tensor | None = None,
         replay: bool = False,
+        mask: DocumentMask | None = None,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
         h = self.post_attention_layernorm(x)
         return x + (self.mlp(h, routing, replay) if isinstance(self.mlp, MoE) else self.mlp(h))
 
@@ -51,7 +52,11 @@ class Decoder(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Causal LM. `forward(tokens)` gives logits; `token_logprobs` gives log p(target) per position."""
+    """Causal LM. `forward(tokens)` gives logits; `token_logprobs` gives log p(target) per position.
+
+    A row holds one sample, or, packed, several (`documents` [B, S]: each position's sample within its row,
+    -1 for padding; `positions` then restart at 0 for each sample): attention never crosses a sample's
+    boundary, so each sample's results are those it has alone in a row."""
 
     rope_angles: torch.Tensor  # a buffer
 
@@ -89,11 +94,13 @@ class Transformer(nn.Module):
         positions: torch.Tensor | None = None,
         routing: torch.Tensor | None = None,
         replay: bool = False,
+        documents: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """tokens [B, S] (int64) -> final-normed hidden states [B, S, H]; positions [B, S] default 0..S-1.
 
         `routing` [B, S, moe layers, k]: the experts a rollout chose per token and MoE layer (-1: unknown);
-        every MoE layer then measures its disagreement with it, and with `replay` uses it (MoE.forward)."""
+        every MoE layer then measures its disagreement with it, and with `replay` uses it (MoE.forward).
+        `documents` [B, S]: the samples of packed rows (see the class); None: one sample per row."""
         B, S = tokens.shape
         if positions is None:
             if S > self.cfg.max_seq_len:
@@ -107,14 +114,15 @@ class Transformer(nn.Module):
         x = self.model.embed_tokens(tokens)
         if routing is not None and routing.shape[2] != len(self.moe_layers()):
             raise ValueError(f"routing has {routing.shape[2]} MoE layers, the model {len(self.moe_layers())}")
+        mask = None if documents is None else DocumentMask(documents)  # once for every layer
         moe = 0
         with attention_backends(tokens.device):
             for block in self.model.layers:
                 if routing is not None and isinstance(block.mlp, MoE):
-                    x = run_block(block, self.activation_checkpoint, x, cos, sin, routing[:, :, moe], replay)
+                    x = run_block(block, self.activation_checkpoint, x, cos, sin, routing[:, :, moe], replay, mask)
                     moe += 1
                 else:
-                    x = run_block(block, self.activation_checkpoint, x, cos, sin)
+                    x = run_block(block, self.activation_checkpoint, x, cos, sin, None, False, mask)
         return self.model.norm(x)
 
     def forward(
@@ -123,9 +131,10 @@ class Transformer(nn.Module):
         positions: torch.Tensor | None = None,
         routing: torch.Tensor | None = None,
         replay: bool = False,
+        documents: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """tokens [B, S] -> logits [B, S, vocab] (`routing`, `replay`: see `hidden_states`)."""
-        return self.lm_head(self.hidden_states(tokens, positions, routing, replay))
+        """tokens [B, S] -> logits [B, S, vocab] (`routing`, `replay`, `documents`: see `hidden_states`)."""
+        return self.lm_head(self.hidden_states(tokens, positions, routing, replay, documents))
 
     def token_logprobs(
         self,
@@ -135,11 +144,13 @@ class Transformer(nn.Module):
         routing: torch.Tensor | None = None,
         replay: bool = False,
         sampling: RowSampling | None = None,
+        documents: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """log p(targets[b, s] | tokens[b, :s+1]) as float32 [B, S]; targets < 0 give 0 (padding). With
-        `sampling`, p is each row's sampling distribution (temperature, top-k, top-p: trainer.model.sampling),
-        and `sampling_outside()` then counts the targets outside the trainer's own truncation set."""
-        logits = self(tokens, positions, routing, replay)
+        `sampling`, p is each row's (or token's) sampling distribution (temperature, top-k, top-p:
+        trainer.model.sampling), and `sampling_outside()` then counts the targets outside the trainer's own
+        truncation set. `documents`: packed rows (see `hidden_states`)."""
+        logits = self(tokens, positions, routing, replay, documents)
         if sampling is None:
             return logprobs_of(logits, targets)
         logp, outside = sampled_logprobs(logits, targets, sampling)
@@ -174,7 +185,14 @@ class Transformer(nn.Module):
 
 
 def compile_blocks(model: Transformer, **compile_kwargs) -> Transformer:
-    """torch.compile each decoder block in place (parameter names unchanged); returns the model."""
+    """torch.compile each decoder block in place (parameter names unchanged); returns the model.
+
+    The blocks share one code object, whose compiled variants (dense and MoE blocks, training and the no-grad
+    proximal forward, padded rows and packed rows with a document mask) outnumber dynamo's default limit of 8:
+    past it every block would run eager (and flex attention unfused), so the limit is raised."""
+    dynamo = torch._dynamo.config
+    dynamo.recompile_limit = max(dynamo.recompile_limit, 64)
+    dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, 512)
     for block in model.model.layers:
         block.compile(**compile_kwargs)
     return model

@@ -1,4 +1,5 @@
-"""What the RL driver makes of its data besides the update: the warm start's batches, the padded training batch, the gen/*
+"""What the RL driver makes of its data besides the update: the warm start's batches, the padded training batch and
+its packed form (trainer/pack.py), the gen/*
 figures of every trained sample (what a simulator learns the run's timing from), and the prompt ledger
 (`trained_prompts.jsonl`, the audit that every prompt is trained exactly once), with its rewind on resume.
 Pure functions of their inputs, but for the ledger's file."""
@@ -18,6 +19,7 @@ from rollout.chat import ChatTemplateMode, prompt_token_ids
 from rollout.flow.runtime import Group
 from rollout.generator import Rollout
 from rollout.tasks import Problem, Task
+from trainer.pack import pack_batch
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +75,40 @@ def warm_start_batch(
     mask = torch.tensor([m + [0] * (length - len(m)) for m in masks])
     targets = torch.where(mask[:, 1:] > 0, tokens[:, 1:], torch.full_like(tokens[:, 1:], -1))
     return {"tokens": tokens[:, :-1], "targets": targets}, int((targets >= 0).sum())
+
+
+def rollout_lengths(rollouts: list[Rollout]) -> list[int]:
+    """Each rollout's tokens (prompt + completion): its padded row's first positions, what packing lays out."""
+    return [len(r.sample.prompt_token_ids) + len(r.sample.token_ids) for r in rollouts]
+
+
+def packed_rl_batch(
+    batch: dict[str, torch.Tensor],
+    lengths: list[int],
+    parts: list[slice],
+    pack_tokens: int,
+    world: int,
+    pad_id: int,
+) -> tuple[dict[str, torch.Tensor], list[slice]]:
+    """An RL step's batch of one padded row per rollout (`padded_batch`, `sampling_rows` and the per-sample
+    tensors beside them; `lengths`: each row's tokens, `rollout_lengths`) packed (trainer/pack.py), each PPO
+    mini-batch (`parts`) on its own, in rows of `pack_tokens` (0: the longest sample) balanced over `world`
+    ranks. Returns the batch and the mini-batches' rows in it."""
+    # A packed row's padding is never trained (targets -1, mask 0) and is taken at temperature 1, untruncated.
+    fill = {"tokens": pad_id, "targets": -1, "routing": -1, "temperature": 1, "top_p": 1}
+    return pack_batch(batch, lengths, parts, pack_tokens or max(lengths), world, fill)
+
+
+def packed_warm_start_batch(
+    batch: dict[str, torch.Tensor], pack_tokens: int, world: int, pad_id: int
+) -> dict[str, torch.Tensor]:
+    """A `warm_start_batch` packed (trainer/pack.py) in rows of `pack_tokens` (0: the longest) over `world` ranks.
+    A row's sample ends at its last target: its answer's EOS, predicted at the sample's last position."""
+    last = (batch["targets"] >= 0).int().cumsum(1).argmax(1)  # the first index of the final count
+    lengths = [int(n) + 1 for n in last]
+    fill = {"tokens": pad_id, "targets": -1}
+    packed, _ = pack_batch(batch, lengths, [slice(0, len(lengths))], pack_tokens or max(lengths), world, fill)
+    return packed
 
 
 def gen_figures(rollout: Rollout, origin: float) -> dict[str, float]:

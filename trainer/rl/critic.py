@@ -54,10 +54,11 @@ class ValueModel(Transformer):
         positions: torch.Tensor | None = None,
         routing: torch.Tensor | None = None,
         replay: bool = False,
+        documents: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """tokens [B, S] -> values [B, S] (float32): position t values the state before target t (the prefix
-        tokens[:t+1]), aligned with `targets` like the log-probs."""
-        return self.value_head(self.hidden_states(tokens, positions, routing, replay)).squeeze(-1).float()
+        tokens[:t+1]), aligned with `targets` like the log-probs (`documents`: packed rows, see Transformer)."""
+        return self.value_head(self.hidden_states(tokens, positions, routing, replay, documents)).squeeze(-1).float()
 
 
 def value_model(model: Transformer) -> ValueModel:

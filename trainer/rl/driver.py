@@ -67,8 +67,11 @@ from trainer.rl.advantages import clip_advantages, clip_rewards, group_advantage
 from trainer.rl.batch import (
     gen_figures,
     ledger_record,
+    packed_rl_batch,
+    packed_warm_start_batch,
     padded_batch,
     rewind_ledger,
+    rollout_lengths,
     sampling_rows,
     warm_start_batch,
 )
@@ -215,6 +218,10 @@ class RLTrainer(TrainerRank):
             batch, target_tokens = warm_start_batch(
                 self.task, self.tokenizer, step, w.batch_size, self.cfg.rollout.chat_template
             )
+            if self.cfg.trainer.packs():
+                batch = packed_warm_start_batch(
+                    batch, self.cfg.trainer.pack_tokens, self.ranks.world, self.tokenizer.pad_token_id
+                )
             # The warm start does not advance the RL schedule: no schedule tokens, a constant rate of its own.
             result = self.command(SupervisedStep(batch, target_tokens, schedule_tokens=0, lr=w.lr))
             assert result is not None
@@ -329,6 +336,16 @@ class RLTrainer(TrainerRank):
                 [r.sample for r in rollouts], tokens.shape[1], layers, self.cfg.trainer.model.num_experts_per_tok
             )
         rows = mini_batch_rows(group_sizes, self.cfg.trainer.rl.mini_batches)
+        padded_positions = tokens.numel()
+        if self.cfg.trainer.packs():
+            batch, rows = packed_rl_batch(
+                batch,
+                rollout_lengths(rollouts),
+                rows,
+                self.cfg.trainer.pack_tokens,
+                self.ranks.world,
+                self.tokenizer.pad_token_id,
+            )
         t1 = time.perf_counter()
         result = self.command(RLStep(batch, rows, step))
         t2 = time.perf_counter()
@@ -339,6 +356,9 @@ class RLTrainer(TrainerRank):
         # The parts of a step: building the batch, the proximal pass and the updates on every rank (the rest of
         # perf/step_s is rewards, advantages and bookkeeping); trained tokens per second of the whole update.
         self._perf = {
+            # Token positions the model computes per pass: the packed rows', and what padding would have computed.
+            "perf/positions": float(batch["tokens"].numel()),
+            "perf/padded_positions": float(padded_positions),
             "perf/batch_s": t1 - t0,
             "perf/update_s": t2 - t1,
             "perf/train_tokens_per_s": n_tokens / (t2 - t0),

@@ -7,8 +7,11 @@ A batch may carry `routing` [B, S, MoE layers, k], the experts vLLM chose per to
 the first pass then measures, per row, how often the trainer's router disagrees with it, and with
 trainer.rl.routing_replay = "rollout" both passes use it (rollout routing replay).
 
-Both passes take log-probs under each row's sampling distribution (the batch's "temperature", "top_k" and
-"top_p" rows, trainer.model.sampling), the one vLLM's behaviour log-probs are of."""
+Both passes take log-probs under each sample's sampling distribution (the batch's "temperature", "top_k" and
+"top_p" rows, trainer.model.sampling), the one vLLM's behaviour log-probs are of.
+
+A batch may be packed (trainer/pack.py: "documents" and "positions" [B, S], every per-sample tensor given per
+token): the passes then keep attention inside each sample and the loss takes per-sample terms per document."""
 
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from common.config import RLConfig
 from trainer.core import Batch, LossFn, LossOutput, PrepareFn, StepResult, Update, split_rows
 from trainer.model.sampling import RowSampling
 from trainer.model.transformer import Transformer
+from trainer.pack import documents_of, sample_count
 from trainer.rl.loss import ppo_loss
 
 # |log-prob gap| histogram edges for the step's p99 (summable over micro-batches and ranks): 20 bins a
@@ -30,7 +34,7 @@ GAP_EDGES = torch.logspace(-9, 2, 221, dtype=torch.float64)
 
 
 def row_sampling(mb: Batch) -> RowSampling:
-    """The sampling parameters of a batch's rows (its "temperature", "top_k" and "top_p" [B])."""
+    """The sampling parameters of a batch's rows (its "temperature", "top_k" and "top_p" [B], or [B, S] packed)."""
     missing = [k for k in ("temperature", "top_k", "top_p") if k not in mb]
     if missing:
         raise KeyError(
@@ -49,9 +53,10 @@ def proximal_fn(rl: RLConfig, reference: Transformer | None = None) -> PrepareFn
         routing = mb.get("routing")
         replay = rl.routing_replay == "rollout"
         sampling = row_sampling(mb)
+        positions, documents = mb.get("positions"), documents_of(mb)
         out = {
             "proximal": model.token_logprobs(
-                mb["tokens"], mb["targets"], routing=routing, replay=replay, sampling=sampling
+                mb["tokens"], mb["targets"], positions, routing, replay, sampling, documents
             )
         }
         if routing is not None:
@@ -59,7 +64,7 @@ def proximal_fn(rl: RLConfig, reference: Transformer | None = None) -> PrepareFn
             out["routing_differ"], out["routing_compared"] = differ.float(), compared.float()
         if reference is not None:
             out["reference"] = reference.token_logprobs(
-                mb["tokens"], mb["targets"], routing=routing, replay=replay, sampling=sampling
+                mb["tokens"], mb["targets"], positions, routing, replay, sampling, documents
             )
         return out
 
@@ -88,15 +93,25 @@ def rl_loss_fn(rl: RLConfig, total: float, step_total: float | None = None) -> L
     def loss_fn(model: Transformer, mb: Batch) -> LossOutput:
         mask = mb["mask"]
         routing = mb.get("routing") if rl.routing_replay == "rollout" else None
+        documents = documents_of(mb)
         logp = model.token_logprobs(
-            mb["tokens"], mb["targets"], routing=routing, replay=routing is not None, sampling=row_sampling(mb)
+            mb["tokens"], mb["targets"], mb.get("positions"), routing, routing is not None, row_sampling(mb), documents
         )
         # Sampled tokens the trainer's truncation set leaves out (kept in their own set instead): a count, summed.
         outside = float(model.sampling_outside().sum())
         out = ppo_loss(
-            logp, mb["proximal"], mb["behaviour"], mb["advantages"], mask, rl, ref_logp=mb.get("reference"), total=total
+            logp,
+            mb["proximal"],
+            mb["behaviour"],
+            mb["advantages"],
+            mask,
+            rl,
+            ref_logp=mb.get("reference"),
+            total=total,
+            documents=documents,
         )
-        weight = float(mask.sum()) / float(mb["step_tokens"][0])
+        # The same number on every row (packed: on every token; a row's first token is always a sample's).
+        weight = float(mask.sum()) / float(mb["step_tokens"].flatten()[0])
         stats = {
             k: v * share
             if k in ("loss", "pg_loss", "kl", "kl_k1", "kl_k3")
@@ -107,7 +122,7 @@ def rl_loss_fn(rl: RLConfig, total: float, step_total: float | None = None) -> L
         }
         # On samples made entirely by the weights that began the step, behaviour and proximal log-probs come
         # from the same function: their gap is the trainer-vs-vLLM numerical mismatch.
-        fresh = mask * mb["fresh"].unsqueeze(1)
+        fresh = mask * (mb["fresh"] if documents is not None else mb["fresh"].unsqueeze(1))
         stats["fresh_abs_diff_sum"] = float(((mb["proximal"] - mb["behaviour"]).abs() * fresh).sum())
         stats["fresh_tokens"] = float(fresh.sum())
         stats["sampling_outside_tokens"] = outside
@@ -129,25 +144,24 @@ def mini_batch_rows(group_sizes: Sequence[int], mini_batches: int) -> list[slice
     return [slice(starts[c.start], starts[c.stop]) for c in cuts]
 
 
-def update_count(mask: torch.Tensor, aggregation: str) -> float:
-    """The normaliser of an update whose rows have completion mask [B, T]: its tokens (token-mean) or its
-    samples (seq-mean-token-sum, seq-mean-token-mean)."""
+def update_count(batch: Batch, aggregation: str) -> float:
+    """The normaliser of an update's rows (padded or packed): its completion tokens (token-mean) or its samples
+    (seq-mean-token-sum, seq-mean-token-mean)."""
     if aggregation == "token-mean":
-        return float(mask.sum())
+        return float(batch["mask"].sum())
     if aggregation in ("seq-mean-token-sum", "seq-mean-token-mean"):
-        return float(mask.shape[0])
+        return float(sample_count(batch))
     raise ValueError(f"unknown aggregation {aggregation!r}; use token-mean, seq-mean-token-sum or seq-mean-token-mean")
 
 
 def rl_updates(batch: Batch, rows: Sequence[slice], rl: RLConfig) -> list[Update]:
     """The optimizer updates of one RL step: one per mini-batch of rows, each normalised on its own."""
-    mask = batch["mask"]
-    step_total = sum(update_count(mask[r], rl.aggregation) for r in rows)
-    updates = []
-    for r in rows:
-        loss_fn = rl_loss_fn(rl, update_count(mask[r], rl.aggregation), step_total)
-        updates.append(Update({k: v[r] for k, v in batch.items()}, loss_fn, int(mask[r].sum())))
-    return updates
+    parts = [{k: v[r] for k, v in batch.items()} for r in rows]
+    step_total = sum(update_count(part, rl.aggregation) for part in parts)
+    return [
+        Update(part, rl_loss_fn(rl, update_count(part, rl.aggregation), step_total), int(part["mask"].sum()))
+        for part in parts
+    ]
 
 
 def rl_step_figures(result: StepResult) -> dict[str, float]:
