@@ -324,18 +324,22 @@ def test_a_packed_rl_step_on_two_expert_parallel_ranks_is_the_padded_one_rank_st
     assert difference <= EP_STEP_BOUND, worst
 
 
-def test_packed_is_the_default_where_exact():
+def test_packing_applies_where_it_is_exact_when_asked():
+    assert not Config().trainer.packs()  # off by default until the launched runs are checked with it
     cfg = Config()
+    cfg.trainer.pack = True
     assert cfg.trainer.packs()
     cfg.trainer.optim.seq_aux_loss_coef = 1e-3
     assert not cfg.trainer.packs()
     cfg = copy.deepcopy(Config())
+    cfg.trainer.pack = True
     cfg.trainer.rl.algorithm = "ppo"
     assert not cfg.trainer.packs()
 
 
 def test_a_run_asked_to_pack_that_trains_padded_rows_says_why_once_at_the_start(caplog):
     cfg = Config()
+    cfg.trainer.pack = True
     cfg.trainer.rl.algorithm = "ppo"
     cfg.trainer.optim.seq_aux_loss_coef = 1e-3
     model = build_model(cfg.trainer.model, seed=0)
@@ -355,5 +359,6 @@ def test_a_run_asked_to_pack_that_trains_padded_rows_says_why_once_at_the_start(
 
 def test_pretraining_has_no_critic_to_keep_its_rows_padded():
     cfg = Config()
+    cfg.trainer.pack = True
     cfg.trainer.mode, cfg.trainer.rl.algorithm = "pretrain", "ppo"
     assert cfg.trainer.packs()
