@@ -48,7 +48,7 @@ from common.proc import die_with_parent
 from common.redis_client import STOP_WRITE_S
 from common.roles import RunContext, announce
 from common.weights.fleet import WorkerError, WorkerRecord, current_version, read_record, register, set_worker_version
-from common.weights.workers import apply_version, label_version, weight_lock
+from common.weights.workers import apply_version, end_cut_update, label_version, weight_lock
 from rollout.vllm_plugin import FILE_BACKEND
 from rollout.vllm_plugin.auth import KEY_ENV, MIDDLEWARE
 from rollout.vllm_plugin.watchdog import PARENT_ENV
@@ -459,7 +459,8 @@ async def _rejoin(ctx: RunContext, client, session: aiohttp.ClientSession, recor
     A publisher evicts a worker whose update failed: an error, or the worker out of reach (its heartbeat
     expired: a partitioned host). Its weights may be half-updated and its server left paused; a whole load of
     the current version replaces every tensor (vLLM's layer-wise reload takes a layer whose reload had
-    begun) and ends with /resume. Under the worker's weight lock, as publishers drive it; a version published
+    begun; an update the publisher started and never finished is finished first, `end_cut_update`) and ends
+    with /resume. Under the worker's weight lock, as publishers drive it; a version published
     meanwhile is followed by the serve loop as after a first registration."""
     log.warning(
         "worker %s was evicted (a weight update failed on it, or it was out of reach): loading weights:current "
@@ -468,6 +469,7 @@ async def _rejoin(ctx: RunContext, client, session: aiohttp.ClientSession, recor
     )
     try:
         async with weight_lock(client, ctx.keys, record.id):
+            await end_cut_update(session, record.url)
             version = await catch_up(ctx, client, session, record.url, None)
             await register(client, ctx.keys.workers, replace(record, weight_version=version, started_at=time.time()))
     except (WorkerError, LockError, aiohttp.ClientError, TimeoutError) as exc:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
@@ -25,6 +26,8 @@ from common.net import bearer
 from common.weights.fleet import WorkerError, evict, set_worker_version, while_alive
 
 # A weight update of a large model can take minutes; a stuck worker is still bounded by this.
+log = logging.getLogger(__name__)
+
 UPDATE_TIMEOUT_S = 600.0
 
 
@@ -50,6 +53,24 @@ async def _call(session: aiohttp.ClientSession, method: str, url: str, json: Any
             return text
     except (aiohttp.ClientError, TimeoutError) as exc:
         raise WorkerError(f"{method} {url} failed: {type(exc).__name__}: {exc}") from exc
+
+
+# vLLM's answer to /finish_weight_update when no update is open (gpu_worker.finish_weight_update).
+NO_UPDATE_OPEN = "without a matching start_weight_update"
+
+
+async def end_cut_update(session: aiohttp.ClientSession, url: str) -> bool:
+    """Close a weight update a publisher opened on the server at `url` (/start_weight_update) and never finished
+    (it was cut off: its host partitioned, the worker evicted meanwhile); vLLM refuses a new update while one is
+    open. The weights it leaves may be half-loaded: the caller loads a whole version next. True if one was open."""
+    try:
+        await _call(session, "POST", f"{url}/finish_weight_update", {})
+    except WorkerError as exc:
+        if NO_UPDATE_OPEN in str(exc):
+            return False
+        raise
+    log.warning("closed a weight update left open on %s by a publisher that was cut off", url)
+    return True
 
 
 async def label_version(session: aiohttp.ClientSession, url: str, version: int) -> None:

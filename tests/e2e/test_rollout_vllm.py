@@ -4,7 +4,8 @@ them reproduces the first outputs exactly; served log-probs equal a transformers
 same weights (fp32, both tiny architectures, before and after a publish); keep-mode pauses carry
 in-flight requests across versions, abort-mode pauses return them partial and marked; a worker
 started late serves the current version before it registers; an evicted worker reloads the current
-version into its live server and registers again; kill -9 removes a worker within the heartbeat TTL. One vLLM server per architecture is shared by all tests (conftest.py)."""
+version into its live server and registers again; kill -9 removes a worker within the heartbeat TTL.
+One vLLM server per architecture is shared by all tests (conftest.py)."""
 
 from __future__ import annotations
 
@@ -346,12 +347,13 @@ async def test_late_worker_serves_the_current_version_before_registering_and_kil
             log = (run.run_dir / "worker-late.log").read_text()
             vllm_pid = int(re.search(r"started vLLM pid (\d+)", log)[1])
 
-            # Evicted as a publish cut off mid-update leaves it (paused, out of the pool), while a new version
-            # is published without it: it loads that version whole into the same vLLM server, resumes and
+            # Evicted as a publish cut off mid-update leaves it (paused, an update open, out of the pool), while a
+            # new version is published without it: it loads that version whole into the same vLLM server, resumes and
             # registers again (a partitioned host rejoining). The test holds the worker's weight lock until the
             # publish is done, so the reload is of the new version, into a paused server.
-            async with http.post(f"{entry['url']}/pause?mode=keep") as paused:
-                assert paused.status == 200, await paused.text()
+            for route in ("pause?mode=keep", "start_weight_update"):  # the publish was cut after these
+                async with http.post(f"{entry['url']}/{route}") as answer:
+                    assert answer.status == 200, await answer.text()
             async with weight_lock(r, run.keys, late_id):
                 await evict(r, run.keys, late_id, "test: a weight update cut off mid-way")
                 version = await next_version(run, r)
@@ -367,7 +369,8 @@ async def test_late_worker_serves_the_current_version_before_registering_and_kil
             assert int(re.findall(r"started vLLM pid (\d+)", (run.run_dir / "worker-late.log").read_text())[-1]) == (
                 vllm_pid
             ), "the evicted worker restarted vLLM instead of reloading it"
-            assert f"registered worker {late_id} again" in (run.run_dir / "worker-late.log").read_text()
+            late_log = (run.run_dir / "worker-late.log").read_text()
+            assert "closed a weight update left open" in late_log and f"registered worker {late_id} again" in late_log
             assert await served_version(http, entry["url"]) == str(version)
             async with (
                 RolloutClient("policy", url=entry["url"], token=run.secrets.workers) as late,
