@@ -14,6 +14,7 @@ from __future__ import annotations
 import ipaddress
 import socket
 
+import aiohttp
 import psutil
 
 AUTO = "auto"
@@ -105,3 +106,16 @@ def refuses(host: str, port: int, timeout_s: float = 1.0) -> bool:
 def bearer(token: str) -> dict[str, str]:
     """The Authorization header carrying `token`; none when the token is empty."""
     return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+# vLLM's API server (uvicorn) closes a keep-alive connection idle for VLLM_HTTP_TIMEOUT_KEEP_ALIVE seconds (5 by
+# default); aiohttp keeps idle connections 15 s, so a request sent on one the server is closing fails ("Can not
+# write request body") and is retried with a warning. Clients of vLLM servers drop idle connections sooner.
+VLLM_CLIENT_KEEPALIVE_S = 2.0
+
+
+def vllm_session(token: str = "") -> aiohttp.ClientSession:
+    """A client session for vLLM servers (carrying `token`): idle connections are dropped before vLLM drops them."""
+    return aiohttp.ClientSession(
+        headers=bearer(token), connector=aiohttp.TCPConnector(keepalive_timeout=VLLM_CLIENT_KEEPALIVE_S)
+    )

@@ -16,11 +16,9 @@ import asyncio
 import logging
 import time
 
-import aiohttp
-
 from common.http import RetryPolicy
 from common.metric_sinks import open_metrics
-from common.net import bearer
+from common.net import vllm_session
 from common.roles import RunContext
 from common.weights.fleet import live_workers
 from evaluator.backend import Backend, RequestError
@@ -113,7 +111,7 @@ async def main(ctx: RunContext) -> int:
     inputs = Inputs(ctx, client, plan, cache, metrics)
     try:
         # Requests to workers carry their key; the router's Backend sends the router's token instead.
-        async with aiohttp.ClientSession(headers=bearer(cfg.rollout.api_key)) as session:
+        async with vllm_session(cfg.rollout.api_key) as session:
             mode = "pin"
             if ev.pin != "always":
                 try:

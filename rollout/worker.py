@@ -43,7 +43,7 @@ from redis.exceptions import LockError
 from common.aio import cancel_and_join
 from common.config import Config, RolloutConfig
 from common.heartbeat import Heartbeat
-from common.net import advertised, bearer, free_port, url_host
+from common.net import advertised, free_port, url_host, vllm_session
 from common.proc import die_with_parent
 from common.redis_client import STOP_WRITE_S
 from common.roles import RunContext, announce
@@ -423,7 +423,7 @@ async def main(ctx: RunContext) -> int:
     beat = Heartbeat(client, ctx.keys.worker_alive(worker_id), url, rz.heartbeat_period_s, rz.heartbeat_ttl_s)
     registered = False
     try:
-        async with aiohttp.ClientSession(headers=bearer(ro.api_key)) as session:
+        async with vllm_session(ro.api_key) as session:
             await vllm.start()
             took = await wait_ready(session, vllm, ro.served_model_name, ro.startup_timeout_s)
             log.info("vLLM ready after %.1fs (model %s)", took, model_dir)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from common.net import AddressError, advertised, free_port, host_addresses, route_source, url_host
+from common.net import AddressError, advertised, free_port, host_addresses, route_source, url_host, vllm_session
 
 
 def test_a_specific_bind_is_advertised_as_is_and_an_explicit_advertise_wins():
@@ -30,3 +30,15 @@ def test_redis_with_a_wildcard_bind_needs_one_address_or_an_explicit_setting():
 def test_ipv6_hosts_are_bracketed_in_urls_and_ports_are_free():
     assert url_host("::1") == "[::1]" and url_host("192.0.2.1") == "192.0.2.1"
     assert 0 < free_port("127.0.0.1") < 65536
+
+
+async def test_vllm_sessions_drop_idle_connections_before_vllms_server_does():
+    """vLLM's uvicorn closes idle keep-alive connections after VLLM_HTTP_TIMEOUT_KEEP_ALIVE; a client keeping them
+    longer sends requests on connections being closed ("Can not write request body", retried with a warning)."""
+    from vllm import envs
+
+    async with vllm_session("t") as session:
+        assert (
+            session.connector is not None and session.connector._keepalive_timeout < envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE
+        )
+        assert session.headers["Authorization"] == "Bearer t"
