@@ -25,9 +25,9 @@ from common.keys import Keys
 from common.net import bearer
 from common.weights.fleet import WorkerError, evict, set_worker_version, while_alive
 
-# A weight update of a large model can take minutes; a stuck worker is still bounded by this.
 log = logging.getLogger(__name__)
 
+# A weight update of a large model can take minutes; a stuck worker is still bounded by this.
 UPDATE_TIMEOUT_S = 600.0
 
 
