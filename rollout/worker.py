@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from redis.exceptions import LockError
+from redis.exceptions import RedisError
 
 from common.aio import cancel_and_join
 from common.config import Config, RolloutConfig
@@ -59,6 +59,9 @@ log = logging.getLogger(__name__)
 STOP_GRACE_S = 15.0
 EXIT_VLLM_DIED = 3
 EXIT_EVICTED = 4
+# An evicted worker's whole reload is tried this many times, this far apart, before it exits to be restarted.
+REJOIN_ATTEMPTS = 3
+REJOIN_RETRY_S = 2.0
 
 
 class WorkerStartError(RuntimeError):
@@ -454,27 +457,38 @@ async def main(ctx: RunContext) -> int:
 
 async def _rejoin(ctx: RunContext, client, session: aiohttp.ClientSession, record: WorkerRecord) -> bool:
     """Register an evicted train worker again after loading `weights:current` into its live server; False
-    when that fails (the caller exits to be restarted).
+    when that fails REJOIN_ATTEMPTS times (the caller exits to be restarted).
 
     A publisher evicts a worker whose update failed: an error, or the worker out of reach (its heartbeat
     expired: a partitioned host). Its weights may be half-updated and its server left paused; a whole load of
     the current version replaces every tensor (vLLM's layer-wise reload takes a layer whose reload had
     begun; an update the publisher started and never finished is finished first, `end_cut_update`) and ends
-    with /resume. Under the worker's weight lock, as publishers drive it; a version published
-    meanwhile is followed by the serve loop as after a first registration."""
+    with /resume. A whole load can be repeated, so an attempt that fails on a transient error (a Redis blip
+    as the link comes back, a dropped connection) is tried again. Under the worker's weight lock, as publishers
+    drive it; a version published meanwhile is followed by the serve loop as after a first registration."""
     log.warning(
         "worker %s was evicted (a weight update failed on it, or it was out of reach): loading weights:current "
         "whole and registering again",
         record.id,
     )
-    try:
-        async with weight_lock(client, ctx.keys, record.id):
-            await end_cut_update(session, record.url)
-            version = await catch_up(ctx, client, session, record.url, None)
-            await register(client, ctx.keys.workers, replace(record, weight_version=version, started_at=time.time()))
-    except (WorkerError, LockError, aiohttp.ClientError, TimeoutError) as exc:
-        log.error("worker %s could not load weights:current again: %s", record.id, exc)
-        return False
+    for attempt in range(1, REJOIN_ATTEMPTS + 1):
+        try:
+            async with weight_lock(client, ctx.keys, record.id):
+                await end_cut_update(session, record.url)
+                version = await catch_up(ctx, client, session, record.url, None)
+                await register(client, ctx.keys.workers, replace(record, weight_version=version, started_at=time.time()))
+            break
+        except (WorkerError, RedisError, aiohttp.ClientError, TimeoutError) as exc:
+            log.error(
+                "worker %s could not load weights:current again (attempt %d of %d): %s",
+                record.id,
+                attempt,
+                REJOIN_ATTEMPTS,
+                exc,
+            )
+            if attempt == REJOIN_ATTEMPTS:
+                return False
+            await asyncio.sleep(REJOIN_RETRY_S)
     await announce(
         client, ctx.keys, "vllm", "worker registered", worker=record.id, url=record.url, version=version, pool="train"
     )

@@ -44,9 +44,12 @@ class WorkerOutcome:
     error: str = ""
 
 
-async def _call(session: aiohttp.ClientSession, method: str, url: str, json: Any = None) -> Any:
+async def _call(
+    session: aiohttp.ClientSession, method: str, url: str, json: Any = None, headers: Mapping[str, str] | None = None
+) -> Any:
+    timeout = aiohttp.ClientTimeout(total=UPDATE_TIMEOUT_S)
     try:
-        async with session.request(method, url, json=json, timeout=aiohttp.ClientTimeout(total=UPDATE_TIMEOUT_S)) as r:
+        async with session.request(method, url, json=json, headers=headers, timeout=timeout) as r:
             text = await r.text()
             if r.status != 200:
                 raise WorkerError(f"{method} {url} -> HTTP {r.status}: {text[:500]}")
@@ -62,9 +65,13 @@ NO_UPDATE_OPEN = "without a matching start_weight_update"
 async def end_cut_update(session: aiohttp.ClientSession, url: str) -> bool:
     """Close a weight update a publisher opened on the server at `url` (/start_weight_update) and never finished
     (it was cut off: its host partitioned, the worker evicted meanwhile); vLLM refuses a new update while one is
-    open. The weights it leaves may be half-loaded: the caller loads a whole version next. True if one was open."""
+    open. The weights it leaves may be half-loaded: the caller loads a whole version next. True if one was open.
+
+    When none is open, vLLM's route fails with an exception that uvicorn answers with a 500 and then drops the
+    connection; the call asks for a connection of its own (`Connection: close`), or the caller's next call
+    would take that dropped one from the pool and fail with a reset."""
     try:
-        await _call(session, "POST", f"{url}/finish_weight_update", {})
+        await _call(session, "POST", f"{url}/finish_weight_update", {}, {"Connection": "close"})
     except WorkerError as exc:
         if NO_UPDATE_OPEN in str(exc):
             return False

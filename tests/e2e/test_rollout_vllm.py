@@ -26,7 +26,8 @@ from conftest import MAX_MODEL_LEN
 from common.config import load_config
 from common.weights.fleet import evict
 from common.weights.publisher import WeightPublisher
-from common.weights.workers import served_version, weight_lock
+from common.net import vllm_session
+from common.weights.workers import end_cut_update, served_version, weight_lock
 from rollout.client import RolloutClient
 from rollout.vllm_plugin import watchdog
 from tests.support import prom
@@ -176,6 +177,19 @@ async def test_without_the_runs_token_the_router_and_the_workers_control_routes_
     assert prom.value(page, "slipstream_router_errors_total", **{"class": "unauthorized"}) >= 18
 
 
+@pytest.mark.timeout(120)
+async def test_closing_an_update_none_opened_says_so_and_the_next_call_on_the_session_is_answered(deepseek_run):
+    """An evicted worker first closes the update a cut-off publisher may have left open. When none is open, vLLM's
+    route raises and uvicorn answers 500 and drops the connection: the next call on the same session, had it
+    taken that connection from the pool, failed with a reset (seen in test_multihost's partition)."""
+    run = deepseek_run
+    url = worker_url(run)
+    async with vllm_session(run.secrets.workers) as session:
+        before = await served_version(session, url)  # leaves one idle connection in the pool
+        assert await end_cut_update(session, url) is False
+        assert await served_version(session, url) == before
+
+
 @pytest.mark.timeout(400)
 async def test_publish_changes_greedy_output_and_restoring_reproduces_it_exactly_deepseek(deepseek_run):
     run = deepseek_run
@@ -308,6 +322,16 @@ async def test_abort_mode_pause_returns_partial_results_marked_aborted(deepseek_
         assert set(s.versions) == {old}
 
 
+async def serves_as_the_others(run, worker_id: str, url: str) -> None:
+    """The worker at `url` answers greedily exactly as another live worker of the run."""
+    other = worker_url(run, next(w for w in run.workers() if w != worker_id))
+    async with (
+        RolloutClient("policy", url=url, token=run.secrets.workers) as worker,
+        RolloutClient("policy", url=other, token=run.secrets.workers) as first,
+    ):
+        assert await greedy(worker) == await greedy(first)
+
+
 @pytest.mark.timeout(500)
 async def test_late_worker_serves_the_current_version_before_registering_and_kill9_removes_it(deepseek_run):
     run = deepseek_run
@@ -330,15 +354,7 @@ async def test_late_worker_serves_the_current_version_before_registering_and_kil
             entry = run.workers()[late_id]
             assert entry["weight_version"] == version
             assert await served_version(http, entry["url"]) == str(version)
-            async with (
-                RolloutClient("policy", url=entry["url"], token=run.secrets.workers) as late,
-                RolloutClient(
-                    "policy",
-                    url=worker_url(run, next(w for w in run.workers() if w != late_id)),
-                    token=run.secrets.workers,
-                ) as first,
-            ):
-                assert await greedy(late) == await greedy(first)
+            await serves_as_the_others(run, late_id, entry["url"])
 
             deadline = time.monotonic() + 10
             while late_id not in {w["id"] for w in run.router_workers()}:
@@ -372,15 +388,7 @@ async def test_late_worker_serves_the_current_version_before_registering_and_kil
             late_log = (run.run_dir / "worker-late.log").read_text()
             assert "closed a weight update left open" in late_log and f"registered worker {late_id} again" in late_log
             assert await served_version(http, entry["url"]) == str(version)
-            async with (
-                RolloutClient("policy", url=entry["url"], token=run.secrets.workers) as late,
-                RolloutClient(
-                    "policy",
-                    url=worker_url(run, next(w for w in run.workers() if w != late_id)),
-                    token=run.secrets.workers,
-                ) as first,
-            ):
-                assert await greedy(late) == await greedy(first)  # unpaused, on the same weights as the others
+            await serves_as_the_others(run, late_id, entry["url"])  # unpaused, on the others' weights
             server = psutil.Process(vllm_pid)
             group = [server, *server.children(recursive=True)]  # API server, engine core, workers
 
