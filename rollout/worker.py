@@ -476,7 +476,9 @@ async def _rejoin(ctx: RunContext, client, session: aiohttp.ClientSession, recor
             async with weight_lock(client, ctx.keys, record.id):
                 await end_cut_update(session, record.url)
                 version = await catch_up(ctx, client, session, record.url, None)
-                await register(client, ctx.keys.workers, replace(record, weight_version=version, started_at=time.time()))
+                await register(
+                    client, ctx.keys.workers, replace(record, weight_version=version, started_at=time.time())
+                )
             break
         except (WorkerError, RedisError, aiohttp.ClientError, TimeoutError) as exc:
             log.error(

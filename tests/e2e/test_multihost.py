@@ -174,9 +174,7 @@ def test_three_hosts_train_the_demo_from_the_scripts_survive_a_partition_and_the
             # What every process said last: a failure seen in one log is often caused in another.
             return "".join(f"\n--- {entry}.log, last lines:\n{log_of(entry)[-3000:]}" for entry in procs)
 
-        def wait_for(
-            entry: str, pattern: str, timeout_s: float, start: int = 0, poll_s: float = 0.2
-        ) -> re.Match[str]:
+        def wait_for(entry: str, pattern: str, timeout_s: float, start: int = 0, poll_s: float = 0.2) -> re.Match[str]:
             deadline = time.monotonic() + timeout_s
             while time.monotonic() < deadline:
                 found = re.compile(pattern).search(log_of(entry), start)

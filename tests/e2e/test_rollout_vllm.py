@@ -24,9 +24,9 @@ import torch
 from conftest import MAX_MODEL_LEN
 
 from common.config import load_config
+from common.net import vllm_session
 from common.weights.fleet import evict
 from common.weights.publisher import WeightPublisher
-from common.net import vllm_session
 from common.weights.workers import end_cut_update, served_version, weight_lock
 from rollout.client import RolloutClient
 from rollout.vllm_plugin import watchdog
