@@ -1,5 +1,6 @@
 """Chaos benchmark: the demo (shortened) run N times, each time with a fault injected after RL has started,
-against one run of the same seed without a fault.
+against `--base-runs` runs of the same seed without a fault (3 by default: a run's held-out score varies by
+several points from one run to the next without any fault, so one no-fault run is too noisy a baseline).
 
 Fault kinds (`--kinds`; trials cycle over the (kind, role) pairs of PLAN, so 20 trials cover each twice):
 - `kill`: one role (trainer, router, vllm: the rollout worker role, evaluator, redis) SIGKILLed at a random
@@ -26,7 +27,7 @@ seconds from the fault until the trainer logs its next step; prompts lost (admit
 in the saved flow state) and prompts trained twice (from the ledger, trained_prompts.jsonl); the held-out
 accuracy (evaluator lines) of the last version and the mean over the last LAST versions (one version's score
 on the held-out problems moves by 4-6 points between neighbours, tests/e2e/test_rl_e2e.py), against the
-no-fault run's; the processes of the run still alive 10 s after the launcher exited (every process carries
+no-fault runs' mean; the processes of the run still alive 10 s after the launcher exited (every process carries
 SLIPSTREAM_EXP); and `check`, the kind's own verdict (what the checked sentence above found).
 
     .venv/bin/python bench/chaos.py --trials 20 --steps 9 --seed 0
@@ -442,9 +443,20 @@ def delta(value: float | None, base: float | None) -> float | None:
     return None if value is None or base is None else 100 * (value - base)
 
 
+def mean_sd(values: Sequence[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (0 for one value)."""
+    mean = sum(values) / len(values)
+    var = sum((v - mean) ** 2 for v in values) / (len(values) - 1) if len(values) > 1 else 0.0
+    return mean, var**0.5
+
+
 def report(trials: list[Trial]) -> str:
-    """The table of the trials (the first is the no-fault run), the kinds' checks and the summary line."""
-    base, base_mean = trials[0].final_heldout, trials[0].last_mean
+    """The table of the trials (the no-fault runs, kind `none`, first), the kinds' checks and the summary: the
+    faulted runs' held-out scores against the mean of the no-fault runs, next to the no-fault runs' own spread
+    (each against the mean of the others), which is the noise floor of the comparison."""
+    bases = [t for t in trials if t.kind == "none" and t.last_mean is not None]
+    base = mean_sd([t.final_heldout for t in bases if t.final_heldout is not None])[0] if bases else None
+    base_mean = mean_sd([t.last_mean for t in bases])[0] if bases else None
     lines = [
         f"{'kind':<12} {'role':<13} {'after':>5} {'done':>4} {'back_s':>7} {'step_s':>7} {'lost':>4} {'twice':>5} "
         f"{'version':>7} {'held-out':>8} {'vs base':>7} {f'last {LAST}':>7} {'vs base':>7} {'left':>4} {'wall_s':>6} "
@@ -462,19 +474,38 @@ def report(trials: list[Trial]) -> str:
     checks = [f"{i:>2} {t.kind}: {t.check}" for i, t in enumerate(trials) if t.check]
     if checks:
         lines += ["", "checks:", *checks]
-    faults = trials[1:]
+    faults = [t for t in trials if t.kind != "none"]
     ok = [t for t in faults if t.completed]
 
     def within(value: float | None, ref: float | None) -> bool:
         return value is not None and ref is not None and abs(value - ref) <= 0.05 + 1e-9
 
+    not_below = (
+        None
+        if base_mean is None
+        else sum(t.last_mean is not None and t.last_mean >= base_mean - 0.05 - 1e-9 for t in ok)
+    )
     lines.append(
         f"\ncompleted {len(ok)}/{len(faults)}; checks passed {sum(t.check_ok for t in faults)}/{len(faults)}; "
         f"prompts lost {sum(t.prompts_lost or 0 for t in faults)}; trained twice "
         f"{sum(t.trained_twice or 0 for t in faults)}; leftover processes {sum(t.leftover for t in trials)}; held-out "
-        f"within 5 points of the no-fault run: last version {sum(within(t.final_heldout, base) for t in ok)}/"
-        f"{len(faults)}, mean of the last {LAST} {sum(within(t.last_mean, base_mean) for t in ok)}/{len(faults)}"
+        f"within 5 points of the no-fault runs' mean: last version {sum(within(t.final_heldout, base) for t in ok)}/"
+        f"{len(faults)}, mean of the last {LAST} {sum(within(t.last_mean, base_mean) for t in ok)}/{len(faults)}, "
+        f"not more than 5 points below it {fmt(not_below)}/{len(faults)}"
     )
+    scored = [t.last_mean for t in ok if t.last_mean is not None]
+    if len(bases) > 1 and scored:
+        # Each no-fault run against the mean of the other no-fault runs: how often the same test fails without a fault.
+        alone = [
+            abs(t.last_mean - mean_sd([o.last_mean for o in bases if o is not t])[0]) <= 0.05 + 1e-9 for t in bases
+        ]
+        (bm, bsd), (fm, fsd) = mean_sd([t.last_mean for t in bases]), mean_sd(scored)
+        half = 1.96 * (bsd**2 / len(bases) + fsd**2 / len(scored)) ** 0.5
+        lines.append(
+            f"mean of the last {LAST}: no-fault {bm:.3f} +- {bsd:.3f} (n={len(bases)}, each within 5 points of the "
+            f"others' mean: {sum(alone)}/{len(bases)}), faulted {fm:.3f} +- {fsd:.3f} (n={len(scored)}); faulted minus "
+            f"no-fault {100 * (fm - bm):+.1f} points, 95% interval [{100 * (fm - bm - half):+.1f}, {100 * (fm - bm + half):+.1f}]"
+        )
     kinds = sorted({t.kind for t in faults})
     for k in kinds:
         of = [t for t in faults if t.kind == k]
@@ -491,7 +522,12 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=9)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated fault kinds of {', '.join(KINDS)}")
-    ap.add_argument("--no-base", action="store_true", help="skip the no-fault run (a pilot of some kinds)")
+    ap.add_argument(
+        "--base-runs",
+        type=int,
+        default=3,
+        help="no-fault runs first, the baseline of the held-out comparison (0: none, a pilot of some kinds)",
+    )
     ap.add_argument("--root", default="", help="where runs go (default: a fresh short temporary directory)")
     ap.add_argument("--keep", action="store_true", help="keep the run directories")
     ap.add_argument("--out", default="", help="also write the trials as JSON lines here")
@@ -501,6 +537,8 @@ def main() -> int:
         trials = [Trial(**json.loads(line)) for line in Path(args.report).read_text().splitlines()]
         print(report(trials))
         return 0
+    if args.base_runs < 0:
+        ap.error(f"--base-runs {args.base_runs}: 0 or more")
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
     if unknown := sorted(set(kinds) - set(KINDS)):
         ap.error(f"--kinds: unknown {unknown}; pick from {', '.join(KINDS)}")
@@ -511,7 +549,7 @@ def main() -> int:
     root = Path(args.root or tempfile.mkdtemp(prefix="ss-chaos-"))
     root.mkdir(parents=True, exist_ok=True)
     rng = random.Random(args.seed)
-    plan = ([] if args.no_base else [("none", "none")]) + [pairs[i % len(pairs)] for i in range(args.trials)]
+    plan = [("none", "none")] * args.base_runs + [pairs[i % len(pairs)] for i in range(args.trials)]
     trials: list[Trial] = []
     for i, (kind, role) in enumerate(plan):
         trial = run_trial(root, f"chaos{i}-{kind}", kind, role, args.steps, args.seed, rng)

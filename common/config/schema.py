@@ -573,13 +573,13 @@ class TrainerConfig:
     and runs its forward again in the backward; selective keeps the matrix products' and attention's results and
     recomputes the cheap ops (norms, RoPE, activations, routing, permutations). Which ops are kept, and what
     torch.compile changes: trainer/model/recompute.py. Training results are the same in every mode."""
-    pack: bool = False
-    """Sequence packing (off by default until the launched RL runs have been checked with it): samples laid end to end in rows of at most trainer.pack_tokens tokens instead of one
+    pack: bool = True
+    """Sequence packing: samples laid end to end in rows of at most trainer.pack_tokens tokens instead of one
     right-padded row each, attention kept inside each sample (trainer/pack.py). The same losses and updates as
     padding, on fewer positions. Applies to GRPO's RL updates, the warm start and pretraining (documents end
     at the tokenizer's EOS); PPO with a critic (GAE runs per row) and a sequence balance loss
     (trainer.optim.seq_aux_loss_coef > 0, taken per row) train padded rows whatever this says (the trainer's log
-    says so at the start). false (the default): padding."""
+    says so at the start). false: padding."""
     pack_tokens: int = 0
     """Token budget of a packed row; 0: the step's longest sample (rows no longer than padding's, so a forward of
     trainer.rl.micro_batch_samples rows holds at most the tokens it holds padded). Pretraining rows are

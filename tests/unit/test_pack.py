@@ -324,11 +324,12 @@ def test_a_packed_rl_step_on_two_expert_parallel_ranks_is_the_padded_one_rank_st
     assert difference <= EP_STEP_BOUND, worst
 
 
-def test_packing_applies_where_it_is_exact_when_asked():
-    assert not Config().trainer.packs()  # off by default until the launched runs are checked with it
+def test_packing_is_the_default_and_applies_where_it_is_exact():
+    assert Config().trainer.packs()
     cfg = Config()
+    cfg.trainer.pack = False
+    assert not cfg.trainer.packs()
     cfg.trainer.pack = True
-    assert cfg.trainer.packs()
     cfg.trainer.optim.seq_aux_loss_coef = 1e-3
     assert not cfg.trainer.packs()
     cfg = copy.deepcopy(Config())
