@@ -339,7 +339,10 @@ def check_enospc(log: str) -> tuple[str, bool]:
     ) and tracebacks == 0
 
 
-def run_trial(root: Path, exp: str, kind: str, role: str, steps: int, seed: int, rng: random.Random) -> Trial:
+def run_trial(
+    root: Path, exp: str, kind: str, role: str, steps: int, seed: int, rng: random.Random, sets: Sequence[str] = ()
+) -> Trial:
+    """One run of the demo with the fault `kind` ("none": a no-fault run); `sets`: --set overrides of every run."""
     arm = root / f"{exp}.arm"
     point = {"kill_save": "checkpoint_save", "kill_publish": "publish"}.get(kind, "")
     env = {"SLIPSTREAM_FAULT": f"{point}:{arm}"} if point else {}
@@ -352,7 +355,7 @@ def run_trial(root: Path, exp: str, kind: str, role: str, steps: int, seed: int,
         mount_tmpfs(run_dir, TMPFS_MB)
         mounted = True
     t0 = time.monotonic()
-    run = Run(root, exp, steps, seed, env=env)
+    run = Run(root, exp, steps, seed, extra=sets, env=env)
     code: int | None = None
     try:
         if kind != "none":
@@ -528,6 +531,9 @@ def main() -> int:
         default=3,
         help="no-fault runs first, the baseline of the held-out comparison (0: none, a pilot of some kinds)",
     )
+    ap.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="a config override of every run (repeatable)"
+    )
     ap.add_argument("--root", default="", help="where runs go (default: a fresh short temporary directory)")
     ap.add_argument("--keep", action="store_true", help="keep the run directories")
     ap.add_argument("--out", default="", help="also write the trials as JSON lines here")
@@ -552,7 +558,7 @@ def main() -> int:
     plan = [("none", "none")] * args.base_runs + [pairs[i % len(pairs)] for i in range(args.trials)]
     trials: list[Trial] = []
     for i, (kind, role) in enumerate(plan):
-        trial = run_trial(root, f"chaos{i}-{kind}", kind, role, args.steps, args.seed, rng)
+        trial = run_trial(root, f"chaos{i}-{kind}", kind, role, args.steps, args.seed, rng, args.set)
         trials.append(trial)
         print(json.dumps(asdict(trial)), flush=True)
         if args.out:
