@@ -28,7 +28,7 @@ from common.config import Config, ConfigError, EvaluatorConfig, add_set_argument
 from common.http import RetryPolicy
 from common.log import setup as setup_logging
 from common.metrics import step_series
-from common.net import bearer, free_port
+from common.net import free_port, vllm_session
 from common.roles import resolve_meet_dir
 from common.run_secrets import read_secrets
 from common.weights.fleet import WorkerError
@@ -336,13 +336,13 @@ async def run_cli(args: argparse.Namespace) -> list[EvalResult]:
     results = []
     # A run's workers ask for its rollout.api_key (the run's generated one unless set), and the server started
     # here for a --version asks for one too; requests given --token send that instead.
-    headers: dict[str, str] = {}
+    token = ""
     if location is not None:
         assert cfg is not None and run_dir is not None
         stored = read_secrets(resolve_meet_dir(cfg, run_dir, os.environ))
         cfg.rollout.api_key = cfg.rollout.api_key or (stored.workers if stored else secrets.token_urlsafe(32))
-        headers = bearer(cfg.rollout.api_key)
-    async with aiohttp.ClientSession(headers=headers) as session, contextlib.AsyncExitStack() as stack:
+        token = cfg.rollout.api_key
+    async with vllm_session(token) as session, contextlib.AsyncExitStack() as stack:
         url = args.url
         if url is None:
             path = config_path(args)

@@ -191,8 +191,11 @@ class Router:
         """Bind, load the pool, claim the name in Redis and return the published URL."""
         cfg = self.cfg
         try:
+            # Health checks and the telemetry's /metrics scrapes: idle connections dropped before vLLM drops them.
             self._session = aiohttp.ClientSession(
-                cookie_jar=aiohttp.DummyCookieJar(), headers=bearer(self.worker_api_key)
+                cookie_jar=aiohttp.DummyCookieJar(),
+                headers=bearer(self.worker_api_key),
+                connector=aiohttp.TCPConnector(keepalive_timeout=UPSTREAM_KEEPALIVE_S),
             )
             self._upstream = UpstreamPool(CONNECT_TIMEOUT_S, UPSTREAM_KEEPALIVE_S)
             self._sync = PoolSync(

@@ -22,7 +22,7 @@ import redis.exceptions
 
 from common.aio import cancel_and_join
 from common.keys import Keys
-from common.net import bearer
+from common.net import vllm_session
 from common.weights.fleet import WorkerError, evict, set_worker_version, while_alive
 
 log = logging.getLogger(__name__)
@@ -185,7 +185,7 @@ class WorkerDriver:
 
     def session(self) -> aiohttp.ClientSession:
         if self._session is None:
-            self._session = aiohttp.ClientSession(headers=bearer(self.api_key))
+            self._session = vllm_session(self.api_key)
         return self._session
 
     async def close(self) -> None:

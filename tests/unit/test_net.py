@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from common.net import AddressError, advertised, free_port, host_addresses, route_source, url_host, vllm_session
+from common.weights.workers import WorkerDriver
 
 
 def test_a_specific_bind_is_advertised_as_is_and_an_explicit_advertise_wins():
@@ -42,3 +43,10 @@ async def test_vllm_sessions_drop_idle_connections_before_vllms_server_does():
             session.connector is not None and session.connector._keepalive_timeout < envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE
         )
         assert session.headers["Authorization"] == "Bearer t"
+    # The publishers' driver of the workers' weight routes: a publish reused a connection the worker was closing,
+    # its /pause failed with a reset and the worker was evicted (test_rl_e2e's EP 2 run).
+    driver = WorkerDriver(None, None, "k")  # type: ignore[arg-type]  # the session needs neither Redis nor keys
+    session = driver.session()
+    assert session.connector is not None and session.connector._keepalive_timeout < envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE
+    assert session.headers["Authorization"] == "Bearer k"
+    await driver.close()
