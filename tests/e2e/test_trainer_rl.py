@@ -147,6 +147,36 @@ def test_waits_for_eval_see_results_before_and_during_the_wait_and_time_out(tmp_
         rz.close()
 
 
+@pytest.mark.timeout(60)
+def test_the_end_of_run_wait_covers_every_benchmark_of_the_last_version(tmp_path, caplog):
+    """The evaluator measures a version's benchmarks one after another: a trainer that ended at the first one's
+    result tore the evaluator down in the middle of the second (test_rl_e2e's EP 2 run lost its last
+    arithmetic_train score). The wait ends when every benchmark has answered, or at its bound, naming the late."""
+    from common.config import EvaluatorConfig
+    from common.keys import Keys
+    from common.rendezvous import Rendezvous
+    from trainer.rl.verdict import wait_for_verdict
+
+    rz = Rendezvous(tmp_path / "meet")
+    try:
+        client, keys = rz.connect(), Keys("t-verdict")
+        client.set(keys.role_alive("evaluator", "e-0"), "1")  # a live evaluator
+        ev = EvaluatorConfig(benchmarks=["arithmetic", "arithmetic_train"], every_n_versions=5)
+        client.xadd(keys.evals, {"version": 15, "benchmark": "arithmetic", "score": 0.5, "ts": 0})
+        second = {"version": 15, "benchmark": "arithmetic_train", "score": 0.7, "ts": 0}
+        threading.Timer(0.5, client.xadd, (keys.evals, second)).start()
+        start = time.monotonic()
+        wait_for_verdict(client, keys, ev, 16, range(17), wait_s=20)
+        assert 0.4 < time.monotonic() - start < 10
+        ev = EvaluatorConfig(benchmarks=["arithmetic", "words"], every_n_versions=5)
+        start = time.monotonic()
+        wait_for_verdict(client, keys, ev, 15, range(16), wait_s=0.5)
+        assert 0.4 < time.monotonic() - start < 5
+        assert "no words result for version 15 yet" in caplog.text
+    finally:
+        rz.close()
+
+
 def test_a_stop_that_blocks_does_not_hold_the_trainer_role_on_sigterm(caplog):
     """The trainer role's SIGTERM path calls the trainer's stop through `stop_within`: a stop blocked on a lock
     nobody releases (here an Event; in CI once tqdm's write lock, taken by the controller's progress bar) is

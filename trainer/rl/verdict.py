@@ -20,26 +20,33 @@ log = logging.getLogger(__name__)
 def wait_for_verdict(
     client: redis.Redis, keys: Keys, ev: EvaluatorConfig, final_version: int, versions: Iterable[int], wait_s: float
 ) -> None:
-    """Wait at most `wait_s` for the first benchmark's result on the last version the evaluator measures
+    """Wait at most `wait_s` in all for every benchmark's result on the last version the evaluator measures
     (the newest multiple of every_n_versions up to `final_version`) and, with a pinning evaluator, on every
-    due one of the run's `versions`; logs what is still missing. No wait without a live evaluator."""
-    benchmark = ev.benchmarks[0] if ev.benchmarks else None
+    due one of the run's `versions`; logs what is still missing. No wait without a live evaluator. Every
+    benchmark, not only the first: the evaluator runs them one after another, and a run that stopped at the
+    first one's result tore the evaluator down in the middle of the next (its last version never measured)."""
     evaluator_alive = bool(list(client.scan_iter(keys.role_pattern("evaluator"), count=100)))
-    if not benchmark or not evaluator_alive:
+    if not ev.benchmarks or not evaluator_alive:
         return
     last = final_version - final_version % ev.every_n_versions
-    log.info("waiting up to %.0fs for the evaluator's %s result of version %d", wait_s, benchmark, last)
+    names = ", ".join(ev.benchmarks)
+    log.info("waiting up to %.0fs for the evaluator's results (%s) of version %d", wait_s, names, last)
     deadline = time.monotonic() + wait_s
-    if not wait_for_eval(client, keys, last, benchmark, wait_s):
-        log.warning("no %s result for version %d yet; the table shows what was evaluated", benchmark, last)
+
+    def left() -> float:
+        return max(0.0, deadline - time.monotonic())
+
+    late = [b for b in ev.benchmarks if not wait_for_eval(client, keys, last, b, left())]
+    if late:
+        log.warning("no %s result for version %d yet; the table shows what was evaluated", ", ".join(late), last)
     elif client.hlen(keys.eval_workers):
         # A pinning evaluator measures every due version, newest first, then backfills the older ones.
         due = {v for v in versions if v % ev.every_n_versions == 0 and v <= last}
-        missing = wait_for_evals(client, keys, due, benchmark, max(0.0, deadline - time.monotonic()))
-        if missing:
-            log.warning(
-                "no %s result yet for version(s) %s; the table shows what was evaluated", benchmark, sorted(missing)
-            )
+        for benchmark in ev.benchmarks:
+            if missing := wait_for_evals(client, keys, due, benchmark, left()):
+                log.warning(
+                    "no %s result yet for version(s) %s; the table shows what was evaluated", benchmark, sorted(missing)
+                )
 
 
 def wait_for_eval(client: redis.Redis, keys: Keys, version: int, benchmark: str, timeout_s: float) -> bool:
