@@ -601,7 +601,8 @@ class TrainerConfig:
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
     """Supervised warm start before RL, so that rewards are not all zero at the start."""
     final_eval_wait_s: float = 300.0
-    """At the end, how long the trainer waits for the evaluator's result of the last version (for its report)."""
+    """At the end, how long the trainer waits in all for the evaluator's results of the last version, every benchmark
+    (for its report)."""
 
     def check(self) -> None:
         """Every trainer section's own checks, then those that tie two of them together."""
