@@ -12,7 +12,7 @@ registers in the `workers` hash and heartbeats `worker_alive(id)`. While serving
 things: vLLM exiting (the role exits non-zero), its registry entry vanishing (a publisher evicted it: a
 train worker whose vLLM still answers loads `weights:current` whole, which also undoes a half-applied update
 and resumes a server the failed update left paused, and registers again, so a host cut off mid-publish
-rejoins when its link is back; an eval worker, or one whose reload fails, exits non-zero to be restarted,
+rejoins when its link is back; an eval worker, or one whose reload fails 3 times, exits non-zero to be restarted,
 never left on old weights), and `weights:current` moving past its
 own version without it (a publish that raced its registration: it catches up itself, under the
 same per-worker lock publishers take, so the two never interleave). A worker of
