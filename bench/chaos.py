@@ -499,9 +499,7 @@ def report(trials: list[Trial]) -> str:
     scored = [t.last_mean for t in ok if t.last_mean is not None]
     if len(bases) > 1 and scored:
         # Each no-fault run against the mean of the other no-fault runs: how often the same test fails without a fault.
-        alone = [
-            abs(t.last_mean - mean_sd([o.last_mean for o in bases if o is not t])[0]) <= 0.05 + 1e-9 for t in bases
-        ]
+        alone = [within(t.last_mean, mean_sd([o.last_mean for o in bases if o is not t])[0]) for t in bases]
         (bm, bsd), (fm, fsd) = mean_sd([t.last_mean for t in bases]), mean_sd(scored)
         half = 1.96 * (bsd**2 / len(bases) + fsd**2 / len(scored)) ** 0.5
         lines.append(
