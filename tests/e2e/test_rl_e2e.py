@@ -167,7 +167,7 @@ LEARNING_BENCHMARKS = 'evaluator.benchmarks=["arithmetic", "arithmetic_train"]'
 # The fully-async run's learning check (its test's docstring says where these come from).
 HELDOUT_PROBLEMS = 800
 EVAL_EVERY = 5
-ASYNC_MIN_RISE = 0.07
+ASYNC_MIN_RISE = 0.04
 
 
 def larger_heldout_set(root: Path, count: int) -> Path:
@@ -194,22 +194,22 @@ def test_two_ep_ranks_with_routing_replay_learn_fully_async_through_faults(short
 
     The learning check: greedy accuracy on HELDOUT_PROBLEMS (800) problems of the training facts
     (`arithmetic_train`, the training side of the held-out split, from the benchmark's own seed) rises at least
-    ASYNC_MIN_RISE (7 points) from version 0 to version 15, measured every EVAL_EVERY (5) versions. Until
-    2026-12-05 the check was held-out accuracy, on problems drawn from the training facts themselves; since then
-    the held-out problems are disjoint from training (rollout.task.heldout_fraction: 24 of the 98 facts, which
-    neither the warm start nor RL ever sees), and their accuracy measures generalisation to facts never seen,
-    which this run does not show in 15 steps. Measured 2026-12-05, held-out at versions 0/5/10/15: 0.240,
-    0.288, 0.344, 0.231 in one run; 0.240, 0.236, 0.321, 0.185 in a second; 0.240, 0.249, 0.356, 0.168 in a
-    third, whose training facts rose 0.505, 0.648, 0.658, 0.641 (+13.6 points; the sampled reward rose +8.5
-    points in the second, 0.315 over steps 0-2 -> 0.400 over steps 12-14). In-process (bench/ppo_learning.py,
-    this mixture, on-policy, 3 sampling seeds) held-out moved -0.5, -1.5 and +3.4 while the reward rose 9.4 to
-    11.5 points: RL sharpens the facts it trains on more than it teaches the unseen ones. The 800 problems are
-    the 74 training facts, each weighed by how often the generator draws it, so a score moves by whole facts
-    (~1.4 points each); versions 5-15 above sit within 1.7 points of each other. 7 points (the former bar,
-    derived on the former set from rises of +17 to +20) is half the measured rise. Held-out accuracy is still
-    measured and printed (the evaluator, its version pinning and the dashboard's eval chart are checked on it);
-    the demo's generalisation is stated in the README from its full 50-step run. Measuring versions 0, 5, 10
-    and 15 on 800 problems of each benchmark generates as many answers as all 16 versions on 200 of each."""
+    ASYNC_MIN_RISE (4 points) from version 0 to version 15, measured every EVAL_EVERY (5) versions. The 800
+    problems are the 74 training facts, each weighed by how often the generator draws it, so a score moves by
+    whole facts (~1.4 points each). The bar is half the mean rise measured under the warm start this run
+    begins from. Since packing became the default (2026-12-06) the warm start ends higher on the training
+    facts, 0.646 at version 0 against 0.505 padded, so 15 steps leave less to rise: +7.7, +5.6, +10.1 and
+    +8.5 points in four runs of this test (2026-12-06; mean +8.0, the second in CI), where the padded warm
+    start gave +13.6; the former bar of 7 points (half of that) failed the CI run. The sampled reward in
+    three of those runs rose +3.5 to +5.6 points (mean of steps 0-2 against 12-14). Held-out accuracy (24 facts that
+    neither the warm start nor RL ever sees, rollout.task.heldout_fraction) measures generalisation to facts
+    never seen, which this run does not show in 15 steps: 0.205 at version 0, then 0.23-0.31 at version 15
+    in the same runs, and in-process (bench/ppo_learning.py, this mixture, on-policy, 3 sampling seeds) it
+    moved -0.5, -1.5 and +3.4 while the reward rose 9.4 to 11.5 points: RL sharpens the facts it trains on
+    more than it teaches the unseen ones. Held-out accuracy is still measured and printed (the evaluator,
+    its version pinning and the dashboard's eval chart are checked on it); the demo's generalisation is
+    stated in the README from its full 50-step run. Measuring versions 0, 5, 10 and 15 on 800 problems of
+    each benchmark generates as many answers as all 16 versions on 200 of each."""
     run = Launch(
         short_root,
         "rl-async",
