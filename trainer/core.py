@@ -18,8 +18,8 @@ of them with the weights that began the step. `evaluate` is a no-grad pass over 
 per-row results every rank receives (PPO's old values). Models checkpointed beside this one (PPO's
 critic, the frozen reference policy of the KL term) are its `companions`.
 
-Left out on purpose: FSDP sharding of the dense weights (they are replicated and their gradients
-all-reduced in flat buckets; the dense part of the MoEs trained here is small next to the experts).
+The dense weights are replicated, their gradients all-reduced in flat buckets, or with
+`trainer.parallel.dp_shard` FSDP2-sharded (trainer/fsdp.py).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ import torch.distributed as dist
 from common.config import Config
 from trainer.checkpoint import Companion, TrainState, list_checkpoints, load_checkpoint, save_checkpoint
 from trainer.ep import ParallelPlan, apply_expert_parallel, make_transport
+from trainer.fsdp import dense_mesh
 from trainer.hf import hf_tensors
 from trainer.model import Transformer, compile_blocks
 from trainer.optim import Optimizer, StepStats, autocast
@@ -116,9 +117,12 @@ def reduce_figures(per_part: Sequence[Mapping[str, float]]) -> dict[str, float]:
     return out
 
 
-def build_plan(model: Transformer, ranks: Ranks, ep: int, transport: str) -> ParallelPlan | None:
-    """The parallel plan of W ranks with expert-parallel groups of `ep` (D = W / ep data-parallel
-    replicas), applied to `model` in place; None for one rank.
+def build_plan(
+    model: Transformer, ranks: Ranks, ep: int, transport: str, dp_shard: int = 1, reshard_after_forward: bool = True
+) -> ParallelPlan | None:
+    """The parallel plan of W ranks = dp_replicate x dp_shard x ep (ep innermost: rank r is EP rank r % ep),
+    with the routed experts of `model` sharded over their EP group in place; None for one rank. The dense
+    weights are FSDP2-sharded later, by `ParallelPlan.shard_dense`, once they are final (after a load).
 
     Every rank creates every group in the same order (torch.distributed requires it)."""
     W = ranks.world
@@ -131,21 +135,25 @@ def build_plan(model: Transformer, ranks: Ranks, ep: int, transport: str) -> Par
         return None
     backend = "nccl" if ranks.device.type == "cuda" else "gloo"
     world_group = dist.group.WORLD
-    if ep == 1:
-        return ParallelPlan(model, None, world_group, None)
-    ep_groups = [dist.new_group(list(range(d * ep, (d + 1) * ep)), backend=backend) for d in range(W // ep)]
-    replica_groups = [dist.new_group(list(range(e, W, ep)), backend=backend) for e in range(ep)] if W > ep else []
-    kind = "p2p" if transport == "auto" else transport
+    mesh = dense_mesh(W, ep, dp_shard, ranks.device.type) if dp_shard > 1 else None
     log.info(
-        "parallel plan: %d ranks = %d data-parallel replica(s) x expert-parallel %d (%s transport)",
+        "parallel plan: %d ranks = %d data-parallel replica(s) x expert-parallel %d%s",
         W,
         W // ep,
         ep,
-        kind,
+        f", dense weights FSDP2-sharded over {dp_shard} of them" if mesh is not None else "",
     )
+    if ep == 1:
+        return ParallelPlan(model, None, world_group, None, mesh, reshard_after_forward)
+    ep_groups = [dist.new_group(list(range(d * ep, (d + 1) * ep)), backend=backend) for d in range(W // ep)]
+    replica_groups = [dist.new_group(list(range(e, W, ep)), backend=backend) for e in range(ep)] if W > ep else []
+    kind = "p2p" if transport == "auto" else transport
+    log.info("expert rows travel by the %s transport", kind)
     ep_group = ep_groups[ranks.rank // ep]
     replica_group = replica_groups[ranks.rank % ep] if replica_groups else None
-    return apply_expert_parallel(model, make_transport(kind, ep_group), world_group, replica_group)
+    plan = apply_expert_parallel(model, make_transport(kind, ep_group), world_group, replica_group)
+    plan.fsdp_mesh, plan.reshard_after_forward = mesh, reshard_after_forward
+    return plan
 
 
 class TrainingCore:
@@ -160,18 +168,22 @@ class TrainingCore:
         tc = cfg.trainer
         self.cfg, self.ranks, self.model = cfg, ranks, model
         self.device = ranks.device
-        self.plan = build_plan(model, ranks, tc.parallel.ep, tc.parallel.transport)
+        par = tc.parallel
+        self.plan = build_plan(model, ranks, par.ep, par.transport, par.dp_shard, par.reshard_after_forward)
         if load is not None:
             load(model)
         model.activation_checkpoint = tc.activation_checkpoint
         if tc.compile:
             compile_blocks(model)  # after the plan: the expert exchange runs eagerly inside compiled blocks
+        if self.plan is not None:
+            self.plan.shard_dense(model)  # FSDP2 last, over the final weights (trainer/fsdp.py)
         self.optimizer = Optimizer(model, tc.optim, self.plan)  # the one optimizer of the trainer
         self.aux_coef = tc.optim.seq_aux_loss_coef
         model.set_aux_loss(self.aux_coef > 0)
         self.companions: dict[str, Companion] = {}
         """Models checkpointed with this one (the critic of PPO, the frozen reference), by name."""
-        dense, experts, grads, moments = state_bytes(cfg, tc.parallel.ep if self.plan is not None else 1)
+        sharded = self.plan is not None
+        dense, experts, grads, moments = state_bytes(cfg, par.ep if sharded else 1, par.dp_shard if sharded else 1)
         self.planned_state = dense + experts + grads + moments
         """trainer/plan.py's weight + gradient + optimizer bytes of this rank (activations: `slipstream plan`)."""
         self._peak_logged = False
@@ -307,10 +319,20 @@ class TrainingCore:
     def hf_part(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         """The HF-named tensors this rank writes into a published version, on the CPU: rank 0 the dense
         part and its experts; the other ranks of the first expert-parallel group their experts; the
-        data-parallel copies nothing (they hold the same experts)."""
+        data-parallel copies nothing (they hold the same experts). With FSDP-sharded dense weights every rank
+        takes part in gathering each dense tensor (a collective of its dp_shard ranks) and rank 0 keeps them."""
         ep = self.cfg.trainer.parallel.ep if self.plan is not None and self.plan.transport is not None else 1
         rank = self.ranks.rank
-        if self.ranks.world > 1 and rank >= ep:
+        writes = self.ranks.world == 1 or rank < ep
+        out: dict[str, torch.Tensor] = {}
+        if self.plan is not None and self.plan.fsdp_mesh is not None:
+            dense = {name: t.detach().to("cpu") for name, t in hf_tensors(self.model, dtype, dense=True, experts=False)}
+            if rank == 0:
+                out.update(dense)
+            if writes:
+                out.update((name, t.detach().to("cpu")) for name, t in hf_tensors(self.model, dtype, dense=False))
+            return out
+        if not writes:
             return {}
         part = hf_tensors(self.model, dtype, dense=rank == 0, experts=True)
         return {name: t.detach().to("cpu") for name, t in part}

@@ -211,7 +211,8 @@ def hf_tensors(
     """(HF name, tensor) pairs of the model, experts split per expert; `dtype` casts floating tensors
     except the expert-score bias, which HF keeps in fp32. `dense` / `experts` select the part: under
     expert parallelism a rank holds a shard of the experts (a DTensor on dim 0), and yields only those,
-    under their global expert numbers. Mixtral's router and experts take its released names."""
+    under their global expert numbers; FSDP-sharded dense tensors are gathered whole, so under FSDP every rank
+    of the mesh must ask for the dense part. Mixtral's router and experts take its released names."""
     pairs = _hf_tensors(model, dtype, dense, experts)
     if model.cfg.arch == "mixtral":
         return ((hf_mixtral.released_name(name), t) for name, t in pairs)
@@ -229,9 +230,11 @@ def _hf_tensors(
         if not (experts if is_expert else dense):
             continue
         first = 0
-        if isinstance(t, DTensor):  # this rank's contiguous block of experts
+        if isinstance(t, DTensor) and is_expert:  # this rank's contiguous block of experts
             first = t.device_mesh.get_local_rank() * t.to_local().shape[0]
             t = t.to_local()
+        elif isinstance(t, DTensor):  # an FSDP-sharded dense tensor: gathered whole (a collective of its ranks)
+            t = t.full_tensor()
         if name.endswith("mlp.experts.gate_up_proj"):
             prefix = name[: -len(".gate_up_proj")]
             inter = t.shape[1] // 2

@@ -264,6 +264,14 @@ class ParallelConfig:
     ep: int = 1
     """Expert-parallel group size: routed experts are sharded over this many trainer ranks (RDEP); it must
     divide the number of ranks and n_routed_experts. The rest is data parallel (ranks / ep replicas)."""
+    dp_shard: int = 1
+    """FSDP2 degree of the dense weights (attention, dense MLPs, shared experts, router gates, norms,
+    embeddings, LM head): each is sharded on dim 0 over this many ranks, and replicated over the other
+    ranks / (ep * dp_shard) replicas and the ep ranks (HSDP). The ranks are dp_replicate x dp_shard x ep, ep
+    innermost; ep * dp_shard must divide them. 1 = the dense weights are replicated (trainer/fsdp.py)."""
+    reshard_after_forward: bool = True
+    """With dp_shard > 1: free each block's gathered weights after its forward and gather them again for
+    the backward (less memory, one more all-gather per block and step), as torch's fully_shard default."""
     transport: Literal["auto", "p2p", "symm_mem"] = "auto"
     """How expert rows travel between ranks: p2p (torch.distributed point-to-point, CPU and GPU) or
     symm_mem (NVLink symmetric memory, GPUs); auto = p2p."""
@@ -279,6 +287,7 @@ class ParallelConfig:
 
     def check(self) -> None:
         require(self.ep >= 1, f"trainer.parallel.ep must be >= 1, got {self.ep}")
+        require(self.dp_shard >= 1, f"trainer.parallel.dp_shard must be >= 1, got {self.dp_shard}")
         require(
             self.command_timeout_s > 0, f"trainer.parallel.command_timeout_s must be > 0, got {self.command_timeout_s}"
         )
@@ -629,6 +638,12 @@ class TrainerConfig:
             self.rl.algorithm != "ppo" or self.rl.critic.warmup_steps < self.steps,
             f"trainer.rl.critic.warmup_steps = {self.rl.critic.warmup_steps} leaves none of trainer.steps = "
             f"{self.steps} RL steps to the policy; set fewer warm-up steps or more steps",
+        )
+        require(
+            not (self.optim.muon and self.parallel.dp_shard > 1),
+            "trainer.optim.muon orthogonalises whole matrices, and trainer.parallel.dp_shard = "
+            f"{self.parallel.dp_shard} gives each rank a block of rows of them: set dp_shard = 1 (replicated dense "
+            "weights) to use Muon, or muon = false",
         )
         require(self.pack_tokens >= 0, f"trainer.pack_tokens = {self.pack_tokens} must be >= 0 (0: the longest sample)")
         require(

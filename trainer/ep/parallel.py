@@ -6,7 +6,8 @@ weights become DTensors sharded on dim 0 over the group, so torch.distributed.ch
 global-shape tensors with per-rank chunks and loads them at any other EP size; the dense weights stay
 plain replicated tensors. `ParallelPlan` keeps the replicas in step: it all-reduces the dense
 gradients (over every rank), the expert gradients over the data-parallel copies of the EP group, and
-the expert-load counts (sum), and computes the global gradient norm."""
+the expert-load counts (sum), and computes the global gradient norm. With `trainer.parallel.dp_shard` the
+dense weights are FSDP2-sharded instead (trainer/fsdp.py) and FSDP reduces their gradients."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from trainer.ep.plan import DispatchPlan, make_plan
 from trainer.ep.transport import Transport
+from trainer.fsdp import SHARD_DIM, apply_fsdp, fsdp_params
 from trainer.model.moe import Experts, ExpertWeights, MoE
 
 
@@ -132,6 +134,18 @@ class ParallelPlan:
     transport: Transport | None = None
     dense_group: dist.ProcessGroup | None = None
     expert_replica_group: dist.ProcessGroup | None = None
+    fsdp_mesh: DeviceMesh | None = None
+    """The mesh the dense weights are FSDP2-sharded over (trainer/fsdp.py); None: they are replicated."""
+    reshard_after_forward: bool = True
+
+    def shard_dense(self, model: nn.Module) -> None:
+        """FSDP2 on `model`'s dense weights with this plan's mesh (nothing without one): the policy once its
+        weights are final, and every model that mirrors it shard for shard (the frozen reference, the critic)."""
+        if self.fsdp_mesh is not None:
+            apply_fsdp(model, self.fsdp_mesh, self.reshard_after_forward)
+
+    def fsdp_params(self) -> list[nn.Parameter]:
+        return fsdp_params(self.model)
 
     @property
     def group(self) -> dist.ProcessGroup | None:
@@ -142,7 +156,9 @@ class ParallelPlan:
         return [p for m in self.model.modules() if isinstance(m, ShardedExperts) for p in m.parameters()]
 
     def replicated_params(self) -> list[nn.Parameter]:
-        sharded = {id(p) for p in self.expert_params()}
+        """Trained parameters every rank holds whole (neither EP- nor FSDP-sharded): their gradients are
+        all-reduced here."""
+        sharded = {id(p) for p in self.expert_params() + self.fsdp_params()}
         return [p for p in self.model.parameters() if p.requires_grad and id(p) not in sharded]
 
     def reduce_gradients(self) -> None:
@@ -177,7 +193,8 @@ class ParallelPlan:
 
     def grad_norm(self) -> torch.Tensor:
         """Global L2 norm of all gradients: the replicated part once (equal on every rank after the
-        reduction), the expert part summed over the shards of the EP group."""
+        reduction), the expert part summed over the shards of the EP group, the FSDP part over the dp_shard
+        ranks (FSDP reduced it already; its replicas hold equal shards)."""
         device = next(iter(self.model.parameters())).device
 
         def squares(params: list[nn.Parameter]) -> torch.Tensor:
@@ -187,13 +204,18 @@ class ParallelPlan:
         experts = squares(self.expert_params())
         if self.group is not None:
             dist.all_reduce(experts, group=self.group)
-        return (squares(self.replicated_params()) + experts).sqrt()
+        total = squares(self.replicated_params()) + experts
+        if self.fsdp_mesh is not None:
+            dense = squares(self.fsdp_params())
+            dist.all_reduce(dense, group=self.fsdp_mesh.get_group(SHARD_DIM))
+            total = total + dense
+        return total.sqrt()
 
     def clip_gradients(self, max_norm: float) -> float:
         """Scale every gradient by min(1, max_norm / (norm + 1e-6)), as torch's clip_grad_norm_; returns the norm."""
         norm = self.grad_norm()
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for p in self.replicated_params() + self.expert_params():
+        for p in self.replicated_params() + self.expert_params() + self.fsdp_params():
             if p.grad is not None:
                 _local(p.grad).mul_(coef.to(p.grad.device))
         return float(norm)

@@ -47,9 +47,12 @@ class ReferencePolicy:
         return model.eval()
 
     def shard(self, full: Transformer) -> Transformer:
-        """`full` with the policy's plan applied: this rank keeps the experts it keeps of the policy."""
+        """`full` with the policy's plan applied: this rank keeps the experts it keeps of the policy, and the
+        shards of the dense weights it keeps of the policy's (FSDP)."""
         if self.plan is not None and self.plan.transport is not None:
             apply_expert_parallel(full, self.plan.transport, self.plan.dense_group, self.plan.expert_replica_group)
+        if self.plan is not None:
+            self.plan.shard_dense(full)
         return full
 
     @torch.no_grad()
