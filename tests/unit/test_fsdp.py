@@ -1,12 +1,14 @@
 """FSDP2 of the dense weights (trainer.parallel.dp_shard, trainer/fsdp.py) over real processes (gloo, spawn)
 against the single-rank run: pretraining steps at W = 2 (dp_shard 2) and W = 4 (dp_shard 2 x ep 2) make
 W = 1's losses and weights; the per-rank bytes of the dense weights and their optimizer state halve, measured
-from the tensors, and trainer/plan.py counts them."""
+from the tensors, and trainer/plan.py counts them; a packed RL step at (2 x 2) is one rank's padded step, and
+its checkpoint resumes at W = 1 and at (1 x 2) with the same next-step loss."""
 
 from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from common.config import Config, ConfigError, ModelConfig
 from common.config.validation import validate
+from trainer.checkpoint import TrainState
 from trainer.core import TrainingCore, cross_entropy_loss
 from trainer.fsdp import mesh_ranks, routed_expert_params
 from trainer.hf import hf_tensors
@@ -146,3 +149,91 @@ def test_pretraining_on_a_sharded_mesh_makes_the_one_rank_steps(tmp_path, tiny_m
     buffers = sum(b.numel() * b.element_size() for b in build_model(tiny_model, seed=0).buffers())
     measured_params = max(p["dense_bytes"] for p in parts) / 3  # parameters + two moments of the same size
     assert abs((planned_dense - buffers) - measured_params) <= 0.05 * measured_params
+
+
+def _next_loss(core: TrainingCore) -> float:
+    """The loss of a pretraining step on a fixed batch: a function of the weights the step begins with."""
+    batch = _batch(STEPS, core.cfg.trainer.model.vocab_size)
+    n = int((batch["targets"] >= 0).sum())
+    return core.step(batch, cross_entropy_loss(n), rows_per_forward=2, tokens=n).figures["loss"]
+
+
+def _rl_core(ranks: Ranks, ep: int, dp_shard: int, seed: int = 0) -> TrainingCore:
+    from tests.unit.test_pack import _rl_config
+
+    cfg = _rl_config("seq-mean-token-mean", 2, True)  # 2 mini-batches, routing replay, both mask corrections
+    cfg.trainer.parallel.ep, cfg.trainer.parallel.dp_shard = ep, dp_shard
+    return TrainingCore(cfg, ranks, build_model(cfg.trainer.model, seed=seed))
+
+
+def _rl_step_and_checkpoint_worker(rank: int, world: int, store: str, out: str) -> None:
+    """At (dp_shard 2 x ep 2): a packed RL step, a checkpoint, then the next step's loss."""
+    from tests.unit.test_pack import rl_step
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        core = _rl_core(Ranks(RankInfo(rank, world, rank, "launcher"), torch.device("cpu"), dist.group.WORLD), 2, 2)
+        _, result, _ = rl_step(core.cfg, packed=True, world=world, core=core)
+        part = {name: t.clone() for name, t in core.hf_part().items()}  # the next step writes the masters
+        core.save(Path(out) / "ckpt", TrainState(step=1))
+        torch.save({"part": part, "figures": result.figures, "next": _next_loss(core)}, f"{out}/rank{rank}.pt")
+        dist.barrier()
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def _resume_worker(rank: int, world: int, store: str, out: str, ep: int) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        ranks = Ranks(RankInfo(rank, world, rank, "launcher"), torch.device("cpu"), dist.group.WORLD)
+        core = _rl_core(ranks, ep, 1, seed=1)  # other weights: the load must replace them all
+        state = core.resume(Path(out) / "ckpt")
+        assert state is not None and state.step == 1
+        Path(out, f"resumed{world}-{rank}.txt").write_text(repr(_next_loss(core)))
+        dist.barrier()
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def test_a_packed_rl_step_at_2x2_is_the_padded_one_rank_step_and_its_checkpoint_resumes_at_1_and_at_ep_2(tmp_path):
+    """(dp_shard 2 x ep 2, real gloo processes): one RL step of decoupled PPO (2 mini-batches, packed rows
+    dealt by token count, routing replay) makes one rank's padded step: the same figures (1e-5 relative) and
+    weights (test_core's EP_STEP_BOUND, and within 1e-5); its DCP checkpoint then loads at W = 1 and at
+    (dp_shard 1 x ep 2) into other weights, and the next step's loss is the (2 x 2) run's own."""
+    from tests.unit.test_core import EP_STEP_BOUND, worst_relative_difference
+    from tests.unit.test_pack import rl_step
+
+    world = 4
+    mp.spawn(_rl_step_and_checkpoint_worker, args=(world, str(tmp_path / "store"), str(tmp_path)), nprocs=world)
+    parts = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    core = _rl_core(Ranks.single(torch.device("cpu")), 1, 1)
+    start = {name: t.clone() for name, t in hf_tensors(core.model)}
+    _, one, _ = rl_step(core.cfg, packed=False, core=core)
+    for k in ("loss", "pg_loss", "tokens", "seq_masked_fraction", "routing_compared"):
+        a, b = one.figures[k], parts[0]["figures"][k]
+        assert abs(a - b) <= 1e-5 * max(abs(a), 1e-3), (k, a, b)
+    bias = "e_score_correction_bias"  # follows the load, which counts padding (test_pack says why)
+    mesh = {k: v for p in parts for k, v in p["part"].items() if not k.endswith(bias)}
+    one_rank = {k: v for k, v in hf_tensors(core.model) if not k.endswith(bias)}
+    worst, difference = worst_relative_difference(mesh, one_rank, start)
+    largest = max(float((mesh[k] - v).abs().max()) for k, v in one_rank.items())
+    print(f"(2 x 2) packed against 1 rank padded: largest weight difference {largest:.3g}")
+    assert difference <= EP_STEP_BOUND and largest < 1e-5, worst  # measured: 1.9e-5 relative, 6.4e-6 absolute
+
+    expected = parts[0]["next"]
+    resumed = _rl_core(Ranks.single(torch.device("cpu")), 1, 1, seed=1)
+    assert resumed.resume(tmp_path / "ckpt").step == 1
+    losses = {"W=1": _next_loss(resumed)}
+    mp.spawn(_resume_worker, args=(2, str(tmp_path / "store2"), str(tmp_path), 2), nprocs=2)
+    losses |= {f"ep 2 rank {r}": float((tmp_path / f"resumed2-{r}.txt").read_text()) for r in range(2)}
+    print(f"next-step loss at (2 x 2) {expected!r}; resumed {losses}")
+    for where, loss in losses.items():
+        assert loss == expected, where  # the same weights in the same forward: bitwise (measured)
