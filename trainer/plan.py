@@ -4,8 +4,8 @@ Nothing here needs a GPU. Parameters, gradients and optimizer state come from th
 builder makes on the meta device (every tensor counted, so a new architecture knob is counted too):
 fp32 masters (bf16 autocast casts them per use, it keeps no bf16 copy of the weights), fp32 gradients,
 AdamW's two fp32 moments (Muon's one fp32 momentum for the matrices `trainer.optim.muon` gives it). Routed
-experts are divided over the `ep` ranks; the rest is replicated, unless `dp_shard` models FSDP2 sharding of
-the dense half, which the trainer does NOT do yet (the table says so).
+experts are divided over the `ep` ranks; the rest over the `dp_shard` ranks (FSDP2, trainer/fsdp.py: dim 0 of
+each dense tensor split into dp_shard equal blocks).
 
 Activations are measured, not fitted: one dense and one MoE block (the config's widths, a few routed experts)
 run forward on the CPU under bf16 autocast at a small token count, per activation-checkpoint mode, and the
@@ -94,7 +94,7 @@ class Plan:
 
 def state_bytes(cfg: Config, ep: int = 1, dp_shard: int = 1) -> tuple[int, int, int, int]:
     """(dense param bytes, routed-expert param bytes, gradient bytes, optimizer bytes) per rank, from the model
-    built on the meta device; dp_shard divides the dense part (FSDP2, not built)."""
+    built on the meta device; dp_shard divides the dense part (FSDP2)."""
     mc = cfg.trainer.model
     if mc.n_routed_experts % ep:
         raise PlanError(
@@ -231,19 +231,23 @@ def plan(
     ep: int | None = None,
     mode: str | None = None,
     rows: int | None = None,
-    dp_shard: int = 1,
+    dp_shard: int | None = None,
     seq: int | None = None,
 ) -> Plan:
-    """The bytes one of `gpus` ranks holds for `cfg` (ep, AC mode, rows per micro-batch per rank: the config's
-    unless given)."""
+    """The bytes one of `gpus` ranks holds for `cfg` (ep, dp_shard, AC mode, rows per micro-batch per rank: the
+    config's unless given)."""
     tc = cfg.trainer
     if gpus < 1:
         raise PlanError(f"--gpus {gpus}: give the number of GPUs, at least 1")
     ep = tc.parallel.ep if ep is None else ep
     if ep < 1 or gpus % ep:
         raise PlanError(f"trainer.parallel.ep = {ep} does not divide --gpus {gpus}: use an ep that divides it")
-    if dp_shard < 1 or gpus % dp_shard:
-        raise PlanError(f"dp_shard = {dp_shard} does not divide --gpus {gpus}")
+    dp_shard = tc.parallel.dp_shard if dp_shard is None else dp_shard
+    if dp_shard < 1 or gpus % (ep * dp_shard):
+        raise PlanError(
+            f"trainer.parallel.ep = {ep} times dp_shard = {dp_shard} does not divide --gpus {gpus}: the ranks are "
+            "dp_replicate x dp_shard x ep"
+        )
     mode = tc.activation_checkpoint if mode is None else mode
     mc = tc.model
     if seq is None:
@@ -274,7 +278,6 @@ def render(p: Plan, gpu_gib: float, gpus: int, ep: int, dp_shard: int) -> str:
     """The table and the one-line verdict."""
     lines = [
         f"per rank of {gpus} GPUs, ep = {ep}, dp_shard = {dp_shard}"
-        + (" (needs FSDP2 (not built))" if dp_shard > 1 else "")
     ]
     for name, b in p.rows():
         lines.append(f"  {name:<58} {b / GiB:10.2f} GiB")
@@ -307,7 +310,7 @@ def cli_main(argv: list[str]) -> int:
         cfg = load_config(args.config, args.overrides)
         tc = cfg.trainer
         result = plan(cfg, args.gpus)
-        print(render(result, args.gpu_memory, args.gpus, tc.parallel.ep, 1))
+        print(render(result, args.gpu_memory, args.gpus, tc.parallel.ep, tc.parallel.dp_shard))
         if result.total > args.gpu_memory * GiB:
             print(suggest(cfg, args.gpus, args.gpu_memory))
     except (PlanError, ConfigError, FileNotFoundError) as exc:
@@ -318,21 +321,21 @@ def cli_main(argv: list[str]) -> int:
 
 def suggest(cfg: Config, gpus: int, gpu_gib: float) -> str:
     """The first choice that fits, trying (cheapest first) larger ep, then AC modes, then fewer rows per
-    micro-batch, then dp_shard (FSDP2, not built)."""
+    micro-batch, then dp_shard (FSDP2 of the dense weights; ep x dp_shard must divide the GPUs)."""
     tc = cfg.trainer
     eps = [e for e in range(tc.parallel.ep, gpus + 1) if gpus % e == 0 and tc.model.n_routed_experts % e == 0]
     rows0 = max(1, tc.data.batch_size // gpus)
     for dp_shard in [d for d in (1, 2, 4, 8, 16, 32, 64, 128, 256) if gpus % d == 0]:
-        for ep in eps:
+        for ep in [e for e in eps if gpus % (e * dp_shard) == 0]:
             for mode in ("none", "selective", "full"):
                 rows = rows0
                 while rows >= 1:
                     p = plan(cfg, gpus, ep=ep, mode=mode, rows=rows, dp_shard=dp_shard)
                     if p.total <= gpu_gib * GiB:
-                        extra = " (needs FSDP2 (not built))" if dp_shard > 1 else ""
                         return (
-                            f"fits with: trainer.parallel.ep={ep} trainer.activation_checkpoint={mode} "
-                            f"rows/micro-batch/rank={rows} dp_shard={dp_shard}{extra}: {p.total / GiB:.1f} GiB"
+                            f"fits with: trainer.parallel.ep={ep} trainer.parallel.dp_shard={dp_shard} "
+                            f"trainer.activation_checkpoint={mode} rows/micro-batch/rank={rows}: "
+                            f"{p.total / GiB:.1f} GiB"
                         )
                     rows //= 2
     return "no choice of ep, AC mode, rows and dp_shard fits: more GPUs or a larger --gpu-memory"
