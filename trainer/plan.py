@@ -276,9 +276,7 @@ def plan(
 
 def render(p: Plan, gpu_gib: float, gpus: int, ep: int, dp_shard: int) -> str:
     """The table and the one-line verdict."""
-    lines = [
-        f"per rank of {gpus} GPUs, ep = {ep}, dp_shard = {dp_shard}"
-    ]
+    lines = [f"per rank of {gpus} GPUs, ep = {ep}, dp_shard = {dp_shard}"]
     for name, b in p.rows():
         lines.append(f"  {name:<58} {b / GiB:10.2f} GiB")
     fits = p.total <= gpu_gib * GiB
