@@ -37,7 +37,7 @@ import torch.distributed as dist
 from common.config import Config
 from trainer.checkpoint import Companion, TrainState, list_checkpoints, load_checkpoint, save_checkpoint
 from trainer.ep import ParallelPlan, apply_expert_parallel, make_transport
-from trainer.fsdp import dense_mesh
+from trainer.fsdp import OwnerGather, dense_mesh
 from trainer.hf import hf_tensors
 from trainer.model import Transformer, compile_blocks
 from trainer.optim import Optimizer, StepStats, autocast
@@ -187,6 +187,7 @@ class TrainingCore:
         self.planned_state = dense + experts + grads + moments
         """trainer/plan.py's weight + gradient + optimizer bytes of this rank (activations: `slipstream plan`)."""
         self._peak_logged = False
+        self._owners: OwnerGather | None = None
         log.info(
             "planned bytes per rank (trainer/plan.py): params %.2f GiB (dense %.2f, routed experts %.2f), grads "
             "%.2f GiB, optimizer %.2f GiB",
@@ -319,22 +320,21 @@ class TrainingCore:
     def hf_part(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         """The HF-named tensors this rank writes into a published version, on the CPU: rank 0 the dense
         part and its experts; the other ranks of the first expert-parallel group their experts; the
-        data-parallel copies nothing (they hold the same experts). With FSDP-sharded dense weights every rank
-        takes part in gathering each dense tensor (a collective of its dp_shard ranks) and rank 0 keeps them."""
+        data-parallel copies nothing (they hold the same experts). With FSDP-sharded dense weights each of
+        those is written by one rank, its owner, which gathers it from its shards (trainer/fsdp.py's
+        OwnerGather): every rank takes part, and none holds the whole model. The tensors may be the masters
+        themselves (on a CPU `.to("cpu")` copies nothing): write them before the next step."""
         ep = self.cfg.trainer.parallel.ep if self.plan is not None and self.plan.transport is not None else 1
         rank = self.ranks.rank
         writes = self.ranks.world == 1 or rank < ep
-        out: dict[str, torch.Tensor] = {}
+        gather = None
         if self.plan is not None and self.plan.fsdp_mesh is not None:
-            dense = {name: t.detach().to("cpu") for name, t in hf_tensors(self.model, dtype, dense=True, experts=False)}
-            if rank == 0:
-                out.update(dense)
-            if writes:
-                out.update((name, t.detach().to("cpu")) for name, t in hf_tensors(self.model, dtype, dense=False))
-            return out
-        if not writes:
+            if self._owners is None:
+                self._owners = OwnerGather(self.model, self.plan.fsdp_mesh, rank, self.ranks.world)
+            gather = self._owners
+        elif not writes:
             return {}
-        part = hf_tensors(self.model, dtype, dense=rank == 0, experts=True)
+        part = hf_tensors(self.model, dtype, dense=rank == 0, experts=writes, gather=gather)
         return {name: t.detach().to("cpu") for name, t in part}
 
 

@@ -20,9 +20,11 @@ no longer compute W = 1's step; it is not offered.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
 
 from trainer.model.moe import ExpertWeights
 from trainer.model.transformer import Block
@@ -82,3 +84,48 @@ def fsdp_params(model: nn.Module) -> list[nn.Parameter]:
         return []
     ignored = routed_expert_params(model)
     return [p for p in model.parameters() if p.requires_grad and p not in ignored]
+
+
+class OwnerGather:
+    """The FSDP-sharded dense tensors of a published version, each gathered whole on one rank only, its owner,
+    which writes it: owners are dealt by size (largest first, to the rank with the fewest bytes so far), so
+    each rank writes about 1/W of the dense bytes and no rank gathers the whole model. An owner gathers from
+    the dp_shard ranks of its own mesh row (which hold every shard of the tensor); the other rows skip the
+    tensor. Use as `hf_tensors(..., gather=OwnerGather(...))` on every rank, in the same order."""
+
+    def __init__(self, model: nn.Module, mesh: DeviceMesh, rank: int, world: int) -> None:
+        routed = {n for n, p in model.named_parameters() if p in routed_expert_params(model)}
+        sizes = [
+            (name, t.numel() * t.element_size())
+            for name, t in model.state_dict().items()
+            if isinstance(t, DTensor) and name not in routed
+        ]
+        load = [0] * world
+        self.owners: dict[str, int] = {}
+        for name, size in sorted(sizes, key=lambda s: -s[1]):
+            owner = min(range(world), key=lambda r: (load[r], r))
+            self.owners[name] = owner
+            load[owner] += size
+        self.rank = rank
+        self.row = mesh.get_group(SHARD_DIM)
+        self.row_ranks = dist.get_process_group_ranks(self.row)
+
+    def mine(self) -> list[str]:
+        """The names of the dense tensors this rank writes."""
+        return [n for n, r in self.owners.items() if r == self.rank]
+
+    def __call__(self, name: str, shard: DTensor) -> torch.Tensor | None:
+        owner = self.owners[name]
+        if owner not in self.row_ranks:
+            return None
+        n = len(self.row_ranks)
+        rows = shard.shape[0]
+        block = -(-rows // n)  # FSDP2 cuts dim 0 as torch.chunk: blocks of ceil(rows / n), the last ones short
+        local = shard.to_local()
+        padded = local.new_zeros((block, *local.shape[1:]))
+        padded[: local.shape[0]] = local
+        parts = [torch.empty_like(padded) for _ in range(n)] if self.rank == owner else None
+        dist.gather(padded, parts, dst=owner, group=self.row)
+        if parts is None:
+            return None
+        return torch.cat(parts)[:rows]

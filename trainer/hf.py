@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -206,35 +206,51 @@ def _model_config_from_hf(hf: dict, max_seq_len: int | None) -> ModelConfig:
 
 
 def hf_tensors(
-    model: Transformer, dtype: torch.dtype | None = None, dense: bool = True, experts: bool = True
+    model: Transformer,
+    dtype: torch.dtype | None = None,
+    dense: bool = True,
+    experts: bool = True,
+    gather: Callable[[str, DTensor], torch.Tensor | None] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor) pairs of the model, experts split per expert; `dtype` casts floating tensors
     except the expert-score bias, which HF keeps in fp32. `dense` / `experts` select the part: under
     expert parallelism a rank holds a shard of the experts (a DTensor on dim 0), and yields only those,
-    under their global expert numbers; FSDP-sharded dense tensors are gathered whole, so under FSDP every rank
-    of the mesh must ask for the dense part. Mixtral's router and experts take its released names."""
-    pairs = _hf_tensors(model, dtype, dense, experts)
+    under their global expert numbers. FSDP-sharded dense tensors (trainer/fsdp.py) are gathered whole, so
+    every rank of their mesh must iterate them: by `gather(name, shard)`, which returns the whole tensor on the
+    rank that is to yield it and None elsewhere (it decides instead of `dense`), or, without it, by an
+    all-gather on every rank. Mixtral's router and experts take its released names."""
+    pairs = _hf_tensors(model, dtype, dense, experts, gather)
     if model.cfg.arch == "mixtral":
         return ((hf_mixtral.released_name(name), t) for name, t in pairs)
     return pairs
 
 
 def _hf_tensors(
-    model: Transformer, dtype: torch.dtype | None, dense: bool, experts: bool
+    model: Transformer,
+    dtype: torch.dtype | None,
+    dense: bool,
+    experts: bool,
+    gather: Callable[[str, DTensor], torch.Tensor | None] | None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     state = model.state_dict()
     if model.cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     for name, t in state.items():
         is_expert = name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))
-        if not (experts if is_expert else dense):
+        sharded_dense = isinstance(t, DTensor) and not is_expert
+        if sharded_dense and gather is not None:
+            whole = gather(name, t)
+            if whole is None:
+                continue
+            t = whole
+        elif not (experts if is_expert else dense):
             continue
+        elif sharded_dense:
+            t = t.full_tensor()
         first = 0
-        if isinstance(t, DTensor) and is_expert:  # this rank's contiguous block of experts
+        if isinstance(t, DTensor):  # this rank's contiguous block of experts
             first = t.device_mesh.get_local_rank() * t.to_local().shape[0]
             t = t.to_local()
-        elif isinstance(t, DTensor):  # an FSDP-sharded dense tensor: gathered whole (a collective of its ranks)
-            t = t.full_tensor()
         if name.endswith("mlp.experts.gate_up_proj"):
             prefix = name[: -len(".gate_up_proj")]
             inter = t.shape[1] // 2

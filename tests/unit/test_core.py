@@ -278,7 +278,7 @@ def _rl_config(kl_coef: float, arch: str) -> Config:
     return cfg
 
 
-def _rl_step_on_ranks(rank: int, world: int, store: str, out: str, kl_coef: float, arch: str) -> None:
+def _rl_step_on_ranks(rank: int, world: int, store: str, out: str, kl_coef: float, arch: str, dp_shard: int) -> None:
     import torch.distributed as dist
 
     from trainer.rl.update import proximal_fn, rl_updates
@@ -287,7 +287,7 @@ def _rl_step_on_ranks(rank: int, world: int, store: str, out: str, kl_coef: floa
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         cfg = _rl_config(kl_coef, arch)
-        cfg.trainer.parallel.ep = world
+        cfg.trainer.parallel.ep, cfg.trainer.parallel.dp_shard = world // dp_shard, dp_shard
         core = TrainingCore(
             cfg,
             Ranks(RankInfo(rank, world, rank, "launcher"), torch.device("cpu"), dist.group.WORLD),
@@ -333,19 +333,29 @@ def worst_relative_difference(
 # already differs by up to 1.4e-3 on this batch (always layer 1's expert 3, w1), above the bound; without
 # it by up to 1.8e-5, like DeepSeek-V3. The KL on expert-parallel ranks is one code path for every
 # architecture, tested here on DeepSeek-V3.
-@pytest.mark.parametrize(("kl_coef", "arch"), [(0.0, "deepseek_v3"), (0.5, "deepseek_v3"), (0.0, "mixtral")])
-def test_an_rl_step_on_two_expert_parallel_ranks_is_the_one_rank_step(tmp_path, kl_coef, arch):
+@pytest.mark.parametrize(
+    ("kl_coef", "arch", "dp_shard"),
+    [(0.0, "deepseek_v3", 1), (0.5, "deepseek_v3", 1), (0.0, "mixtral", 1), (0.5, "deepseek_v3", 2)],
+)
+def test_an_rl_step_on_two_expert_parallel_ranks_is_the_one_rank_step(tmp_path, kl_coef, arch, dp_shard):
     """An RL step of several mini-batches: each mini-batch is split over the ranks on its own, so 2 ranks
     (EP = 2, real gloo processes) make the same three updates as one rank: the same weights (up to
     EP_STEP_BOUND, derived above) and the same step statistics. With a KL term each rank's frozen reference
     holds that rank's experts of the reference policy, and the KL figures agree too. Mixtral (GQA without
-    q/k norm, softmax routing, no shared experts) publishes its experts under its released names."""
+    q/k norm, softmax routing, no shared experts) publishes its experts under its released names. With
+    dp_shard = 2 the 2 ranks hold the experts whole and shard the dense weights (FSDP2), the frozen reference
+    too, so the KL term's copy of the policy stays shard for shard."""
     import torch.multiprocessing as mp
 
     from trainer.hf import hf_tensors
     from trainer.rl.update import proximal_fn, rl_updates
 
-    mp.spawn(_rl_step_on_ranks, args=(2, str(tmp_path / "store"), str(tmp_path), kl_coef, arch), nprocs=2, join=True)
+    mp.spawn(
+        _rl_step_on_ranks,
+        args=(2, str(tmp_path / "store"), str(tmp_path), kl_coef, arch, dp_shard),
+        nprocs=2,
+        join=True,
+    )
     parts = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     cfg = _rl_config(kl_coef, arch)
     core = _core(cfg)
@@ -356,7 +366,7 @@ def test_an_rl_step_on_two_expert_parallel_ranks_is_the_one_rank_step(tmp_path, 
     assert len(one.updates) == 3
     two = parts[0]["part"] | parts[1]["part"]
     mine = dict(hf_tensors(core.model))
-    assert two.keys() == mine.keys()
+    assert two.keys() == mine.keys() and len(parts[0]["part"]) + len(parts[1]["part"]) == len(two)
     if arch == "mixtral":  # each rank's block of experts under its global numbers, in the released layout
         assert "model.layers.1.block_sparse_moe.experts.7.w3.weight" in parts[1]["part"]
     worst, difference = worst_relative_difference(two, mine, start)

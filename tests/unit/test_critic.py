@@ -185,9 +185,14 @@ def _one_rank(cfg: Config) -> tuple[TrainingCore, TrainingCore]:
 def _trained_head(critic: TrainingCore) -> TrainingCore:
     """A critic whose values are not all 0 (as after some training), so that the step's old values, GAE and
     value clipping all act: the same random head on every rank."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
     head = value_model(critic.model).value_head
-    head.weight.copy_(torch.randn(head.weight.shape, generator=torch.Generator().manual_seed(3)) * 0.3)
-    head.bias.fill_(0.4)
+    for p, full in (
+        (head.weight, torch.randn(head.weight.shape, generator=torch.Generator().manual_seed(3)) * 0.3),
+        (head.bias, torch.full(head.bias.shape, 0.4)),
+    ):
+        p.copy_(distribute_tensor(full, p.device_mesh, p.placements) if isinstance(p, DTensor) else full)
     return critic
 
 
@@ -334,14 +339,14 @@ def test_save_after_a_ppo_step_and_resume_into_fresh_cores_gives_the_uninterrupt
 # -- two expert-parallel ranks -----------------------------------------------------------------------
 
 
-def _ppo_on_ranks(rank: int, world: int, store: str, out: str) -> None:
+def _ppo_on_ranks(rank: int, world: int, store: str, out: str, dp_shard: int) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         cfg = _ppo_config()
-        cfg.trainer.parallel.ep = world
+        cfg.trainer.parallel.ep, cfg.trainer.parallel.dp_shard = world // dp_shard, dp_shard
         ranks = Ranks(RankInfo(rank, world, rank, "launcher"), torch.device("cpu"), dist.group.WORLD)
         core = TrainingCore(cfg, ranks, build_model(cfg.trainer.model, seed=0))
         critic = _trained_head(build_critic(cfg, ranks, core.model))
@@ -361,15 +366,18 @@ def _critic_tensors(model: ValueModel) -> list[tuple[str, torch.Tensor]]:
     return [(n, p.to_local() if isinstance(p, DTensor) else p) for n, p in model.named_parameters()]
 
 
-def test_a_ppo_step_on_two_expert_parallel_ranks_is_the_one_rank_step(tmp_path):
+@pytest.mark.parametrize("dp_shard", [1, 2])
+def test_a_ppo_step_on_two_expert_parallel_ranks_is_the_one_rank_step(tmp_path, dp_shard):
     """Old values gathered over the ranks, GAE and whitening over the global step, the policy's and the
-    critic's updates each split over the ranks: 2 ranks (EP = 2, real gloo processes) make one rank's step."""
+    critic's updates each split over the ranks: 2 ranks (EP = 2, real gloo processes) make one rank's step.
+    With dp_shard = 2 the 2 ranks shard the dense weights of the policy and the critic instead (FSDP2), and
+    hold the experts whole."""
     import torch.multiprocessing as mp
 
     from tests.unit.test_core import EP_STEP_BOUND, worst_relative_difference
     from trainer.hf import hf_tensors
 
-    mp.spawn(_ppo_on_ranks, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_ppo_on_ranks, args=(2, str(tmp_path / "store"), str(tmp_path), dp_shard), nprocs=2, join=True)
     parts = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     cfg = _ppo_config()
     core, critic = _one_rank(cfg)
@@ -382,11 +390,12 @@ def test_a_ppo_step_on_two_expert_parallel_ranks_is_the_one_rank_step(tmp_path):
     two_policy = parts[0]["part"] | parts[1]["part"]
     worst, difference = worst_relative_difference(two_policy, dict(hf_tensors(core.model)), start_policy)
     assert difference <= EP_STEP_BOUND, worst
-    # Experts: rank r holds experts [r * E/2, (r + 1) * E/2) of each layer; the rest is replicated.
+    # EP: rank r holds experts [r * E/2, (r + 1) * E/2) of each layer; the rest is replicated. dp_shard: rank r
+    # holds the r-th block of rows of each dense tensor (torch.chunk's), the experts whole.
     two_critic = {}
     for name, t in parts[0]["critic"].items():
         other = parts[1]["critic"][name]
-        two_critic[name] = torch.cat([t, other]) if ".mlp.experts." in name else t
+        two_critic[name] = torch.cat([t, other]) if (".mlp.experts." in name) == (dp_shard == 1) else t
     mine = {name: p.detach() for name, p in critic.model.named_parameters()}
     worst, difference = worst_relative_difference(two_critic, mine, start_critic)
     assert difference <= EP_STEP_BOUND, worst

@@ -121,7 +121,9 @@ def test_pretraining_on_a_sharded_mesh_makes_the_one_rank_steps(tmp_path, tiny_m
     """20 pretraining steps (2 micro-batches per rank, AdamW, clipping, the bias update) at W ranks with the
     dense weights FSDP2-sharded give W = 1's losses and gradient norms within 1e-5 relative and its final weights within 1e-5;
     each rank holds at most 0.55x of W = 1's dense parameter and optimizer bytes (0.5x plus dim-0 padding),
-    and trainer/plan.py's dense bytes per rank are the ones measured."""
+    and trainer/plan.py's dense bytes per rank are the ones measured. Each rank's part of a published version
+(`hf_part`) holds the dense tensors it owns, gathered from their shards, and its experts: together exactly
+W = 1's tensors, each once, no rank writing more than 0.6x of the dense bytes."""
     mp.spawn(
         _worker, args=(world, str(tmp_path / "store"), str(tmp_path), tiny_model, ep, dp_shard), nprocs=world, join=True
     )
@@ -129,6 +131,13 @@ def test_pretraining_on_a_sharded_mesh_makes_the_one_rank_steps(tmp_path, tiny_m
     parts = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     merged = {name: t for p in parts for name, t in p["part"].items()}
     assert merged.keys() == one["part"].keys()
+    # Each tensor is written by one rank, and the dense tensors are spread: none writes the whole dense part.
+    assert sum(len(p["part"]) for p in parts) == len(merged)
+    routed = ".mlp.experts."
+    dense_total = sum(t.numel() * t.element_size() for n, t in one["part"].items() if routed not in n)
+    written = [sum(t.numel() * t.element_size() for n, t in p["part"].items() if routed not in n) for p in parts]
+    print(f"dense bytes written per rank {written} of {dense_total}")
+    assert max(written) <= 0.6 * dense_total
     assert min(one["norms"]) > CLIP
     for p in parts:
         for key in ("losses", "norms"):
