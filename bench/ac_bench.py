@@ -3,6 +3,7 @@ trainer's own step (trainer/core.py: compiled blocks, bf16 autocast over fp32 ma
 selective / full, at a batch that fits without checkpointing and at one that does not, in one process, one table.
 
     python bench/ac_bench.py [--shapes 16x4096,32x4096] [--steps 6]      # one H200
+    python bench/ac_bench.py --shapes 8x4096 --compile both               # compiled and eager rows, one table
     python bench/ac_bench.py --device cpu --tiny --steps 2                 # the plumbing, here (figures mean nothing)
 
 Each row: 3 warm-up steps (compilation), then the median of the measured steps (CUDA-synchronised); peak = the
@@ -58,6 +59,7 @@ class Row:
     mode: str
     rows: int
     seq: int
+    compiled: bool
     step_s: float = math.nan
     tokens_per_s: float = math.nan
     mfu: float = math.nan
@@ -67,12 +69,12 @@ class Row:
     error: str = ""
 
 
-def measure(mc: ModelConfig, mode: str, rows: int, seq: int, steps: int, device: torch.device) -> Row:
-    row = Row(mode, rows, seq)
+def measure(mc: ModelConfig, mode: str, rows: int, seq: int, steps: int, device: torch.device, compiled: bool) -> Row:
+    row = Row(mode, rows, seq, compiled)
     cfg = Config()
     cfg.trainer.model = replace(mc, max_seq_len=max(mc.max_seq_len, seq))
     cfg.trainer.activation_checkpoint = mode  # type: ignore[assignment]
-    cfg.trainer.compile = device.type == "cuda"
+    cfg.trainer.compile = compiled
     cfg.trainer.dtype = "bfloat16" if device.type == "cuda" else "float32"
     row.planned_gib = plan(cfg, 1, rows=rows, seq=seq).total / 2**30  # trainer/plan.py for this row's config
     core = None
@@ -113,15 +115,16 @@ def measure(mc: ModelConfig, mode: str, rows: int, seq: int, steps: int, device:
 
 def table(rows: list[Row]) -> str:
     lines = [
-        "| mode | rows x seq | step ms | tokens/s | MFU | peak GiB | planned GiB | measured/planned | loss |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| mode | blocks | rows x seq | step ms | tokens/s | MFU | peak GiB | planned GiB | measured/planned | loss |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
+        blocks = "compiled" if r.compiled else "eager"
         if r.error:
-            lines.append(f"| {r.mode} | {r.rows} x {r.seq} | {r.error} | | | | {r.planned_gib:.1f} | | |")
+            lines.append(f"| {r.mode} | {blocks} | {r.rows} x {r.seq} | {r.error} | | | | {r.planned_gib:.1f} | | |")
         else:
             lines.append(
-                f"| {r.mode} | {r.rows} x {r.seq} | {r.step_s * 1e3:.1f} | {r.tokens_per_s:,.0f} | {r.mfu:.1%} "
+                f"| {r.mode} | {blocks} | {r.rows} x {r.seq} | {r.step_s * 1e3:.1f} | {r.tokens_per_s:,.0f} | {r.mfu:.1%} "
                 f"| {r.peak_gib:.1f} | {r.planned_gib:.1f} | {r.peak_gib / r.planned_gib:.2f} | {r.loss:.4f} |"
             )
     return "\n".join(lines)
@@ -135,16 +138,26 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true", help="a tiny model (the plumbing on the CPU)")
+    p.add_argument(
+        "--compile",
+        choices=("on", "off", "both"),
+        default="on",
+        help="compiled blocks (trainer.compile), eager ones, or a row of each (default on; the CPU runs eager)",
+    )
     args = p.parse_args()
     device = torch.device(args.device)
     mc = TINY if args.tiny else load_config(args.config).trainer.model
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     t0 = time.perf_counter()
     rows = []
+    compiled = {"on": [True], "off": [False], "both": [True, False]}[args.compile]
+    if device.type != "cuda":
+        compiled = [False]
     for n, seq in shapes:
         for mode in args.modes.split(","):
-            rows.append(measure(mc, mode, n, seq, args.steps, device))
-            print(f"{mode} {n}x{seq}: {rows[-1]} (+{time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+            for c in compiled:
+                rows.append(measure(mc, mode, n, seq, args.steps, device, c))
+                print(f"{mode} {n}x{seq}: {rows[-1]} (+{time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     total, active = count_params(mc)
     print(
