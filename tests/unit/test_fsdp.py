@@ -119,11 +119,11 @@ def test_muon_is_refused_with_sharded_dense_weights_naming_why():
 @pytest.mark.parametrize(("world", "ep", "dp_shard"), [(2, 1, 2), (4, 2, 2)])
 def test_pretraining_on_a_sharded_mesh_makes_the_one_rank_steps(tmp_path, tiny_model, world, ep, dp_shard):
     """20 pretraining steps (2 micro-batches per rank, AdamW, clipping, the bias update) at W ranks with the
-    dense weights FSDP2-sharded give W = 1's losses and gradient norms within 1e-5 relative and its final weights within 1e-5;
-    each rank holds at most 0.55x of W = 1's dense parameter and optimizer bytes (0.5x plus dim-0 padding),
-    and trainer/plan.py's dense bytes per rank are the ones measured. Each rank's part of a published version
-(`hf_part`) holds the dense tensors it owns, gathered from their shards, and its experts: together exactly
-W = 1's tensors, each once, no rank writing more than 0.6x of the dense bytes."""
+        dense weights FSDP2-sharded give W = 1's losses and gradient norms within 1e-5 relative and its final weights within 1e-5;
+        each rank holds at most 0.55x of W = 1's dense parameter and optimizer bytes (0.5x plus dim-0 padding),
+        and trainer/plan.py's dense bytes per rank are the ones measured. Each rank's part of a published version
+    (`hf_part`) holds the dense tensors it owns, gathered from their shards, and its experts: together exactly
+    W = 1's tensors, each once, no rank writing more than 0.6x of the dense bytes."""
     mp.spawn(
         _worker, args=(world, str(tmp_path / "store"), str(tmp_path), tiny_model, ep, dp_shard), nprocs=world, join=True
     )
