@@ -110,10 +110,6 @@ class OwnerGather:
         self.row = mesh.get_group(SHARD_DIM)
         self.row_ranks = dist.get_process_group_ranks(self.row)
 
-    def mine(self) -> list[str]:
-        """The names of the dense tensors this rank writes."""
-        return [n for n, r in self.owners.items() if r == self.rank]
-
     def __call__(self, name: str, shard: DTensor) -> torch.Tensor | None:
         owner = self.owners[name]
         if owner not in self.row_ranks:
