@@ -6,18 +6,16 @@ its checkpoint resumes at W = 1 and at (1 x 2) with the same next-step loss."""
 
 from __future__ import annotations
 
-import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 
 from common.config import Config, ConfigError, ModelConfig
 from common.config.validation import validate
+from tests.unit.test_ep_dist import _spawn
 from trainer.checkpoint import TrainState
 from trainer.core import TrainingCore, cross_entropy_loss
 from trainer.fsdp import mesh_ranks, routed_expert_params
@@ -74,22 +72,17 @@ def _dense_state_bytes(core: TrainingCore) -> int:
     return sum(_local_bytes(p) for p in dense) + moments
 
 
-def _worker(rank: int, world: int, store: str, out: str, tiny: ModelConfig, ep: int, dp_shard: int) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    try:
-        cfg = _config(tiny, ep, dp_shard)
-        ranks = Ranks(RankInfo(rank, world, rank, "launcher"), torch.device("cpu"), dist.group.WORLD)
-        core = TrainingCore(cfg, ranks, build_model(tiny, seed=0))
-        losses, norms = _train(core, tiny.vocab_size)
-        result = {"losses": losses, "norms": norms, "part": core.hf_part(), "dense_bytes": _dense_state_bytes(core)}
-        torch.save(result, f"{out}/rank{rank}.pt")
-        dist.barrier()
-    except BaseException:
-        dist.destroy_process_group()
-        raise
-    sys.stdout.flush()
-    os._exit(0)  # past the barrier: see tests/unit/test_ep_dist.py's _entry
+def _worker(rank: int, world: int, out: str, tiny: ModelConfig, ep: int, dp_shard: int) -> None:
+    cfg = _config(tiny, ep, dp_shard)
+    core = TrainingCore(cfg, _ranks(rank, world), build_model(tiny, seed=0))
+    losses, norms = _train(core, tiny.vocab_size)
+    result = {"losses": losses, "norms": norms, "part": core.hf_part(), "dense_bytes": _dense_state_bytes(core)}
+    torch.save(result, f"{out}/rank{rank}.pt")
+
+
+def _ranks(rank: int, world: int) -> Ranks:
+    """This spawned process's place among the gloo ranks that tests/unit/test_ep_dist.py's `_entry` formed."""
+    return Ranks(RankInfo(rank, world, rank, "launcher"), torch.device("cpu"), dist.group.WORLD)
 
 
 def _one_rank(tiny: ModelConfig) -> dict:
@@ -124,9 +117,7 @@ def test_pretraining_on_a_sharded_mesh_makes_the_one_rank_steps(tmp_path, tiny_m
         and trainer/plan.py's dense bytes per rank are the ones measured. Each rank's part of a published version
     (`hf_part`) holds the dense tensors it owns, gathered from their shards, and its experts: together exactly
     W = 1's tensors, each once, no rank writing more than 0.6x of the dense bytes."""
-    mp.spawn(
-        _worker, args=(world, str(tmp_path / "store"), str(tmp_path), tiny_model, ep, dp_shard), nprocs=world, join=True
-    )
+    _spawn(tmp_path, world, _worker, str(tmp_path), tiny_model, ep, dp_shard)
     one = _one_rank(tiny_model)
     parts = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     merged = {name: t for p in parts for name, t in p["part"].items()}
@@ -175,41 +166,22 @@ def _rl_core(ranks: Ranks, ep: int, dp_shard: int, seed: int = 0) -> TrainingCor
     return TrainingCore(cfg, ranks, build_model(cfg.trainer.model, seed=seed))
 
 
-def _rl_step_and_checkpoint_worker(rank: int, world: int, store: str, out: str) -> None:
+def _rl_step_and_checkpoint_worker(rank: int, world: int, out: str) -> None:
     """At (dp_shard 2 x ep 2): a packed RL step, a checkpoint, then the next step's loss."""
     from tests.unit.test_pack import rl_step
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    try:
-        core = _rl_core(Ranks(RankInfo(rank, world, rank, "launcher"), torch.device("cpu"), dist.group.WORLD), 2, 2)
-        _, result, _ = rl_step(core.cfg, packed=True, world=world, core=core)
-        part = {name: t.clone() for name, t in core.hf_part().items()}  # the next step writes the masters
-        core.save(Path(out) / "ckpt", TrainState(step=1))
-        torch.save({"part": part, "figures": result.figures, "next": _next_loss(core)}, f"{out}/rank{rank}.pt")
-        dist.barrier()
-    except BaseException:
-        dist.destroy_process_group()
-        raise
-    sys.stdout.flush()
-    os._exit(0)
+    core = _rl_core(_ranks(rank, world), 2, 2)
+    _, result, _ = rl_step(core.cfg, packed=True, world=world, core=core)
+    part = {name: t.clone() for name, t in core.hf_part().items()}  # the next step writes the masters
+    core.save(Path(out) / "ckpt", TrainState(step=1))
+    torch.save({"part": part, "figures": result.figures, "next": _next_loss(core)}, f"{out}/rank{rank}.pt")
 
 
-def _resume_worker(rank: int, world: int, store: str, out: str, ep: int) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    try:
-        ranks = Ranks(RankInfo(rank, world, rank, "launcher"), torch.device("cpu"), dist.group.WORLD)
-        core = _rl_core(ranks, ep, 1, seed=1)  # other weights: the load must replace them all
-        state = core.resume(Path(out) / "ckpt")
-        assert state is not None and state.step == 1
-        Path(out, f"resumed{world}-{rank}.txt").write_text(repr(_next_loss(core)))
-        dist.barrier()
-    except BaseException:
-        dist.destroy_process_group()
-        raise
-    sys.stdout.flush()
-    os._exit(0)
+def _resume_worker(rank: int, world: int, out: str, ep: int) -> None:
+    core = _rl_core(_ranks(rank, world), ep, 1, seed=1)  # other weights: the load must replace them all
+    state = core.resume(Path(out) / "ckpt")
+    assert state is not None and state.step == 1
+    Path(out, f"resumed{world}-{rank}.txt").write_text(repr(_next_loss(core)))
 
 
 def test_a_packed_rl_step_at_2x2_is_the_padded_one_rank_step_and_its_checkpoint_resumes_at_1_and_at_ep_2(tmp_path):
@@ -221,7 +193,7 @@ def test_a_packed_rl_step_at_2x2_is_the_padded_one_rank_step_and_its_checkpoint_
     from tests.unit.test_pack import rl_step
 
     world = 4
-    mp.spawn(_rl_step_and_checkpoint_worker, args=(world, str(tmp_path / "store"), str(tmp_path)), nprocs=world)
+    _spawn(tmp_path, world, _rl_step_and_checkpoint_worker, str(tmp_path))
     parts = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     core = _rl_core(Ranks.single(torch.device("cpu")), 1, 1)
     start = {name: t.clone() for name, t in hf_tensors(core.model)}
@@ -241,7 +213,7 @@ def test_a_packed_rl_step_at_2x2_is_the_padded_one_rank_step_and_its_checkpoint_
     resumed = _rl_core(Ranks.single(torch.device("cpu")), 1, 1, seed=1)
     assert resumed.resume(tmp_path / "ckpt").step == 1
     losses = {"W=1": _next_loss(resumed)}
-    mp.spawn(_resume_worker, args=(2, str(tmp_path / "store2"), str(tmp_path), 2), nprocs=2)
+    _spawn(tmp_path, 2, _resume_worker, str(tmp_path), 2)
     losses |= {f"ep 2 rank {r}": float((tmp_path / f"resumed2-{r}.txt").read_text()) for r in range(2)}
     print(f"next-step loss at (2 x 2) {expected!r}; resumed {losses}")
     for where, loss in losses.items():
