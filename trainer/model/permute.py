@@ -64,24 +64,30 @@ class _PermuteTorch(torch.autograd.Function):
         return g, None, None, None
 
 
-class _UnpermuteTorch(torch.autograd.Function):
-    """slots = y_sorted[sorted_pos] (a permutation); backward is the inverse gather."""
+class _CombineTorch(torch.autograd.Function):
+    """out[t] = sum_j weights[t, j] * y_sorted[sorted_pos[t*k + j]] in fp32, rounded once to y's dtype. It keeps
+    y_sorted as it came (bf16 under autocast), as the Triton kernel does, not the fp32 products' operand autograd
+    would keep; the backward gathers it again."""
 
     @staticmethod
-    def forward(ctx, y_sorted: torch.Tensor, sorted_pos: torch.Tensor, order: torch.Tensor):
-        ctx.save_for_backward(order)
-        return y_sorted.index_select(0, sorted_pos)
+    def forward(ctx, y_sorted: torch.Tensor, weights: torch.Tensor, sorted_pos: torch.Tensor, order: torch.Tensor):
+        ctx.save_for_backward(y_sorted, weights, sorted_pos, order)
+        T, k = weights.shape
+        y = y_sorted.index_select(0, sorted_pos).view(T, k, -1)
+        return (y.float() * weights.unsqueeze(-1)).sum(1).to(y_sorted.dtype)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        (order,) = ctx.saved_tensors
-        return grad.index_select(0, order), None, None
-
-
-def _combine_torch(y_sorted: torch.Tensor, weights: torch.Tensor, sorted_pos: torch.Tensor, order: torch.Tensor):
-    T, k = weights.shape
-    y = _UnpermuteTorch.apply(y_sorted, sorted_pos, order).view(T, k, -1)
-    return (y.float() * weights.unsqueeze(-1)).sum(1).to(y.dtype)
+        y_sorted, weights, sorted_pos, order = ctx.saved_tensors
+        T, k = weights.shape
+        # autograd's own backward of the forward's expression, step by step: the products' dtype, the fp32 operand
+        g = grad.to(torch.promote_types(torch.float32, weights.dtype)).unsqueeze(1)  # [T, 1, H]
+        gy = (g * weights.unsqueeze(-1)).float().to(y_sorted.dtype).view(T * k, -1).index_select(0, order)
+        gw = None
+        if ctx.needs_input_grad[1]:
+            y = y_sorted.index_select(0, sorted_pos).view(T, k, -1)
+            gw = (g * y.float()).sum(-1).to(weights.dtype)
+        return gy, gw, None, None
 
 
 # --------------------------------------------------------------------------------------------- triton
@@ -244,4 +250,4 @@ def combine(
     out[t] = sum_j weights[t, j] * y_sorted[sorted_pos[t*k + j]], summed in fp32."""
     if impl == "triton":
         return _CombineTriton.apply(y_sorted, weights, sorted_pos)
-    return _combine_torch(y_sorted, weights, sorted_pos, order)
+    return _CombineTorch.apply(y_sorted, weights, sorted_pos, order)
