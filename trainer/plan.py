@@ -1,20 +1,24 @@
 """The memory planner (`slipstream plan`): the bytes one training rank holds, derived from the config.
 
 Nothing here needs a GPU. Parameters, gradients and optimizer state come from the model the trainer's own
-builder makes on the meta device (every tensor counted, so a new architecture knob is counted too):
-fp32 masters (bf16 autocast casts them per use, it keeps no bf16 copy of the weights), fp32 gradients,
-AdamW's two fp32 moments (Muon's one fp32 momentum for the matrices `trainer.optim.muon` gives it). Routed
-experts are divided over the `ep` ranks; the rest over the `dp_shard` ranks (FSDP2, trainer/fsdp.py: dim 0 of
-each dense tensor split into dp_shard equal blocks).
+builder makes on the meta device (every tensor counted, so a new architecture knob is counted too): fp32
+masters, fp32 gradients, AdamW's two fp32 moments (Muon's one fp32 momentum for the matrices
+`trainer.optim.muon` gives it), and under bf16 the routed experts' per-step weight copy the grouped GEMMs read
+(bf16, or the FP8 pack: 2 bytes a weight either way; dense weights are cast per use by autocast). Routed experts
+are divided over the `ep` ranks; the rest over the `dp_shard` ranks (FSDP2, trainer/fsdp.py: dim 0 of each dense
+tensor split into dp_shard equal blocks).
 
-Activations are measured, not fitted: one dense and one MoE block (the config's widths, a few routed experts)
-run forward on the CPU under bf16 autocast at a small token count, per activation-checkpoint mode, and the
-bytes their forward leaves allocated (the profiler's net of allocations and frees: what autograd keeps, plus the
-block output) are scaled linearly with tokens; the router's [tokens, experts] tensors are scaled to the real
-expert count from two expert counts. Attention is the exception: on the CPU SDPA keeps O(T) statistics like the
-CUDA flash / efficient kernels do, so the O(T) measurement stands for them. The head (final norm, lm_head,
-the loss's fp32 logits: trainer/core.py's cross_entropy_loss materialises logits.float() of the whole
-micro-batch, not chunked) is measured the same way at the real vocabulary.
+Activations are measured, not fitted: one dense and one MoE block (the config's widths, a few routed experts,
+the expert backend the trainer would run) run forward on the CPU under the run's autocast dtype, per
+activation-checkpoint mode, and the bytes their forward leaves allocated (the profiler's net of allocations and
+frees: what autograd keeps, plus the block output) are scaled linearly with tokens; the router's [tokens,
+experts] tensors are scaled to the real expert count from two expert counts. Attention is the one kernel the
+CPU runs differently: its SDPA math path keeps fp32 operands and the S x S probabilities, where CUDA's fused
+kernels keep q, k, v, the output and fp32 statistics; the probe runs attention under `fused_kernel_saves`
+(trainer/model/attention.py), which keeps what they keep. The head (final norm, lm_head, the loss's fp32
+logits: trainer/core.py's cross_entropy_loss materialises logits.float() of the whole micro-batch, not chunked)
+is measured the same way at the real vocabulary. `Plan` says how these make the step's high-water mark.
+With `trainer.compile` the probe's blocks are compiled too (inductor on the CPU): they keep less than eager ones.
 """
 
 from __future__ import annotations
@@ -25,8 +29,9 @@ from dataclasses import dataclass, replace
 import torch
 
 from common.config import Config, ModelConfig
+from trainer.model.attention import fused_kernel_saves
 from trainer.model.recompute import MODES, run_block
-from trainer.model.transformer import Transformer, build_model
+from trainer.model.transformer import Transformer, build_model, compile_blocks
 from trainer.optim import group_of, is_muon_matrix
 
 GiB = 1024**3
@@ -46,29 +51,39 @@ class PlanError(ValueError):
 
 @dataclass
 class Plan:
-    """Bytes per rank by kind."""
+    """Bytes per rank by kind, and the high-water mark they make.
+
+    The weights, their copy and the optimizer state live through the whole step. The gradients do not: the
+    optimizer sets them to None after each step, so with one micro-batch per update they appear during the
+    backward as the activations are freed, layer by layer from the last. The peak is then the larger of the
+    backward's start (every kept activation, plus the logits' gradient or the last block run again) and its end
+    (every gradient, plus the first block run again under checkpointing). When micro-batches accumulate, the
+    first one's gradients are live through every later forward and backward, and count at the start too."""
 
     dense_params: int
     expert_params: int
+    weight_copy: int
     grads: int
     optimizer: int
     activations: int
     comm: int
     transient: int
+    recompute: int
     tokens: int
     mode: str
+    accumulating: bool
 
     @property
     def subtotal(self) -> int:
-        return (
-            self.dense_params
-            + self.expert_params
-            + self.grads
-            + self.optimizer
-            + self.activations
-            + self.comm
-            + self.transient
-        )
+        static = self.dense_params + self.expert_params + self.weight_copy + self.optimizer + self.comm
+        if self.accumulating:
+            return static + self.grads + max(self.activations + self.transient, self.recompute)
+        return static + max(self.activations + self.transient, self.grads + self.recompute)
+
+    @property
+    def grads_at_peak(self) -> bool:
+        """Whether the gradients are live at the high-water mark."""
+        return self.accumulating or self.grads + self.recompute > self.activations + self.transient
 
     @property
     def workspace(self) -> int:
@@ -82,13 +97,15 @@ class Plan:
         return [
             ("params dense (fp32 masters, replicated)", self.dense_params),
             ("params routed experts (fp32, / ep)", self.expert_params),
-            ("gradients (fp32)", self.grads),
+            ("routed experts' per-step weight copy (bf16 / FP8 pack)", self.weight_copy),
             ("optimizer state (fp32 moments)", self.optimizer),
-            (f"activations ({self.mode}, {self.tokens} tokens/micro-batch)", self.activations),
             ("RDEP dispatch+combine buffers (bf16)", self.comm),
-            ("backward transient (logit grads / a recomputed block)", self.transient),
+            (f"gradients (fp32; {'live' if self.grads_at_peak else 'not yet made'} at the peak)", self.grads),
+            (f"activations ({self.mode}, {self.tokens} tokens/micro-batch)", self.activations),
+            ("backward transient (logit grads / the last block run again)", self.transient),
+            ("a block run again (checkpointing's recomputation)", self.recompute),
             ("workspace / allocator allowance", self.workspace),
-            ("total", self.total),
+            ("peak (the rows above, at the backward's start or end: see Plan)", self.total),
         ]
 
 
@@ -124,7 +141,7 @@ def _net_forward_bytes(fn) -> int:  # type: ignore[no-untyped-def]
     return sum(e.self_cpu_memory_usage for e in prof.events())
 
 
-def _probe_model(mc: ModelConfig, experts: int) -> Transformer:
+def _probe_model(mc: ModelConfig, experts: int, backend: str) -> Transformer:
     probe = replace(
         mc,
         num_layers=2,
@@ -136,28 +153,39 @@ def _probe_model(mc: ModelConfig, experts: int) -> Transformer:
         vocab_size=8,
         max_seq_len=max(PROBE_TOKENS, 8),
     )
-    return build_model(probe, seed=0)
+    return build_model(probe, backend, seed=0)
 
 
 def block_bytes(
-    mc: ModelConfig, mode: str, tokens: int, dtype: torch.dtype = torch.bfloat16, seq: int = PROBE_TOKENS
+    mc: ModelConfig,
+    mode: str,
+    tokens: int,
+    dtype: torch.dtype = torch.bfloat16,
+    seq: int = PROBE_TOKENS,
+    backend: str = "grouped_mm",
+    compiled: bool = False,
 ) -> tuple[float, float]:
-    """(dense block, MoE block) bytes the forward of `tokens` tokens keeps under `mode`, measured on the CPU.
+    """(dense block, MoE block) bytes the forward of `tokens` tokens keeps under `mode`, measured on the CPU;
+    `compiled`: the blocks torch.compile'd as the trainer compiles them (trainer.compile).
 
     The probe runs each block at two token counts and two routed-expert counts; the bytes are linear in both
     (a + b*E + c*T + d*E*T: the constant is what the forward keeps per weight, e.g. autocast's bf16 copies of
-    the weights saved for the backward; T*E the router's score tensors), so four forwards give the real shape's."""
+    the weights saved for the backward; T*E the router's score tensors), so four forwards give the real shape's.
+    A compiled block keeps what inductor's partitioner chose to keep, and under selective checkpointing only
+    the results of the ops its code still calls (the GEMMs, attention): the policy sees no fused kernel. The CPU
+    build of inductor makes the same choices, so the probe compiles there (a C++ compiler, tens of seconds)."""
     if mode not in MODES:
         raise PlanError(f"trainer.activation_checkpoint = {mode!r}: use one of {', '.join(MODES)}")
     k = mc.num_experts_per_tok
     e0, e1 = 2 * k, 4 * k
-    # rows of min(seq, PROBE_TOKENS) tokens, one and two of them: the CPU's SDPA keeps O(tokens) per row like
-    # the CUDA flash / efficient kernels, so the bytes are linear in the micro-batch's tokens
+    # rows of min(seq, PROBE_TOKENS) tokens, one and two of them: attention keeps O(tokens) per row (as a fused
+    # kernel keeps it, `fused_kernel_saves`), so the bytes are linear in the micro-batch's tokens
     s0 = min(seq, PROBE_TOKENS)
-    t0, t1 = s0, 2 * s0
-    key = (repr(mc), mode, str(dtype), str(s0))
+    b0, b1 = _probe_rows(compiled)
+    t0, t1 = b0 * s0, b1 * s0
+    key = (repr(mc), mode, str(dtype), str(s0), backend, str(compiled))
     if key not in _MEASURED:
-        _MEASURED[key] = _measure(mc, mode, dtype, (e0, e1), s0)
+        _MEASURED[key] = _measure(mc, mode, dtype, (e0, e1), s0, backend, compiled)
     f = _MEASURED[key]
 
     def at(i: int, e_real: int) -> float:
@@ -175,32 +203,48 @@ def block_bytes(
 
 
 def _measure(
-    mc: ModelConfig, mode: str, dtype: torch.dtype, es: tuple[int, int], s0: int
+    mc: ModelConfig, mode: str, dtype: torch.dtype, es: tuple[int, int], s0: int, backend: str, compiled: bool
 ) -> dict[tuple[int, int], list[float]]:
     """The probe's bytes per (experts, tokens) corner: [dense block, MoE block], tokens in rows of s0."""
     f: dict[tuple[int, int], list[float]] = {}
     for e in es:
-        model = _probe_model(mc, e)
+        model = _probe_model(mc, e, backend)
+        if compiled:
+            compile_blocks(model)
+        if backend != "reference" and dtype != torch.float32:
+            for moe in model.moe_layers():  # the per-step copy the optimizer keeps (counted in the state, not here)
+                moe.experts.weight_copy(dtype)
         angles = model.rope_angles[:PROBE_TOKENS].unsqueeze(0)
         cos = (angles.cos() * model.rope_scale)[:, :s0]
         sin = (angles.sin() * model.rope_scale)[:, :s0]
-        for b in (1, 2):
+        for b in _probe_rows(compiled):
             t = b * s0
             figures = []
             for layer in model.model.layers:
                 x = torch.randn(b, s0, mc.hidden_size, requires_grad=True)
+                if compiled:
+                    torch._dynamo.mark_dynamic(x, 0)  # one compile for both row counts
 
                 def fwd(layer=layer, x=x, cos=cos, sin=sin):  # type: ignore[no-untyped-def]
                     with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
                         return run_block(layer, mode, x, cos, sin)
 
-                figures.append(float(_net_forward_bytes(fwd)))
+                with fused_kernel_saves():  # the backward too: checkpointing runs the forward again there
+                    if compiled:  # compile this shape outside the measurement
+                        _net_forward_bytes(fwd)
+                    figures.append(float(_net_forward_bytes(fwd)))
             f[(e, t)] = figures
         del model  # before the next probe is built: a DeepSeek-V3-wide probe is gigabytes
     return f
 
 
-_MEASURED: dict[tuple[str, str, str, str], dict[tuple[int, int], list[float]]] = {}
+def _probe_rows(compiled: bool) -> tuple[int, int]:
+    """The probe's two row counts: 1 and 2, or for compiled blocks 2 and 4 (a dynamic dimension of size 1 would be
+    specialised, and a second compile would double the probe's time)."""
+    return (2, 4) if compiled else (1, 2)
+
+
+_MEASURED: dict[tuple[str, ...], dict[tuple[int, int], list[float]]] = {}
 
 
 def head_bytes(mc: ModelConfig, tokens: int, dtype: torch.dtype = torch.bfloat16) -> float:
@@ -233,9 +277,10 @@ def plan(
     rows: int | None = None,
     dp_shard: int | None = None,
     seq: int | None = None,
+    accumulating: bool | None = None,
 ) -> Plan:
-    """The bytes one of `gpus` ranks holds for `cfg` (ep, dp_shard, AC mode, rows per micro-batch per rank: the
-    config's unless given)."""
+    """The bytes one of `gpus` ranks holds for `cfg` (ep, dp_shard, AC mode, rows per micro-batch per rank, whether
+    an update takes several micro-batches: the config's unless given; RL's updates are taken to)."""
     tc = cfg.trainer
     if gpus < 1:
         raise PlanError(f"--gpus {gpus}: give the number of GPUs, at least 1")
@@ -257,7 +302,11 @@ def plan(
     tokens = rows * seq
     dtype = torch.bfloat16 if tc.dtype == "bfloat16" else torch.float32
     dense_p, expert_p, grads, opt = state_bytes(cfg, ep, dp_shard)
-    dense_b, moe_b = block_bytes(mc, mode, tokens, dtype, seq)
+    backend = probe_backend(cfg)
+    # the bf16 copy of the routed experts' fp32 masters (2 bytes a weight), or the FP8 pack (1 byte a weight,
+    # stored and transposed): trainer/model/moe.py ExpertWeights
+    copy = expert_p // 2 if backend != "reference" else 0
+    dense_b, moe_b = block_bytes(mc, mode, tokens, dtype, seq, backend, tc.compile)
     n_dense = min(mc.first_k_dense, mc.num_layers) if mc.n_routed_experts else mc.num_layers
     # + the embedding's output (fp32: autocast leaves embeddings alone), the first block's input, and the token ids
     # its backward keeps
@@ -265,13 +314,24 @@ def plan(
     act = int(n_dense * dense_b + (mc.num_layers - n_dense) * moe_b + head_bytes(mc, tokens, dtype) + embed)
     width = 2 if dtype == torch.bfloat16 else 4
     comm = 0 if ep == 1 else 2 * tokens * mc.num_experts_per_tok * mc.hidden_size * width
-    # The backward's high-water mark above the kept activations: the loss's gradient of the logits (fp32, then
-    # the bf16 gradient lm_head's backward takes: T x V x (4 + 2) bytes), or, under checkpointing, one MoE
-    # block's forward run again with everything it keeps, whichever is larger (they are not live together).
-    transient = tokens * mc.vocab_size * (4 + width)
-    if mode != "none":
-        transient = max(transient, int(block_bytes(mc, "none", tokens, dtype, seq)[1]))
-    return Plan(dense_p, expert_p, grads, opt, act, comm, transient, tokens, mode)
+    # The backward's start above the kept activations: the loss's gradient of the logits (fp32, then the bf16
+    # gradient lm_head's backward takes: T x V x (4 + 2) bytes), or, under checkpointing, the last MoE block's
+    # forward run again with everything it keeps, whichever is larger (they are not live together).
+    recompute = 0 if mode == "none" else int(block_bytes(mc, "none", tokens, dtype, seq, backend, tc.compile)[1])
+    transient = max(tokens * mc.vocab_size * (4 + width), recompute)
+    if accumulating is None:
+        accumulating = tc.mode != "pretrain" or tc.optim.grad_accum > 1
+    return Plan(dense_p, expert_p, copy, grads, opt, act, comm, transient, recompute, tokens, mode, accumulating)
+
+
+def probe_backend(cfg: Config) -> str:
+    """The expert backend the probe runs, the one the trainer runs on a GPU: `reference` where the config asks for
+    it (under bf16 autocast it casts the fp32 masters per call, and autograd keeps the casts) or the compute is
+    fp32 (torch._grouped_mm takes bf16 only on CUDA), else `grouped_mm`, which reads the per-step weight copy as
+    every GPU backend does (cutedsl's bf16 GEMMs keep what grouped_mm keeps; its FP8 variant is counted as bf16,
+    an upper bound)."""
+    tc = cfg.trainer
+    return "reference" if tc.experts.backend == "reference" or tc.dtype != "bfloat16" else "grouped_mm"
 
 
 def render(p: Plan, gpu_gib: float, gpus: int, ep: int, dp_shard: int) -> str:
@@ -328,7 +388,8 @@ def suggest(cfg: Config, gpus: int, gpu_gib: float) -> str:
             for mode in ("none", "selective", "full"):
                 rows = rows0
                 while rows >= 1:
-                    p = plan(cfg, gpus, ep=ep, mode=mode, rows=rows, dp_shard=dp_shard)
+                    accumulating = rows < rows0 or None  # fewer rows per micro-batch: more micro-batches per update
+                    p = plan(cfg, gpus, ep=ep, mode=mode, rows=rows, dp_shard=dp_shard, accumulating=accumulating)
                     if p.total <= gpu_gib * GiB:
                         return (
                             f"fits with: trainer.parallel.ep={ep} trainer.parallel.dp_shard={dp_shard} "

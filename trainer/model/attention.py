@@ -65,6 +65,57 @@ class DocumentMask:
 
 
 _compiled_flex = None
+_fused_saves = False  # set by `fused_kernel_saves` (trainer/plan.py's memory probe)
+
+
+@contextlib.contextmanager
+def fused_kernel_saves() -> Iterator[None]:
+    """Causal attention off CUDA keeps for its backward what CUDA's fused kernels keep, for the memory planner.
+
+    CUDA's SDPA kernels (cuDNN, flash, memory-efficient) keep q, k and v in the autocast dtype, the output and
+    fp32 softmax statistics: O(tokens). The CPU runs MLA's attention on SDPA's math path (its flash kernel wants
+    equal q/k and v head dims), which keeps fp32 operands and the S x S probabilities. trainer/plan.py measures
+    blocks on the CPU to plan GPU memory, so inside this context `attend` runs `fused_saves_attention` instead: the
+    same results, kept as the CUDA kernels keep them, the backward recomputed from them."""
+    global _fused_saves
+    _fused_saves = True
+    try:
+        yield
+    finally:
+        _fused_saves = False
+
+
+@torch.library.custom_op("slipstream::fused_saves_attention", mutates_args=())
+def fused_saves_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, gqa: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal SDPA as one op returning (output, fp32 log-sum-exp per query and head), like CUDA's fused kernels;
+    activation checkpointing's selective policy keeps its results as it keeps theirs (trainer/model/recompute.py)."""
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    return out, torch.zeros(q.shape[:-1], dtype=torch.float32, device=q.device)
+
+
+@fused_saves_attention.register_fake
+def _(q, k, v, scale, gqa):
+    return q.new_empty((*q.shape[:-1], v.shape[-1])), q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+
+def _fused_saves_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
+    q, k, v, scale, gqa = inputs
+    ctx.save_for_backward(q, k, v, *output)
+    ctx.scale, ctx.gqa = scale, gqa
+
+
+def _fused_saves_backward(ctx, grad, _grad_lse):  # type: ignore[no-untyped-def]
+    q, k, v, _, _ = ctx.saved_tensors
+    with torch.enable_grad():
+        q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=ctx.scale, enable_gqa=ctx.gqa)
+        gq, gk, gv = torch.autograd.grad(out, (q, k, v), grad)
+    return gq, gk, gv, None, None
+
+
+fused_saves_attention.register_autograd(_fused_saves_backward, setup_context=_fused_saves_context)
 
 
 def attend(
@@ -73,6 +124,11 @@ def attend(
     """Causal attention of q [B, heads, S, d], k [B, kv heads, S, d], v [B, kv heads, S, dv] -> [B, heads, S, dv],
     within each row's documents when `mask` is given (grouped kv heads are repeated by the kernel)."""
     gqa = k.shape[1] != q.shape[1]
+    if mask is None and _fused_saves and torch.is_grad_enabled():
+        dev = q.device.type
+        if torch.is_autocast_enabled(dev):  # autocast casts SDPA's operands on CUDA; a custom Function is not cast
+            q, k, v = (t.to(torch.get_autocast_dtype(dev)) for t in (q, k, v))
+        return fused_saves_attention(q, k, v, scale, gqa)[0]
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
     if mask.flex is not None:

@@ -58,6 +58,7 @@ SAVED_OPS = _ops(
     "aten::_efficient_attention_forward",
     "slipstream::cutedsl_m_grouped",
     "slipstream::cutedsl_m_grouped_scaled",
+    "slipstream::fused_saves_attention",
 )
 
 
