@@ -76,7 +76,6 @@ def measure(mc: ModelConfig, mode: str, rows: int, seq: int, steps: int, device:
     cfg.trainer.activation_checkpoint = mode  # type: ignore[assignment]
     cfg.trainer.compile = compiled
     cfg.trainer.dtype = "bfloat16" if device.type == "cuda" else "float32"
-    row.planned_gib = plan(cfg, 1, rows=rows, seq=seq).total / 2**30  # trainer/plan.py for this row's config
     core = None
     try:
         torch._dynamo.reset()
@@ -111,6 +110,16 @@ def measure(mc: ModelConfig, mode: str, rows: int, seq: int, steps: int, device:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return row
+
+
+def planned_gib(mc: ModelConfig, row: Row) -> float:
+    """trainer/plan.py's peak for the row's config: one micro-batch per step, as measured here."""
+    cfg = Config()
+    cfg.trainer.model = replace(mc, max_seq_len=max(mc.max_seq_len, row.seq))
+    cfg.trainer.activation_checkpoint = row.mode  # type: ignore[assignment]
+    cfg.trainer.compile = row.compiled
+    cfg.trainer.dtype = "bfloat16"
+    return plan(cfg, 1, rows=row.rows, seq=row.seq, accumulating=False).total / 2**30
 
 
 def table(rows: list[Row]) -> str:
@@ -158,6 +167,9 @@ def main() -> None:
             for c in compiled:
                 rows.append(measure(mc, mode, n, seq, args.steps, device, c))
                 print(f"{mode} {n}x{seq}: {rows[-1]} (+{time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+    for r in rows:  # after the measurements (the planner's compiled probes take minutes on the host's CPUs)
+        r.planned_gib = planned_gib(mc, r)
+        print(f"planned {r.mode} {r.rows}x{r.seq} compiled={r.compiled}: {r.planned_gib:.2f} GiB", file=sys.stderr)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     total, active = count_params(mc)
     print(

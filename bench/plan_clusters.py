@@ -1,11 +1,12 @@
 """The memory planner's answers (trainer/plan.py) for Qwen3-30B-A3B and DeepSeek-V3 on 8, 64 and 256 H200s,
-one table; and moonlet's planned peaks beside the measured ones of bench/RESULTS.md ("Activation checkpointing on
-moonlet", compiled, one H200). Planned, not measured: `python bench/plan_clusters.py`."""
+one table, with the planner's choice that fits where the config's does not; and moonlet's planned peaks beside the
+measured ones of bench/RESULTS.md ("Activation checkpointing on moonlet": compiled blocks, one micro-batch per step,
+one H200). Planned, not measured: `python bench/plan_clusters.py`."""
 
 from __future__ import annotations
 
 from common.config import load_config
-from trainer.plan import H200_USABLE_GIB, GiB, plan
+from trainer.plan import H200_USABLE_GIB, GiB, plan, suggest
 
 MOONLET_MEASURED = [  # (rows, seq, mode, GiB measured)
     (16, 4096, "none", 83.0),
@@ -21,8 +22,8 @@ MOONLET_MEASURED = [  # (rows, seq, mode, GiB measured)
 def moonlet() -> None:
     print("moonlet, one H200: measured (compiled) vs planned")
     for rows, seq, mode, measured in MOONLET_MEASURED:
-        cfg = load_config("configs/moonlet.toml", [f"trainer.model.max_seq_len={seq}"])
-        p = plan(cfg, 1, mode=mode, rows=rows)
+        cfg = load_config("configs/moonlet.toml", [f"trainer.model.max_seq_len={seq}", "trainer.compile=true"])
+        p = plan(cfg, 1, mode=mode, rows=rows, accumulating=False)
         print(
             f"  {rows}x{seq} {mode:<9} measured {measured:6.1f} planned {p.total / GiB:6.1f} GiB  ratio {measured / (p.total / GiB):.2f}"
         )
@@ -42,10 +43,11 @@ def clusters() -> None:
             ep = max(e for e in range(1, gpus + 1) if gpus % e == 0 and experts % e == 0)
             for mode in ("selective", "full"):
                 p = plan(cfg, gpus, ep=ep, mode=mode, rows=1)
+                fits = p.total <= H200_USABLE_GIB * GiB
                 print(
                     f"  {name:<15} {gpus:>5} {ep:>4} {mode:<9} {(p.dense_params + p.expert_params) / GiB:7.1f} "
                     f"{p.grads / GiB:7.1f} {p.optimizer / GiB:7.1f} {p.activations / GiB:6.1f} {p.total / GiB:7.1f}  "
-                    f"{'yes' if p.total <= H200_USABLE_GIB * GiB else 'no'}"
+                    f"{'yes' if fits else 'no: ' + suggest(cfg, gpus, H200_USABLE_GIB)}"
                 )
 
 
