@@ -173,7 +173,8 @@ def block_bytes(
     the weights saved for the backward; T*E the router's score tensors), so four forwards give the real shape's.
     A compiled block keeps what inductor's partitioner chose to keep, and under selective checkpointing only
     the results of the ops its code still calls (the GEMMs, attention): the policy sees no fused kernel. The CPU
-    build of inductor makes the same choices, so the probe compiles there (a C++ compiler, tens of seconds)."""
+    build of inductor makes the same choices, so the probe compiles there (it needs a C++ compiler; one to two
+    minutes per mode on two cores)."""
     if mode not in MODES:
         raise PlanError(f"trainer.activation_checkpoint = {mode!r}: use one of {', '.join(MODES)}")
     k = mc.num_experts_per_tok
@@ -231,11 +232,22 @@ def _measure(
 
                 with fused_kernel_saves():  # the backward too: checkpointing runs the forward again there
                     if compiled:  # compile this shape outside the measurement
-                        _net_forward_bytes(fwd)
+                        _compile_probe(fwd)
                     figures.append(float(_net_forward_bytes(fwd)))
             f[(e, t)] = figures
         del model  # before the next probe is built: a DeepSeek-V3-wide probe is gigabytes
     return f
+
+
+def _compile_probe(fwd) -> None:  # type: ignore[no-untyped-def]
+    try:
+        _net_forward_bytes(fwd)
+    except Exception as exc:  # inductor's own errors (no C++ compiler, an unsupported op) have many types
+        raise PlanError(
+            "trainer.compile = true: the planner compiles its probe blocks with inductor on this CPU, which failed "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); install a C++ compiler (g++), "
+            "or plan with --set trainer.compile=false (eager blocks keep more: an upper bound)"
+        ) from exc
 
 
 def _probe_rows(compiled: bool) -> tuple[int, int]:
