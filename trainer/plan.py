@@ -102,10 +102,10 @@ class Plan:
             ("RDEP dispatch+combine buffers (bf16)", self.comm),
             (f"gradients (fp32; {'live' if self.grads_at_peak else 'not yet made'} at the peak)", self.grads),
             (f"activations ({self.mode}, {self.tokens} tokens/micro-batch)", self.activations),
-            ("backward transient (logit grads / the last block run again)", self.transient),
+            ("backward transient (logit grads / last block again)", self.transient),
             ("a block run again (checkpointing's recomputation)", self.recompute),
             ("workspace / allocator allowance", self.workspace),
-            ("peak (the rows above, at the backward's start or end: see Plan)", self.total),
+            ("peak (the backward's start or end: docs/ARCHITECTURE.md)", self.total),
         ]
 
 
