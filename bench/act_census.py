@@ -27,10 +27,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common.config import ModelConfig, load_config  # noqa: E402
-from trainer.model import build_model  # noqa: E402
 from trainer.model.moe import MoE  # noqa: E402
 from trainer.model.recompute import run_block  # noqa: E402
-from trainer.plan import block_bytes, head_bytes  # noqa: E402
+from trainer.plan import block_bytes, head_bytes, probe_model  # noqa: E402
 
 
 def saved_tensors(out: torch.Tensor, skip: set[int]) -> dict[tuple[str, str, tuple[int, ...]], int]:
@@ -111,17 +110,8 @@ def main() -> None:
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     seq_max = max(s for _, s in shapes)
     experts = args.experts or mc.n_routed_experts
-    probe = replace(
-        mc,
-        num_layers=2,
-        first_k_dense=1,
-        n_routed_experts=experts,
-        num_experts_per_tok=min(mc.num_experts_per_tok, experts),
-        vocab_size=8,
-        max_seq_len=max(mc.max_seq_len, seq_max),
-    )
     backend = args.backend or ("grouped_mm" if device.type == "cuda" else "reference")
-    model = build_model(probe, backend, seed=0, device=device)
+    model = probe_model(mc, experts, backend, max(mc.max_seq_len, seq_max), device)
     skip = {q.untyped_storage().data_ptr() for q in model.parameters()}
     for blk in model.model.layers:
         if isinstance(blk.mlp, MoE) and backend != "reference":

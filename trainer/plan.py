@@ -141,7 +141,11 @@ def _net_forward_bytes(fn) -> int:  # type: ignore[no-untyped-def]
     return sum(e.self_cpu_memory_usage for e in prof.events())
 
 
-def _probe_model(mc: ModelConfig, experts: int, backend: str) -> Transformer:
+def probe_model(
+    mc: ModelConfig, experts: int, backend: str, seq: int = PROBE_TOKENS, device: str | torch.device = "cpu"
+) -> Transformer:
+    """The probe: the config's widths, one dense and one MoE block of `experts` routed experts, vocabulary 8, rows of
+    up to `seq` tokens (bench/act_census.py builds the same one on a GPU)."""
     probe = replace(
         mc,
         num_layers=2,
@@ -151,9 +155,9 @@ def _probe_model(mc: ModelConfig, experts: int, backend: str) -> Transformer:
         n_group=1,
         topk_group=1,
         vocab_size=8,
-        max_seq_len=max(PROBE_TOKENS, 8),
+        max_seq_len=max(seq, 8),
     )
-    return build_model(probe, backend, seed=0)
+    return build_model(probe, backend, seed=0, device=device)
 
 
 def block_bytes(
@@ -209,7 +213,7 @@ def _measure(
     """The probe's bytes per (experts, tokens) corner: [dense block, MoE block], tokens in rows of s0."""
     f: dict[tuple[int, int], list[float]] = {}
     for e in es:
-        model = _probe_model(mc, e, backend)
+        model = probe_model(mc, e, backend)
         if compiled:
             compile_blocks(model)
         if backend != "reference" and dtype != torch.float32:
