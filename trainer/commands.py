@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from common.roles import RunContext
+from common.weights.delta import DeltaEncoder
 from common.weights.index import PartReport
 from common.weights.writer import VersionPart, count_shards
 from trainer.checkpoint import Companion, TrainState
@@ -103,9 +104,9 @@ class RankPeers:
         self.ranks, self.shard_counts = ranks, shard_counts
         self.called = False
 
-    def write(self, tmp: Path, first_shard: list[int], total_shards: int) -> list[PartReport]:
+    def write(self, tmp: Path, first_shard: list[int], total_shards: int, base: int | None) -> list[PartReport]:
         self.called = True
-        self.ranks.broadcast({"tmp": str(tmp), "first": first_shard, "total": total_shards})
+        self.ranks.broadcast({"tmp": str(tmp), "first": first_shard, "total": total_shards, "base": base})
         reports = self.ranks.all_gather(None)[1:]
         failed = [r for r in reports if isinstance(r, str)]
         if failed:
@@ -129,6 +130,8 @@ class TrainerRank:
         self.keep_companions()
         self.ckpt_root = ctx.run_dir / "checkpoints"
         self.shard_bytes = self.cfg.rollout.weight_shard_mb << 20
+        # This rank's part of the last version it wrote, the base of its next delta (rank 0's is its transport's).
+        self.delta = DeltaEncoder() if self.cfg.rollout.weight_delta and ranks.rank > 0 else None
         self.handlers: dict[type[Command], Callable[[Any], StepResult | None]] = {
             SupervisedStep: self.supervised_step,
             ResetMoments: self.reset_moments,
@@ -229,6 +232,8 @@ class TrainerRank:
                 self.shard_bytes,
                 where["first"][self.ranks.rank - 1],
                 where["total"],
+                self.delta,
+                where["base"],
             ).write()
         except Exception as exc:  # reported to rank 0, which fails the publish and says why
             report = f"trainer rank {self.ranks.rank}: {type(exc).__name__}: {exc}"

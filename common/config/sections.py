@@ -354,6 +354,12 @@ class RolloutConfig:
     """Published version directories kept on disk; older ones are removed."""
     weight_shard_mb: int = 32
     """Size of the safetensors shards a published version is written as (MB; a bigger tensor gets its own)."""
+    weight_delta: bool = False
+    """Publish each version as its difference from the previous one (byte-shuffled XOR of the bit patterns,
+    zstd; common/weights/delta.py), with a full snapshot every `weight_snapshot_every` versions. Workers keep a
+    host copy of the weights they serve to apply it to; every tensor is checked bit for bit. File transport only."""
+    weight_snapshot_every: int = 10
+    """With weight_delta: one version in this many is written whole (1: every one; deltas never chain longer)."""
     stream_weights: bool = True
     """Pause workers first and let them load each shard as soon as it is written (publish ~ max(write, load));
     false writes the whole version before pausing them (the pause window is then the load alone)."""
@@ -381,6 +387,15 @@ class RolloutConfig:
     def check(self) -> None:
         require(self.keep_versions >= 1, f"rollout.keep_versions must be >= 1, got {self.keep_versions}")
         require(self.weight_shard_mb >= 1, f"rollout.weight_shard_mb must be >= 1 (MB), got {self.weight_shard_mb}")
+        require(
+            self.weight_snapshot_every >= 1,
+            f"rollout.weight_snapshot_every must be >= 1 (1 writes every version whole), got {self.weight_snapshot_every}",
+        )
+        require(
+            not self.weight_delta or self.weight_backend == "file",
+            f"rollout.weight_delta works with weight_backend = 'file' only; the {self.weight_backend!r} transport "
+            "sends every version whole: set weight_delta = false or weight_backend = 'file'",
+        )
         require(
             0 < self.max_tokens < self.max_model_len,
             f"rollout.max_tokens ({self.max_tokens}) must be positive and below rollout.max_model_len "

@@ -23,7 +23,14 @@ def make_transport(
     which the trainer forms (see nccl.py)."""
     if cfg.weight_backend == "file":
         return FileTransport(
-            root, driver, cfg.weight_shard_mb << 20, cfg.stream_weights, cfg.keep_versions, model_files
+            root,
+            driver,
+            cfg.weight_shard_mb << 20,
+            cfg.stream_weights,
+            cfg.keep_versions,
+            model_files,
+            cfg.weight_delta,
+            cfg.weight_snapshot_every,
         )
     if cfg.weight_backend == "nccl":
         if nccl_group is None:

@@ -6,8 +6,11 @@ max(write, load) instead of write + load, at the price of a pause window that in
 the whole version is written and committed first and the workers are paused only for the load. If writing
 fails the version is not published and its temporary directory is removed; workers that were streaming it
 stop at the ABORTED marker, fail their update and are evicted (their weights are half-loaded). A republish
-hard-links the committed files of an older version under the new number, checksums verified. After a
-publish, version directories older than the newest `keep_versions` (and not pinned) are removed.
+hard-links the committed files of an older version under the new number, checksums verified. With
+`rollout.weight_delta` a version is written as the difference from the last one published (common/weights/
+delta.py), one in `weight_snapshot_every` whole, and the first after a start or a republish whole too. After a
+publish, version directories older than the newest `keep_versions` (and not pinned) are removed, except the
+snapshot and deltas a kept version is built from.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from common.weights.writer import PeerWriters, VersionWriter
 
 if TYPE_CHECKING:
     import torch
+
+    from common.weights.delta import DeltaEncoder
 
 log = logging.getLogger(__name__)
 
@@ -70,11 +75,24 @@ class FileTransport(WeightTransport):
         stream: bool,
         keep_versions: int,
         model_files: Path | None = None,
+        delta: bool = False,
+        snapshot_every: int = 1,
     ) -> None:
         """`model_files`: the HF directory of the run's model, whose config, tokenizer and chat template every
-        version carries (VersionWriter)."""
+        version carries (VersionWriter). `delta`: write versions as deltas of the last one published, one in
+        `snapshot_every` whole (rollout.weight_delta)."""
         self.root, self.driver, self.model_files = root, driver, model_files
         self.shard_bytes, self.stream, self.keep_versions = shard_bytes, stream, keep_versions
+        self.snapshot_every = snapshot_every
+        self._encoder: DeltaEncoder | None = None
+        if delta:
+            from common.weights.delta import DeltaEncoder
+
+            self._encoder = DeltaEncoder()
+        # The last version this transport committed (None: none yet, or a republish: the next is whole) and how
+        # many deltas were published since the last whole version.
+        self._last: int | None = None
+        self._deltas = 0
         # What the publish under way prepared: a version to write (with the other ranks writing parts of it),
         # its write once started, or the files of an older version linked in place.
         self._writer: VersionWriter | None = None
@@ -87,9 +105,24 @@ class FileTransport(WeightTransport):
     ) -> None:
         peer_shards = list(peers.shard_counts) if peers is not None else []
         self._writer = await asyncio.to_thread(
-            VersionWriter, self.root, version, tensors, self.shard_bytes, peer_shards, self.model_files
+            VersionWriter,
+            self.root,
+            version,
+            tensors,
+            self.shard_bytes,
+            peer_shards,
+            self.model_files,
+            self._encoder,
+            self.delta_base(),
         )
         self._peers = peers
+
+    def delta_base(self) -> int | None:
+        """The version the next one is written as a delta of: the last one published, unless deltas are off or a
+        whole version is due."""
+        if self._encoder is None or self._last is None or self._deltas + 1 >= self.snapshot_every:
+            return None
+        return self._last
 
     async def prepare_copy(self, version: int, source: int) -> None:
         t0 = time.perf_counter()
@@ -165,9 +198,14 @@ class FileTransport(WeightTransport):
         )
 
     async def finish(self, published: bool) -> None:
-        writer, write = self._writer, self._write
+        writer, write, copy = self._writer, self._write, self._copy
         self._writer, self._peers, self._write, self._copy = None, None, None, None
         if published:
+            if writer is not None:
+                self._last = writer.version
+                self._deltas = 0 if writer.delta_base is None else self._deltas + 1
+            elif copy is not None:
+                self._last = None  # the trainer holds none of the copied version's tensors: the next is whole
             for p in prune_versions(self.root, self.keep_versions):
                 log.debug("removed old weight version %s", p)
             return

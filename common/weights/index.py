@@ -9,18 +9,21 @@ directory. A writer whose write fails leaves an `ABORTED` file there saying why,
 streaming the version stops instead of waiting. The index is written last, once every rank is done:
 HF's format (`metadata.total_size`, `weight_map` tensor -> file) plus our key `shards`, file ->
 {"bytes", "crc32"} (zlib's CRC-32 of the whole file), which a reader of the committed version checks
-before loading a shard. A reader streaming the version cannot check: the index does not exist yet.
+before loading a shard, and, for a version published as a delta (common/weights/delta.py), `delta_base`: the
+version it must be applied to. A reader streaming the version cannot check: the index does not exist yet.
 """
 
 from __future__ import annotations
 
 import json
 import zlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 ABORT_MARKER = "ABORTED"
+DELTA_META_KEY = "slipstream_delta"
+"""The safetensors metadata entry of a shard written with delta publishing (common/weights/delta.py)."""
 INDEX_NAME = "model.safetensors.index.json"
 
 
@@ -47,7 +50,10 @@ class PartReport:
     shards: dict[str, ShardRecord]
     """Shard file name -> its record, in shard order."""
     tensor_bytes: int = 0
-    """Bytes of tensor data in those shards (the index's `total_size` sums them)."""
+    """Bytes of tensor data in those shards as written (the index's `total_size` sums them; a delta's are
+    compressed)."""
+    delta_base: int | None = None
+    """The version this rank's tensors are deltas of (None: written whole)."""
 
 
 def shard_name(index: int, count: int) -> str:
@@ -81,11 +87,16 @@ def write_index(directory: Path, reports: Sequence[PartReport], total_shards: in
                 raise ValueError(f"tensor {tensor!r} is in both {weight_map[tensor]} and {name}")
             weight_map[tensor] = name
     total = sum(r.tensor_bytes for r in reports)
-    index = {
+    index: dict[str, object] = {
         "metadata": {"total_size": total},
         "weight_map": weight_map,
         "shards": {name: {"bytes": shards[name].bytes, "crc32": shards[name].crc32} for name in expected},
     }
+    bases = {r.delta_base for r in reports} - {None}
+    if len(bases) > 1:
+        raise ValueError(f"the ranks wrote deltas of different versions {sorted(bases)}")  # type: ignore[type-var]
+    if bases:
+        index["delta_base"] = bases.pop()
     (directory / INDEX_NAME).write_text(json.dumps(index, indent=1))
     return total
 
@@ -104,6 +115,37 @@ def read_index(directory: Path) -> dict[str, ShardRecord] | None:
     return {
         name: ShardRecord(int(s["bytes"]), int(s["crc32"]), tuple(tensors[name])) for name, s in index["shards"].items()
     }
+
+
+def committed_shards(directory: Path, expected: dict[str, ShardRecord]) -> Iterator[tuple[Path, bytes]]:
+    """Each shard file of the committed version in `directory` with its bytes, in name order, each checked against
+    `expected` (its index, `read_index`) before it is given; CorruptShardError names the first file that is not."""
+    files = sorted(directory.glob("*.safetensors"))
+    if missing := sorted(set(expected) - {f.name for f in files}):
+        raise CorruptShardError(f"{directory} lacks the shard(s) {missing} that its index lists")
+    for f in files:
+        if f.name not in expected:
+            raise CorruptShardError(f"{f} is not in the version's index; it does not belong")
+        data = f.read_bytes()
+        verify_shard(f, data, expected[f.name])
+        yield f, data
+
+
+def delta_base(directory: Path) -> int | None:
+    """The version a committed version is a delta of (its index's `delta_base`); None for a version written
+    whole, or one without an index."""
+    path = directory / INDEX_NAME
+    if not path.is_file():
+        return None
+    base = json.loads(path.read_text()).get("delta_base")
+    return None if base is None else int(base)
+
+
+def safetensors_metadata(data: bytes) -> dict[str, str]:
+    """The `__metadata__` of a safetensors file held in memory (its header: an 8-byte little-endian length,
+    then JSON)."""
+    n = int.from_bytes(data[:8], "little")
+    return dict(json.loads(data[8 : 8 + n]).get("__metadata__") or {})
 
 
 def verify_shard(path: Path, data: bytes, expected: ShardRecord) -> None:

@@ -19,6 +19,7 @@ import redis.asyncio
 from common.config import RolloutConfig
 from common.keys import Keys
 from common.weights.fleet import current_version, read_records
+from common.weights.index import delta_base
 
 _VERSION_DIR = re.compile(r"^v(\d+)$")
 _TMP_DIR = re.compile(r"^\.v(\d+)\.\d+\.tmp$")
@@ -39,6 +40,13 @@ def version_dir(root: Path, version: int) -> Path:
 def temp_dir(root: Path, version: int) -> Path:
     """Where this process writes (or links) a version before renaming it to `version_dir`."""
     return root / f".v{version}.{os.getpid()}.tmp"
+
+
+def version_of_dir(path: Path) -> int | None:
+    """The version a directory holds by its name (`v<N>` committed, `.v<N>.<pid>.tmp` being written); None for
+    another name."""
+    m = _VERSION_DIR.match(path.name) or _TMP_DIR.match(path.name)
+    return int(m[1]) if m else None
 
 
 def committed_versions(root: Path) -> list[int]:
@@ -66,10 +74,17 @@ def pinned_versions(root: Path) -> set[int]:
 
 
 def prune_versions(root: Path, keep: int) -> list[Path]:
-    """Remove all but the newest `keep` version directories and the pinned ones; the removed paths."""
+    """Remove all but the newest `keep` version directories, the pinned ones and the versions any of those is a
+    delta of (down to its snapshot: a reader rebuilds it from them); the removed paths."""
     found = committed_versions(root)
-    pinned = pinned_versions(root)
-    removed = [version_dir(root, v) for v in found[: max(0, len(found) - keep)] if v not in pinned]
+    needed = set(found[max(0, len(found) - keep) :]) | pinned_versions(root)
+    todo = list(needed)
+    while todo:
+        base = delta_base(version_dir(root, todo.pop()))
+        if base is not None and base not in needed:
+            needed.add(base)
+            todo.append(base)
+    removed = [version_dir(root, v) for v in found if v not in needed]
     for p in removed:
         shutil.rmtree(p, ignore_errors=True)
     return removed

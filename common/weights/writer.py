@@ -24,12 +24,14 @@ from typing import TYPE_CHECKING, Protocol
 from common.fault import fault_point
 from common.weights.base import PublishError
 from common.weights.export import per_expert_views
-from common.weights.index import ABORT_MARKER, PartReport, ShardRecord, shard_name, write_index
+from common.weights.index import ABORT_MARKER, DELTA_META_KEY, PartReport, ShardRecord, shard_name, write_index
 from common.weights.model_files import copy_model_files
 from common.weights.versions import temp_dir, version_dir
 
 if TYPE_CHECKING:
     import torch
+
+    from common.weights.delta import DeltaEncoder
 
 
 def plan_shards(named: list[tuple[str, torch.Tensor]], shard_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
@@ -55,6 +57,13 @@ def plan_shards(named: list[tuple[str, torch.Tensor]], shard_bytes: int) -> list
 def count_shards(tensors: Mapping[str, torch.Tensor], shard_bytes: int) -> int:
     """How many shards `VersionPart` cuts these tensors into (0 for none): what a rank announces before writing."""
     return len(plan_shards(list(per_expert_views(tensors)), shard_bytes))
+
+
+def _host(t: torch.Tensor, own: bool) -> torch.Tensor:
+    """A contiguous host tensor of `t`'s values; with `own`, never memory that `t` shares (a CPU trainer's exported
+    masters are the parameters themselves, which the next step changes)."""
+    host = t.detach().contiguous().cpu()
+    return host.clone() if own and host.data_ptr() == t.data_ptr() else host
 
 
 def _mark_aborted(tmp: Path, exc: BaseException) -> None:
@@ -84,7 +93,11 @@ class VersionPart:
         shard_bytes: int,
         first_shard: int,
         total_shards: int,
+        delta: DeltaEncoder | None = None,
+        base: int | None = None,
     ) -> None:
+        """With `delta` (this rank's encoder: rollout.weight_delta) every shard carries delta metadata, and the
+        tensors are written as deltas of version `base` where the encoder holds it (common/weights/delta.py)."""
         named = list(per_expert_views(tensors))
         self.shards = plan_shards(named, shard_bytes)
         if first_shard < 0 or first_shard + len(self.shards) > total_shards:
@@ -93,6 +106,8 @@ class VersionPart:
                 f"{total_shards}; did the rank announce count_shards() of these same tensors and shard size?"
             )
         self.tmp, self.version = tmp, version
+        self.delta = delta
+        self.base = delta.base_for(base) if delta is not None else None
         self.first_shard, self.total_shards = first_shard, total_shards
         self.bytes = sum(t.numel() * t.element_size() for _, t in named)
         self.export_s = 0.0
@@ -102,15 +117,21 @@ class VersionPart:
         """Write every shard (blocking); what was written. On failure leave the ABORTED marker and raise."""
         from safetensors.torch import save
 
-        report = PartReport({}, self.bytes)
+        report = PartReport({}, 0, self.base)
+        kept: list[tuple[str, torch.Tensor]] = []  # the next delta's base
         t0 = time.perf_counter()
         try:
             for i, shard in enumerate(self.shards, start=self.first_shard):
                 t1 = time.perf_counter()
-                tensors = {name: t.contiguous().cpu() for name, t in shard}
+                tensors = {name: _host(t, own=self.delta is not None) for name, t in shard}
                 self.export_s += time.perf_counter() - t1
+                metadata = {"slipstream_version": str(self.version)}
+                if self.delta is not None:
+                    kept += tensors.items()
+                    tensors, metadata[DELTA_META_KEY] = self.delta.encode_shard(self.version, self.base, tensors)
+                report.tensor_bytes += sum(t.numel() * t.element_size() for t in tensors.values())
                 # Serialised in memory so the checksum costs no second read of the file.
-                data = save(tensors, metadata={"slipstream_version": str(self.version)})
+                data = save(tensors, metadata=metadata)
                 path = self.tmp / shard_name(i, self.total_shards)
                 partial = path.with_name(path.name + ".partial")
                 partial.write_bytes(data)
@@ -118,6 +139,8 @@ class VersionPart:
                 if i == self.first_shard:
                     fault_point("publish")  # the chaos benchmark's kill mid-publish (common/fault.py)
                 report.shards[path.name] = ShardRecord(len(data), zlib.crc32(data), tuple(tensors))
+            if self.delta is not None:
+                self.delta.remember(self.version, kept)
         except BaseException as exc:
             _mark_aborted(self.tmp, exc)
             raise
@@ -135,9 +158,10 @@ class PeerWriters(Protocol):
     shard_counts: list[int]
     """How many shards each other rank will write (`count_shards` of its tensors), in rank order 1, 2, ..."""
 
-    def write(self, tmp: Path, first_shard: list[int], total_shards: int) -> list[PartReport]:
-        """Have rank r+1 write its part into `tmp` from shard `first_shard[r]` of `total_shards`; block until every
-        rank is done; their reports in rank order. Raises if any rank failed (that rank left the ABORTED marker)."""
+    def write(self, tmp: Path, first_shard: list[int], total_shards: int, base: int | None) -> list[PartReport]:
+        """Have rank r+1 write its part into `tmp` from shard `first_shard[r]` of `total_shards` (as deltas of version
+        `base` where it holds it, when publishing deltas); block until every rank is done; their reports in rank
+        order. Raises if any rank failed (that rank left the ABORTED marker)."""
         ...
 
 
@@ -162,6 +186,8 @@ class VersionWriter:
         shard_bytes: int,
         peer_shards: Sequence[int] = (),
         model_files: Path | None = None,
+        delta: DeltaEncoder | None = None,
+        base: int | None = None,
     ) -> None:
         own = count_shards(tensors, shard_bytes)
         if own == 0:
@@ -179,7 +205,10 @@ class VersionWriter:
         self.tmp = temp_dir(root, version)
         self.total_shards = own + sum(peer_shards)
         self.peer_first_shards = [own + sum(peer_shards[:r]) for r in range(len(peer_shards))]
-        self.part = VersionPart(self.tmp, version, tensors, shard_bytes, 0, self.total_shards)
+        self.base = base
+        self.delta_base: int | None = None
+        """The version this one is a delta of, once written (None: written whole)."""
+        self.part = VersionPart(self.tmp, version, tensors, shard_bytes, 0, self.total_shards, delta, base)
         self.bytes = self.part.bytes  # rank 0's tensor bytes until `write` has every rank's report
         shutil.rmtree(self.tmp, ignore_errors=True)
         self.tmp.mkdir(parents=True)
@@ -199,7 +228,11 @@ class VersionWriter:
         has ended. On any failure leave the ABORTED marker and raise PublishError naming who failed."""
         with ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"write-v{self.version}") as pool:
             mine = pool.submit(self.part.write)
-            theirs = pool.submit(peers.write, self.tmp, self.peer_first_shards, self.total_shards) if peers else None
+            theirs = (
+                pool.submit(peers.write, self.tmp, self.peer_first_shards, self.total_shards, self.base)
+                if peers
+                else None
+            )
         # Both have ended (the pool's exit waits), so nothing writes into the directory after this.
         failures = [
             (who, exc)
@@ -210,6 +243,7 @@ class VersionWriter:
             _mark_aborted(self.tmp, failures[0][1])
             raise PublishError("; ".join(f"{who}: {type(e).__name__}: {e}" for who, e in failures)) from failures[0][1]
         reports = [mine.result(), *(theirs.result() if theirs else [])]
+        self.delta_base = next((r.delta_base for r in reports if r.delta_base is not None), None)
         try:
             self.bytes = write_index(self.tmp, reports, self.total_shards)
         except (ValueError, OSError) as exc:

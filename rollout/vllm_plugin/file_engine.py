@@ -10,7 +10,10 @@ atomic rename once whole, so the engine loads shard i while the publisher (or an
 writes shard i+1. It waits at most `wait_s` seconds for each shard and stops at once if a writer
 leaves an `ABORTED` file (its write failed) or the directory goes away (a publisher killed mid-write left no
 marker; the trainer that resumes removes its unfinished directory). Streamed shards are NOT checksummed: the index is written
-after the last shard, when the load is already done; the atomic rename is what guards them. Tensors
+after the last shard, when the load is already done; the atomic rename is what guards them. A version
+published as a delta (rollout.weight_delta, common/weights/delta.py) is decoded against the weights the engine
+holds from the last one (or, when it holds another version, against its base rebuilt from the snapshot and
+deltas on disk); every decoded tensor, streamed or not, is checked against its CRC-32 first. Tensors
 are streamed, one at a time, into `model.load_weights` inside vLLM's layer-wise
 reload (`initialize_layerwise_reload` on start, `finalize_layerwise_reload` on finish), so HF-named
 checkpoint tensors (one name per expert) are sharded, fused and post-processed exactly as at load.
@@ -26,15 +29,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import load
 from vllm.distributed.weight_transfer.base import (
     WeightTransferEngine,
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,
 )
 
-from common.weights.index import ABORT_MARKER, CorruptShardError, read_index, shard_name, verify_shard
+from common.weights.delta import DeltaDecoder, DeltaError, HeldWeights, rebuild, shard_tensors
+from common.weights.index import ABORT_MARKER, committed_shards, read_index, shard_name
+from common.weights.versions import version_of_dir
 
 _POLL_S = 0.001
 
@@ -95,26 +98,50 @@ class FileUpdateInfo(WeightTransferUpdateInfo):
             time.sleep(_POLL_S)
         return shard
 
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Every tensor of the version, file by file in load order; a complete version with an index is
-        checked file by file (CorruptShardError names the file, the expected and the found value)."""
+    def shard_data(self) -> Iterator[tuple[Path, bytes]]:
+        """Every file of the version with its bytes, in load order; a complete version with an index is checked
+        file by file (CorruptShardError names the file, the expected and the found value)."""
         p = Path(self.path)
         expected = read_index(p) if self.shards == 0 and p.is_dir() else None
         if expected is None:
             for f in self.files():
-                with safe_open(str(f), framework="pt", device="cpu") as fh:
-                    for name in fh.keys():  # noqa: SIM118 - safe_open is not a mapping
-                        yield name, fh.get_tensor(name)
+                yield f, f.read_bytes()
             return
-        files = list(self.files())
-        if missing := sorted(set(expected) - {f.name for f in files}):
-            raise CorruptShardError(f"file weight update: {p} lacks the shard(s) {missing} that its index lists")
-        for f in files:
-            if f.name not in expected:
-                raise CorruptShardError(f"file weight update: {f} is not in the version's index; it does not belong")
-            data = f.read_bytes()
-            verify_shard(f, data, expected[f.name])
-            yield from load(data).items()
+        list(self.files())  # says so when the directory holds no shard at all
+        yield from committed_shards(p, expected)
+
+    def tensors(self, held: HeldWeights | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """The version's tensors, whole: a delta's decoded against `held`, the weights of the version loaded before
+        (common/weights/delta.py; without it, or when it holds another version, against the base rebuilt from
+        disk), each checked against its CRC-32. Once every tensor went through, `held` holds this version's
+        weights when it was delta-published and nothing otherwise (a copy is kept only where deltas need one)."""
+        held = held if held is not None else HeldWeights()
+        prior = HeldWeights(held.version, held.tensors)
+        held.version, held.tensors = None, {}  # nothing held until this version loads whole
+        root = self.root()
+        decoder: DeltaDecoder | None = None
+        plain = False
+        meta: dict[str, Any] | None = None
+        for path, data in self.shard_data():
+            meta, tensors = shard_tensors(data)
+            if meta is None:
+                plain = True
+                yield from tensors
+                continue
+            if decoder is None:
+                decoder = DeltaDecoder(prior, lambda base: rebuild(root, base, prior))
+            # The held copy is the decoder's; the model gets its own (a loader may change what it is given).
+            yield from ((name, t.clone()) for name, t in decoder.tensors(str(path), meta, tensors))
+        if decoder is not None and meta is not None:
+            if plain:
+                raise DeltaError(f"{self.path} mixes shards with and without delta metadata")
+            done = decoder.finish(version_of_dir(Path(self.path)) or int(meta["version"]))
+            held.version, held.tensors = done.version, done.tensors
+
+    def root(self) -> Path:
+        """The weight directory the version lives in (its older versions, the bases of deltas, are there too)."""
+        p = Path(self.path)
+        return p.parent if p.is_dir() else p.parent.parent
 
 
 class FileWeightTransferEngine(WeightTransferEngine[FileInitInfo, FileUpdateInfo]):
@@ -122,6 +149,11 @@ class FileWeightTransferEngine(WeightTransferEngine[FileInitInfo, FileUpdateInfo
 
     init_info_cls = FileInitInfo
     update_info_cls = FileUpdateInfo
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.held = HeldWeights()
+        """The full tensors of the last delta-published version loaded: the base of the next delta."""
 
     def init_transfer_engine(self, init_info: FileInitInfo) -> None:
         pass  # the files need no connection
@@ -132,7 +164,7 @@ class FileWeightTransferEngine(WeightTransferEngine[FileInitInfo, FileUpdateInfo
         initialize_layerwise_reload(self.model)
 
     def receive_weights(self, update_info: FileUpdateInfo) -> None:
-        tensors = update_info.tensors()
+        tensors = update_info.tensors(self.held)
         if self.device.type != "cpu":
             tensors = ((name, t.to(self.device, non_blocking=True)) for name, t in tensors)
         self.model.load_weights(tensors)  # type: ignore[operator]  # vLLM's models define it; nn.Module types it as a Tensor

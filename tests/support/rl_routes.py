@@ -6,10 +6,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 
 from common.keys import Keys
+
+if TYPE_CHECKING:
+    from common.weights.delta import HeldWeights
 
 
 async def start_app(handle: Callable[[web.Request], Awaitable[web.Response]]) -> tuple[web.AppRunner, str]:
@@ -31,9 +35,12 @@ async def register(r, keys: Keys, worker_id: str, url: str, alive: bool = True) 
         await r.set(keys.worker_alive(worker_id), "1", ex=30)
 
 
-async def reading_worker(got: dict, on_update: Callable[[dict], None] | None = None) -> tuple[web.AppRunner, str]:
+async def reading_worker(
+    got: dict, on_update: Callable[[dict], None] | None = None, held: HeldWeights | None = None
+) -> tuple[web.AppRunner, str]:
     """A worker that answers the RL routes and, on /update_weights, reads the version into `got` with the real
-    reader (the `file` engine's); `on_update(update_info)` runs first. A failed read answers 500, as vLLM does."""
+    reader (the `file` engine's; deltas are decoded against `held`, as the engine holds them); `on_update(update_info)`
+    runs first. A failed read answers 500, as vLLM does."""
     import asyncio
 
     from rollout.vllm_plugin.file_engine import FileUpdateInfo
@@ -45,7 +52,7 @@ async def reading_worker(got: dict, on_update: Callable[[dict], None] | None = N
                 on_update(info)
 
             def read() -> None:
-                for name, t in FileUpdateInfo(**info).tensors():
+                for name, t in FileUpdateInfo(**info).tensors(held):
                     got[name] = t.clone()
 
             try:

@@ -108,7 +108,7 @@ class ProcessPeers:
             raise TimeoutError(f"rank {rank} did not answer within {PEER_START_S:.0f} s")
         return conn.recv()
 
-    def write(self, tmp: Path, first_shard: list[int], total_shards: int) -> list[PartReport]:
+    def write(self, tmp: Path, first_shard: list[int], total_shards: int, base: int | None) -> list[PartReport]:
         if self.before_write is not None:
             assert self.before_write.wait(30), "the worker never started loading"
         for conn, first in zip(self.conns, first_shard, strict=True):
@@ -133,7 +133,7 @@ class ThreadPeers:
         self.parts, self.shard_bytes = parts, shard_bytes
         self.shard_counts = counts if counts is not None else [count_shards(p, shard_bytes) for p in parts]
 
-    def write(self, tmp: Path, first_shard: list[int], total_shards: int) -> list[PartReport]:
+    def write(self, tmp: Path, first_shard: list[int], total_shards: int, base: int | None) -> list[PartReport]:
         parts = [
             VersionPart(tmp, 1, t, self.shard_bytes, f, total_shards)
             for t, f in zip(self.parts, first_shard, strict=True)
