@@ -8,15 +8,27 @@ shard as it is written) and whole (write, then pause and load). Overhead = publi
 the target is <= 20%. Prints a markdown table; with --results appends it to bench/RESULTS.md.
 
     .venv/bin/python bench/weight_sync_bench.py [--sizes tiny,s,m,l] [--repeats 5] [--shard-mb 32] [--results]
+
+With --delta it compares, per size in the same run, the file transport sending every version whole against
+sending deltas (rollout.weight_delta; common/weights/delta.py), both streamed, on the same sequence of versions
+that drift as optimizer steps do (every float moves by --lr: sign steps, as Adam's first steps are): bytes
+written per version, publish time and pause window (medians; the delta publisher's first version is its
+snapshot and is left out). With --demo-steps N it also launches the demo (configs/demo.toml, 2 expert-parallel
+trainer ranks, deltas on, no snapshot after the first) for N RL steps and reads from the trainer's log the
+bytes of every version it published, so the delta ratio is that of real RL steps.
+
+    .venv/bin/python bench/weight_sync_bench.py --delta --sizes tiny,l --repeats 8 --demo-steps 20 [--results]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
+import re
 import shutil
 import signal
 import statistics
@@ -80,40 +92,7 @@ def floor_s(tensors: dict[str, torch.Tensor], into: dict[str, torch.Tensor], scr
 async def bench_size(name: str, overrides: dict, repeats: int, shard_mb: int, vllm_args: list[str], base: Path) -> dict:
     work = base / name
     work.mkdir(parents=True)
-    sets = " ".join(f"--set trainer.model.{k}={v}" for k, v in overrides.items())
-    config = work / "run.toml"
-    config.write_text(
-        f'[run]\nname = "wsb"\ndir = "{work / "run"}"\n[rollout]\ndtype = "float32"\nstartup_timeout_s = 500\n'
-        f"kv_cache_bytes = 67108864\nextra_args = {json.dumps(vllm_args)}\n"
-    )
-    cfg = load_config(config, [f"trainer.model.{k}={v}" for k, v in overrides.items()])
-    rz = Rendezvous(work / "meet", RendezvousConfig())
-    rz.connect(timeout_s=10)
-    keys = Keys(f"wsb-{name}")
-    env = os.environ | {
-        "ROLE": "vllm",
-        "SLIPSTREAM_MEET_DIR": str(rz.meet),
-        "SLIPSTREAM_EXP": keys.exp,
-        "PYTHONPATH": str(ROOT),
-    }
-    cmd = [sys.executable, "-m", "common.runs.cli", "run", str(config)] + sets.split()
-    log = (work / "worker.log").open("ab")
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    r = rz.async_client()
-    try:
-        deadline = time.monotonic() + 600
-        while not await r.hlen(keys.workers):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"worker for size {name} did not start; see {work / 'worker.log'}")
-            await asyncio.sleep(0.2)
-        from transformers import AutoModelForCausalLM
-
-        generated = read_secrets(rz.meet)  # the worker's vLLM asks for the run's generated key
-        assert generated is not None, f"no secrets in {rz.meet}"
-        apply_secrets(cfg, generated)
-        (model_dir,) = (work / "run" / "models").glob("*-*")
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        original = {k: v.clone() for k, v in dict(per_expert_tensors(model.state_dict())).items()}
+    async with started_worker(name, overrides, vllm_args, work) as (r, keys, cfg, original):
         perturbed = {k: v + 0.01 for k, v in original.items()}
         size = sum(t.numel() * t.element_size() for t in original.values())
         modes = {"streamed": True, "whole": False}
@@ -155,11 +134,163 @@ async def bench_size(name: str, overrides: dict, repeats: int, shard_mb: int, vl
                 "overhead": (total - (w + rd)) / (w + rd),
             }
         return out
+
+
+def drift(tensors: dict[str, torch.Tensor], seed: int, lr: float) -> dict[str, torch.Tensor]:
+    """The next version: every float moved by `lr` up or down (seeded), in its own dtype."""
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        k: (v.double() + lr * torch.randint(0, 2, v.shape, generator=gen).double().mul(2).sub(1)).to(v.dtype)
+        for k, v in tensors.items()
+    }
+
+
+async def bench_delta_size(
+    name: str, overrides: dict, repeats: int, shard_mb: int, lr: float, vllm_args: list[str], base: Path
+) -> dict:
+    """Whole against delta publishing of the same drifting versions to one real worker (see the module docstring)."""
+    work = base / f"delta-{name}"
+    work.mkdir(parents=True)
+    async with started_worker(name, overrides, vllm_args, work) as (r, keys, cfg, original):
+        size = sum(t.numel() * t.element_size() for t in original.values())
+        out: dict = {"size": name, "mb": size / 1e6, "lr": lr}
+        version = 0
+        for mode, delta in (("whole", False), ("delta", True)):
+            ro = replace(cfg.rollout, weight_shard_mb=shard_mb, weight_delta=delta, weight_snapshot_every=repeats + 2)
+            rows = []
+            state = original
+            async with WeightPublisher(r, keys, ro, work / "run") as pub:
+                for i in range(repeats + 1):
+                    state = drift(state, i, lr)
+                    version += 1
+                    await asyncio.sleep(SETTLE_S)
+                    res = await pub.publish(version, state)
+                    assert not res.evicted, res.evicted
+                    assert (res.delta_base is not None) == (delta and i > 0), (mode, i, res.delta_base)
+                    print(
+                        f"{name} {mode:5s} v{version}: {res.bytes / 1e6:.2f} MB publish {res.total_s:.3f} "
+                        f"write {res.write_s:.3f} pause {res.max_pause_s:.3f}",
+                        flush=True,
+                    )
+                    if i > 0:  # the delta publisher's first version is its snapshot
+                        rows.append((res.bytes, res.total_s, res.max_pause_s, res.write_s))
+            nbytes, total, pause, write = (statistics.median(col) for col in zip(*rows, strict=True))
+            out[mode] = {"bytes": nbytes, "publish_s": total, "pause_s": pause, "write_s": write}
+        return out
+
+
+@contextlib.asynccontextmanager
+async def started_worker(name: str, overrides: dict, vllm_args: list[str], work: Path):
+    """One real worker role (vLLM CPU build) of a fresh run in `work`: (redis, keys, config, the model's
+    HF tensors, one name per expert)."""
+    sets = [f"trainer.model.{k}={v}" for k, v in overrides.items()]
+    config = work / "run.toml"
+    config.write_text(
+        f'[run]\nname = "wsb"\ndir = "{work / "run"}"\n[rollout]\ndtype = "float32"\nstartup_timeout_s = 500\n'
+        f"kv_cache_bytes = 67108864\nextra_args = {json.dumps(vllm_args)}\n"
+    )
+    cfg = load_config(config, sets)
+    rz = Rendezvous(work / "meet", RendezvousConfig())
+    rz.connect(timeout_s=10)
+    keys = Keys(f"wsb-{name}")
+    env = os.environ | {"ROLE": "vllm", "SLIPSTREAM_MEET_DIR": str(rz.meet), "SLIPSTREAM_EXP": keys.exp}
+    env["PYTHONPATH"] = str(ROOT)
+    cmd = [sys.executable, "-m", "common.runs.cli", "run", str(config)] + [a for s in sets for a in ("--set", s)]
+    log = (work / "worker.log").open("ab")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    r = rz.async_client()
+    try:
+        deadline = time.monotonic() + 600
+        while not await r.hlen(keys.workers):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"worker for size {name} did not start; see {work / 'worker.log'}")
+            await asyncio.sleep(0.2)
+        from transformers import AutoModelForCausalLM
+
+        generated = read_secrets(rz.meet)  # the worker's vLLM asks for the run's generated key
+        assert generated is not None, f"no secrets in {rz.meet}"
+        apply_secrets(cfg, generated)
+        (model_dir,) = (work / "run" / "models").glob("*-*")
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        yield r, keys, cfg, {k: v.clone() for k, v in dict(per_expert_tensors(model.state_dict())).items()}
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
         await r.aclose()
         rz.close()
+
+
+PUBLISHED = re.compile(
+    r"published weight version (\d+)(?: \(a delta of version (\d+)\))? \(([\d.]+) MB\) to \d+ worker\(s\) in "
+    r"([\d.]+)s \(write ([\d.]+)s, max pause ([\d.]+)s\)"
+)
+
+
+def demo_deltas(steps: int, base: Path) -> dict:
+    """Launch the demo with delta publishing for `steps` RL steps (2 EP ranks); per published version its MB,
+    whether a delta, publish and pause seconds, read from the trainer's log."""
+    root = base / "demo"
+    root.mkdir()
+    sets = [
+        f"run.root={root / 'runs'}",
+        f"trainer.steps={steps}",
+        "launch.roles.trainer.replicas=2",
+        "trainer.parallel.ep=2",
+        "rollout.weight_delta=true",
+        f"rollout.weight_snapshot_every={steps + 10}",
+        "evaluator.every_n_versions=1000",
+    ]
+    cmd = [sys.executable, "-m", "common.runs.cli", "launch", "configs/demo.toml"]
+    for item in sets:
+        cmd += ["--set", item]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLIPSTREAM")} | {"SLIPSTREAM_EXP": "wsb-demo"}
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
+    logs = "\n".join(p.read_text() for p in sorted((root / "runs" / "wsb-demo" / "logs").glob("trainer-0*.log")))
+    versions = [
+        {
+            "version": int(m[1]),
+            "delta": m[2] is not None,
+            "mb": float(m[3]),
+            "publish_s": float(m[4]),
+            "pause_s": float(m[6]),
+        }
+        for m in PUBLISHED.finditer(logs)
+    ]
+    if out.returncode != 0 or not versions:
+        raise RuntimeError(f"the demo run failed (exit {out.returncode}): {out.stdout[-3000:]}{out.stderr[-3000:]}")
+    return {"steps": steps, "versions": versions}
+
+
+def delta_table(results: list[dict], demo: dict | None) -> str:
+    lines = [
+        "| size | tensors (MB) | lr | whole: MB / version | publish (s) | pause (s) | delta: MB / version | "
+        "publish (s) | pause (s) | delta / whole bytes | publish ratio |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for x in results:
+        wh, de = x["whole"], x["delta"]
+        lines.append(
+            f"| {x['size']} | {x['mb']:.1f} | {x['lr']:g} | {wh['bytes'] / 1e6:.2f} | {wh['publish_s']:.3f} | "
+            f"{wh['pause_s']:.3f} | {de['bytes'] / 1e6:.2f} | {de['publish_s']:.3f} | {de['pause_s']:.3f} | "
+            f"{de['bytes'] / wh['bytes']:.3f} | {de['publish_s'] / wh['publish_s']:.2f} |"
+        )
+    if demo:
+        vs = demo["versions"]
+        full = [v["mb"] for v in vs if not v["delta"]]
+        ratios = [v["mb"] / full[0] for v in vs if v["delta"]] if full else []
+        if ratios:
+            lines += [
+                "",
+                f"The demo, {demo['steps']} RL steps (2 EP ranks, fully the demo's config): {len(vs)} versions published, "
+                f"{len(full)} whole ({full[0]:.2f} MB), {len(ratios)} deltas; delta / whole bytes: median "
+                f"{statistics.median(ratios):.3f}, min {min(ratios):.3f}, max {max(ratios):.3f}; publish median "
+                f"{statistics.median(v['publish_s'] for v in vs if v['delta']):.3f} s against "
+                f"{statistics.median(v['publish_s'] for v in vs if not v['delta']):.3f} s whole.",
+                "",
+                "Per version (MB): "
+                + ", ".join(f"v{v['version']} {v['mb']:.2f}{'' if v['delta'] else ' (whole)'}" for v in vs),
+            ]
+    return "\n".join(lines)
 
 
 def table(results: list[dict]) -> str:
@@ -185,9 +316,14 @@ def main() -> int:
     ap.add_argument("--shard-mb", type=int, default=32, help="rollout.weight_shard_mb")
     ap.add_argument("--vllm-args", default="", help="extra vLLM arguments (rollout.extra_args), space-separated")
     ap.add_argument("--results", action="store_true", help="append the table to bench/RESULTS.md")
+    ap.add_argument("--delta", action="store_true", help="compare whole and delta publishing (module docstring)")
+    ap.add_argument("--lr", type=float, default=1e-5, help="with --delta: how far each float moves per version")
+    ap.add_argument("--demo-steps", type=int, default=0, help="with --delta: also launch the demo for this many steps")
     args = ap.parse_args()
     (ROOT / "runs").mkdir(exist_ok=True)
     base = Path(tempfile.mkdtemp(prefix="weight_sync_bench-", dir=ROOT / "runs"))
+    if args.delta:
+        return delta_main(args, base)
     try:
         results = [
             asyncio.run(bench_size(n, SIZES[n], args.repeats, args.shard_mb, args.vllm_args.split(), base))
@@ -220,6 +356,33 @@ def main() -> int:
         existing = path.read_text() if path.exists() else "# Benchmark results\n"
         path.write_text(existing.rstrip("\n") + "\n" + section)
     print(json.dumps(results, indent=1))
+    return 0
+
+
+def delta_main(args: argparse.Namespace, base: Path) -> int:
+    try:
+        results = [
+            asyncio.run(
+                bench_delta_size(n, SIZES[n], args.repeats, args.shard_mb, args.lr, args.vllm_args.split(), base)
+            )
+            for n in args.sizes.split(",")
+        ]
+        demo = demo_deltas(args.demo_steps, base) if args.demo_steps else None
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    text = delta_table(results, demo)
+    print(text)
+    if args.results:
+        section = (
+            f"\n## Delta publishing against whole versions (file transport, streamed) — {time.strftime('%Y-%m-%d %H:%M')}\n\n"
+            f"Machine: {platform.node()}, {os.cpu_count()} CPU cores, torch {torch.__version__}, vLLM CPU build. "
+            f"Command: `.venv/bin/python bench/weight_sync_bench.py --delta --sizes {args.sizes} --repeats "
+            f"{args.repeats} --lr {args.lr:g} --demo-steps {args.demo_steps} --results`. One worker; per size "
+            f"{args.repeats} versions each way (medians), fp32 tensors as the demo publishes them.\n\n{text}\n"
+        )
+        path = ROOT / "bench" / "RESULTS.md"
+        path.write_text(path.read_text().rstrip("\n") + "\n" + section)
+    print(json.dumps({"sizes": results, "demo": demo}, indent=1))
     return 0
 
 

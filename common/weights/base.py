@@ -44,6 +44,8 @@ class PublishResult:
     workers: list[WorkerOutcome] = field(default_factory=list)
     source: int | None = None
     """For a republish: the version whose files these are."""
+    delta_base: int | None = None
+    """For a version written as a delta (rollout.weight_delta): the version it is a delta of."""
 
     @property
     def evicted(self) -> list[WorkerOutcome]:

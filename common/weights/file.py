@@ -188,6 +188,7 @@ class FileTransport(WeightTransport):
             writer.total_shards,
             streamed,
             outcomes,
+            delta_base=writer.delta_base,
         )
 
     async def _update(

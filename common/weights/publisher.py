@@ -146,10 +146,16 @@ class WeightPublisher:
             evicted=evicted,
             **extra,
         )
+        if result.source is not None:
+            what = f" (the files of version {result.source})"
+        elif result.delta_base is not None:
+            what = f" (a delta of version {result.delta_base})"
+        else:
+            what = ""
         log.info(
             "published weight version %d%s (%.1f MB) to %d worker(s) in %.3fs (write %.3fs, max pause %.3fs)%s",
             version,
-            "" if result.source is None else f" (the files of version {result.source})",
+            what,
             result.bytes / 1e6,
             len(result.workers) - len(evicted),
             result.total_s,

@@ -183,7 +183,8 @@ def larger_heldout_set(root: Path, count: int) -> Path:
 @pytest.mark.timeout(1500)
 def test_two_ep_ranks_with_routing_replay_learn_fully_async_through_faults(short_root, tmp_path):
     """The demo, fully async, with the trainer as 2 ranks (EP = 2: each holds 4 of the 8 experts and writes
-    them into every published version) and rollout routing replay (the experts vLLM chose for every token
+    them into every published version, published as deltas of the version before, one in four whole: the restarted
+    worker and the evaluator's pinned worker rebuild a delta's base from its snapshot) and rollout routing replay (the experts vLLM chose for every token
     drive the trainer's expert-parallel dispatch). SIGKILL of the rollout worker after step 3, of the router
     after step 6, of redis-server after step 9: the launcher restarts the worker and the router (which takes
     over its own name), the launcher's rendezvous starts Redis again from its append-only file, and the run
@@ -221,6 +222,8 @@ def test_two_ep_ranks_with_routing_replay_learn_fully_async_through_faults(short
         "trainer.parallel.ep=2",
         "trainer.checkpoint.interval_steps=5",
         "trainer.rl.routing_replay=rollout",
+        "rollout.weight_delta=true",
+        "rollout.weight_snapshot_every=4",
         *MIXTURE,
         "flow.dynamic_sampling=true",
         f"evaluator.data_root={larger_heldout_set(tmp_path / 'eval_data', HELDOUT_PROBLEMS)}",
@@ -256,6 +259,11 @@ def test_two_ep_ranks_with_routing_replay_learn_fully_async_through_faults(short
     log = run.log()
     assert not noise_in(log), "\n".join(noise_in(log)[:40])
     assert "1 data-parallel replica(s) x expert-parallel 2" in log
+    # Versions went out as deltas of the one before (both ranks' parts), one in four whole.
+    deltas = [
+        (int(v), int(b)) for v, b in re.findall(r"published weight version (\d+) \(a delta of version (\d+)\)", log)
+    ]
+    assert len(deltas) >= STEPS // 2 and all(b == v - 1 for v, b in deltas), deltas
     # A second rollout worker registered (the restarted one) and the run finished on it.
     assert len(re.findall(r"registered worker \S+ .*\(train pool\)", log)) >= 2
     steps_done = ledger(run.run_dir)

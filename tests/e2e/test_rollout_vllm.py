@@ -2,17 +2,21 @@
 registers and serves through the router; published weights change what it serves and restoring
 them reproduces the first outputs exactly; served log-probs equal a transformers forward of the
 same weights (fp32, both tiny architectures, before and after a publish); keep-mode pauses carry
-in-flight requests across versions, abort-mode pauses return them partial and marked; a worker
-started late serves the current version before it registers; an evicted worker reloads the current
+in-flight requests across versions, abort-mode pauses return them partial and marked; a version
+published as deltas serves bit for bit the log-probs of the same version sent whole; a worker
+started late, and its restart after a kill -9 while it loaded a delta, serve the current version (a
+delta, rebuilt from its snapshot) before they register; an evicted worker reloads the current
 version into its live server and registers again; kill -9 removes a worker within the heartbeat TTL.
 One vLLM server per architecture is shared by all tests (conftest.py)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import signal
+import subprocess
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,6 +30,7 @@ from conftest import MAX_MODEL_LEN
 from common.config import load_config
 from common.net import vllm_session
 from common.weights.fleet import evict
+from common.weights.index import delta_base
 from common.weights.publisher import WeightPublisher
 from common.weights.workers import end_cut_update, served_version, weight_lock
 from rollout.client import RolloutClient
@@ -84,10 +89,22 @@ def worker_url(run, worker_id: str | None = None) -> str:
     return workers[worker_id]["url"]
 
 
-def publisher(run, r, pause_mode: str = "keep") -> WeightPublisher:
+def publisher(run, r, pause_mode: str = "keep", snapshot_every: int = 0) -> WeightPublisher:
+    """The run's publisher; with `snapshot_every` it publishes deltas, one version in that many whole."""
     cfg = run.cfg()
     cfg.rollout.pause_mode = pause_mode
+    cfg.rollout.weight_delta = snapshot_every > 0
+    cfg.rollout.weight_snapshot_every = max(snapshot_every, 1)
     return WeightPublisher(r, run.keys, cfg.rollout, run.run_dir)
+
+
+def drift(state: dict[str, torch.Tensor], seed: int, lr: float = 1e-3) -> dict[str, torch.Tensor]:
+    """A copy of `state` moved as an optimizer step moves it: every float by about `lr`."""
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        k: v + lr * torch.randn(v.shape, generator=gen).sign() if v.is_floating_point() else v.clone()
+        for k, v in state.items()
+    }
 
 
 async def next_version(run, r) -> int:
@@ -326,6 +343,37 @@ async def test_abort_mode_pause_returns_partial_results_marked_aborted(deepseek_
         assert set(s.versions) == {old}
 
 
+@pytest.mark.timeout(400)
+async def test_a_version_published_as_deltas_serves_bit_for_bit_the_log_probs_of_the_same_version_sent_whole(
+    deepseek_run,
+):
+    run = deepseek_run
+    url = worker_url(run)
+    r = run.rz.async_client()
+    state = hf_model(model_dir(run)).state_dict()
+    async with (
+        RolloutClient("policy", url=url, token=run.secrets.workers) as client,
+        publisher(run, r, snapshot_every=3) as deltas,
+        publisher(run, r) as whole,
+    ):
+        for seed in (1, 2, 3):  # a snapshot, then two deltas, each of the version before
+            state = drift(state, seed)
+            result = await deltas.publish(await next_version(run, r), state)
+            assert not result.evicted
+        version = result.version
+        assert delta_base(deltas.root / f"v{version}") == version - 1
+        assert delta_base(deltas.root / f"v{version - 1}") == version - 2
+        assert delta_base(deltas.root / f"v{version - 2}") is None
+        (by_delta,) = await client.generate(PROMPT, max_tokens=24, seed=5, ignore_eos=True)
+        sent_whole = await whole.publish(await next_version(run, r), state)
+        assert not sent_whole.evicted and delta_base(Path(sent_whole.location)) is None
+        (by_whole,) = await client.generate(PROMPT, max_tokens=24, seed=5, ignore_eos=True)
+        assert by_delta.token_ids == by_whole.token_ids and by_delta.logprobs == by_whole.logprobs
+        print(f"delta version {version}: {result.bytes / 1e6:.2f} MB against {sent_whole.bytes / 1e6:.2f} MB whole")
+        await restore(run, r, whole)
+    await r.aclose()
+
+
 async def serves_as_the_others(run, worker_id: str, url: str) -> None:
     """The worker at `url` answers greedily exactly as another live worker of the run."""
     other = worker_url(run, next(w for w in run.workers() if w != worker_id))
@@ -336,35 +384,73 @@ async def serves_as_the_others(run, worker_id: str, url: str) -> None:
         assert await greedy(worker) == await greedy(first)
 
 
-@pytest.mark.timeout(500)
-async def test_late_worker_serves_the_current_version_before_registering_and_kill9_removes_it(deepseek_run):
+async def start_late_worker(run, http, name: str, version: int) -> tuple[subprocess.Popen, str, dict]:
+    """Start a worker role and wait until it registers: at that moment it already serves `version` (on the other
+    workers' weights); (process, worker id, pool entry)."""
+    before = set(run.workers())
+    proc = run.start_role("vllm", name)
+
+    def registered():
+        return set(run.workers()) - before
+
+    (worker_id,) = await asyncio.to_thread(run.wait_for, f"{name} registration", registered, proc, 300)
+    entry = run.workers()[worker_id]
+    assert entry["weight_version"] == version
+    assert await served_version(http, entry["url"]) == str(version)
+    await serves_as_the_others(run, worker_id, entry["url"])
+    return proc, worker_id, entry
+
+
+@pytest.mark.timeout(700)
+async def test_late_and_restarted_workers_catch_up_a_delta_version_from_its_snapshot_and_kill9_removes_one(
+    deepseek_run,
+):
+    """Versions published as deltas (the transport's first whole, the rest deltas). A worker started late serves
+    the current version, a delta, before it registers: it holds nothing, so it rebuilds the delta's base from the
+    snapshot and deltas on disk, every tensor checked. Killed with kill -9 while loading a delta, its restart
+    does the same and serves the current version. The restarted worker, evicted as a cut-off publish leaves it,
+    reloads into its live server and registers again; kill -9 removes it from the router within the TTL."""
     run = deepseek_run
     r = run.rz.async_client()
     model = hf_model(model_dir(run))
-    async with publisher(run, r) as pub, run.worker_session() as http:
-        while (version := await next_version(run, r)) <= 3:
-            await pub.publish(version, perturb(model, seed=version))
-        version = await next_version(run, r)
-        await pub.publish(version, perturb(model, seed=version))
+    state = model.state_dict()
+    async with publisher(run, r, snapshot_every=100) as pub, run.worker_session() as http:
+        published = 0
+        while (version := await next_version(run, r)) <= 4 or published < 2:  # this publisher's second is a delta
+            await pub.publish(version, state := drift(state, version))
+            published += 1
+        version -= 1
+        assert delta_base(pub.root / f"v{version}") == version - 1  # a delta: the late worker rebuilds its base
         try:
-            before = set(run.workers())
-            proc = run.start_role("vllm", "worker-late")
+            proc, late_id, entry = await start_late_worker(run, http, "worker-late", version)
 
-            def registered():
-                return set(run.workers()) - before
+            # kill -9 while it loads a delta: the test drives its update (under its weight lock, as a publisher
+            # would) and kills the role as the load is sent; the pool then moves on without it.
+            async with weight_lock(r, run.keys, late_id):
+                for route in ("pause?mode=keep", "start_weight_update"):
+                    async with http.post(f"{entry['url']}/{route}") as answer:
+                        assert answer.status == 200, await answer.text()
+                body = {"update_info": {"path": str(pub.root / f"v{version}")}}
+                loading = asyncio.ensure_future(http.post(f"{entry['url']}/update_weights", json=body))
+                await asyncio.sleep(0.01)
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.wait()
+                await evict(r, run.keys, late_id, "test: killed with kill -9 while loading a delta")
+            with contextlib.suppress(aiohttp.ClientError):
+                (await loading).release()
+            version = await next_version(run, r)
+            result = await pub.publish(version, state := drift(state, version))
+            assert not result.evicted and late_id not in {w.worker_id for w in result.workers}
+            assert delta_base(pub.root / f"v{version}") == version - 1
 
-            (late_id,) = await asyncio.to_thread(run.wait_for, "late worker registration", registered, proc, 300)
-            # At the moment it is visible in the pool it already serves the current version.
-            entry = run.workers()[late_id]
-            assert entry["weight_version"] == version
-            assert await served_version(http, entry["url"]) == str(version)
-            await serves_as_the_others(run, late_id, entry["url"])
+            # Its restart: a new worker role, holding nothing, catches up from the snapshot.
+            proc, late_id, entry = await start_late_worker(run, http, "worker-restart", version)
 
             deadline = time.monotonic() + 10
             while late_id not in {w["id"] for w in run.router_workers()}:
                 assert time.monotonic() < deadline, "router never picked up the late worker"
                 await asyncio.sleep(0.1)
-            log = (run.run_dir / "worker-late.log").read_text()
+            log = (run.run_dir / "worker-restart.log").read_text()
             vllm_pid = int(re.search(r"started vLLM pid (\d+)", log)[1])
 
             # Evicted as a publish cut off mid-update leaves it (paused, an update open, out of the pool), while a
@@ -377,7 +463,7 @@ async def test_late_worker_serves_the_current_version_before_registering_and_kil
             async with weight_lock(r, run.keys, late_id):
                 await evict(r, run.keys, late_id, "test: a weight update cut off mid-way")
                 version = await next_version(run, r)
-                await pub.publish(version, perturb(model, seed=version))
+                await pub.publish(version, state := drift(state, version))
             rejoined = await asyncio.to_thread(
                 run.wait_for,
                 "the evicted late worker registering again",
@@ -386,10 +472,10 @@ async def test_late_worker_serves_the_current_version_before_registering_and_kil
                 120,
             )
             assert rejoined and proc.poll() is None
-            assert int(re.findall(r"started vLLM pid (\d+)", (run.run_dir / "worker-late.log").read_text())[-1]) == (
+            assert int(re.findall(r"started vLLM pid (\d+)", (run.run_dir / "worker-restart.log").read_text())[-1]) == (
                 vllm_pid
             ), "the evicted worker restarted vLLM instead of reloading it"
-            late_log = (run.run_dir / "worker-late.log").read_text()
+            late_log = (run.run_dir / "worker-restart.log").read_text()
             assert "closed a weight update left open" in late_log and f"registered worker {late_id} again" in late_log
             assert await served_version(http, entry["url"]) == str(version)
             await serves_as_the_others(run, late_id, entry["url"])  # unpaused, on the others' weights
