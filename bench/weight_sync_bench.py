@@ -146,37 +146,49 @@ def drift(tensors: dict[str, torch.Tensor], seed: int, lr: float) -> dict[str, t
 
 
 async def bench_delta_size(
-    name: str, overrides: dict, repeats: int, shard_mb: int, lr: float, vllm_args: list[str], base: Path
-) -> dict:
-    """Whole against delta publishing of the same drifting versions to one real worker (see the module docstring)."""
+    name: str, overrides: dict, repeats: int, shard_mb: int, lrs: list[float], vllm_args: list[str], base: Path
+) -> list[dict]:
+    """Whole against delta publishing of the same drifting versions to one real worker, per learning rate (see the
+    module docstring)."""
     work = base / f"delta-{name}"
     work.mkdir(parents=True)
     async with started_worker(name, overrides, vllm_args, work) as (r, keys, cfg, original):
-        size = sum(t.numel() * t.element_size() for t in original.values())
-        out: dict = {"size": name, "mb": size / 1e6, "lr": lr}
         version = 0
-        for mode, delta in (("whole", False), ("delta", True)):
-            ro = replace(cfg.rollout, weight_shard_mb=shard_mb, weight_delta=delta, weight_snapshot_every=repeats + 2)
-            rows = []
-            state = original
-            async with WeightPublisher(r, keys, ro, work / "run") as pub:
-                for i in range(repeats + 1):
-                    state = drift(state, i, lr)
-                    version += 1
-                    await asyncio.sleep(SETTLE_S)
-                    res = await pub.publish(version, state)
-                    assert not res.evicted, res.evicted
-                    assert (res.delta_base is not None) == (delta and i > 0), (mode, i, res.delta_base)
-                    print(
-                        f"{name} {mode:5s} v{version}: {res.bytes / 1e6:.2f} MB publish {res.total_s:.3f} "
-                        f"write {res.write_s:.3f} pause {res.max_pause_s:.3f}",
-                        flush=True,
-                    )
-                    if i > 0:  # the delta publisher's first version is its snapshot
-                        rows.append((res.bytes, res.total_s, res.max_pause_s, res.write_s))
-            nbytes, total, pause, write = (statistics.median(col) for col in zip(*rows, strict=True))
-            out[mode] = {"bytes": nbytes, "publish_s": total, "pause_s": pause, "write_s": write}
-        return out
+        rows = []
+        for lr in lrs:
+            row, version = await _delta_rows(r, keys, cfg, original, name, lr, repeats, shard_mb, version, work)
+            rows.append(row)
+        return rows
+
+
+async def _delta_rows(
+    r, keys: Keys, cfg, original: dict, name: str, lr: float, repeats: int, shard_mb: int, version: int, work: Path
+) -> tuple[dict, int]:
+    """One learning rate: `repeats` drifting versions whole, then the same as deltas; (row, last version used)."""
+    size = sum(t.numel() * t.element_size() for t in original.values())
+    out: dict = {"size": name, "mb": size / 1e6, "lr": lr}
+    for mode, delta in (("whole", False), ("delta", True)):
+        ro = replace(cfg.rollout, weight_shard_mb=shard_mb, weight_delta=delta, weight_snapshot_every=repeats + 2)
+        rows = []
+        state = original
+        async with WeightPublisher(r, keys, ro, work / "run") as pub:
+            for i in range(repeats + 1):
+                state = drift(state, i, lr)
+                version += 1
+                await asyncio.sleep(SETTLE_S)
+                res = await pub.publish(version, state)
+                assert not res.evicted, res.evicted
+                assert (res.delta_base is not None) == (delta and i > 0), (mode, i, res.delta_base)
+                print(
+                    f"{name} {mode:5s} v{version}: {res.bytes / 1e6:.2f} MB publish {res.total_s:.3f} "
+                    f"write {res.write_s:.3f} pause {res.max_pause_s:.3f}",
+                    flush=True,
+                )
+                if i > 0:  # the delta publisher's first version is its snapshot
+                    rows.append((res.bytes, res.total_s, res.max_pause_s, res.write_s))
+        nbytes, total, pause, write = (statistics.median(col) for col in zip(*rows, strict=True))
+        out[mode] = {"bytes": nbytes, "publish_s": total, "pause_s": pause, "write_s": write}
+    return out, version
 
 
 @contextlib.asynccontextmanager
@@ -317,7 +329,7 @@ def main() -> int:
     ap.add_argument("--vllm-args", default="", help="extra vLLM arguments (rollout.extra_args), space-separated")
     ap.add_argument("--results", action="store_true", help="append the table to bench/RESULTS.md")
     ap.add_argument("--delta", action="store_true", help="compare whole and delta publishing (module docstring)")
-    ap.add_argument("--lr", type=float, default=1e-5, help="with --delta: how far each float moves per version")
+    ap.add_argument("--lr", default="1e-4,1e-6", help="with --delta: how far each float moves per version (a list)")
     ap.add_argument("--demo-steps", type=int, default=0, help="with --delta: also launch the demo for this many steps")
     args = ap.parse_args()
     (ROOT / "runs").mkdir(exist_ok=True)
@@ -361,11 +373,13 @@ def main() -> int:
 
 def delta_main(args: argparse.Namespace, base: Path) -> int:
     try:
+        lrs = [float(x) for x in args.lr.split(",")]
         results = [
-            asyncio.run(
-                bench_delta_size(n, SIZES[n], args.repeats, args.shard_mb, args.lr, args.vllm_args.split(), base)
-            )
+            row
             for n in args.sizes.split(",")
+            for row in asyncio.run(
+                bench_delta_size(n, SIZES[n], args.repeats, args.shard_mb, lrs, args.vllm_args.split(), base)
+            )
         ]
         demo = demo_deltas(args.demo_steps, base) if args.demo_steps else None
     finally:
@@ -377,7 +391,7 @@ def delta_main(args: argparse.Namespace, base: Path) -> int:
             f"\n## Delta publishing against whole versions (file transport, streamed) — {time.strftime('%Y-%m-%d %H:%M')}\n\n"
             f"Machine: {platform.node()}, {os.cpu_count()} CPU cores, torch {torch.__version__}, vLLM CPU build. "
             f"Command: `.venv/bin/python bench/weight_sync_bench.py --delta --sizes {args.sizes} --repeats "
-            f"{args.repeats} --lr {args.lr:g} --demo-steps {args.demo_steps} --results`. One worker; per size "
+            f"{args.repeats} --lr {args.lr} --demo-steps {args.demo_steps} --results`. One worker; per size "
             f"{args.repeats} versions each way (medians), fp32 tensors as the demo publishes them.\n\n{text}\n"
         )
         path = ROOT / "bench" / "RESULTS.md"

@@ -347,7 +347,8 @@ class RolloutConfig:
     startup_timeout_s: float = 600.0
     """How long a worker may take to become ready (health plus one real completion)."""
     weight_backend: Literal["file", "nccl"] = "file"
-    """Weight transfer: safetensors files under weight_dir (any machine) or vLLM's NCCL engine (GPUs)."""
+    """Weight transfer: safetensors files under weight_dir (any machine). "nccl" (vLLM's NCCL engine, GPUs) is
+    refused until a role forms its group of trainer and workers."""
     weight_dir: str = ""
     """Where published versions are written; empty means <run dir>/weights (use /dev/shm/... for speed)."""
     keep_versions: int = 2
@@ -357,7 +358,7 @@ class RolloutConfig:
     weight_delta: bool = False
     """Publish each version as its difference from the previous one (byte-shuffled XOR of the bit patterns,
     zstd; common/weights/delta.py), with a full snapshot every `weight_snapshot_every` versions. Workers keep a
-    host copy of the weights they serve to apply it to; every tensor is checked bit for bit. File transport only."""
+    host copy of the weights they serve to apply it to; every tensor is checked bit for bit."""
     weight_snapshot_every: int = 10
     """With weight_delta: one version in this many is written whole (1: every one; deltas never chain longer)."""
     stream_weights: bool = True
@@ -392,9 +393,10 @@ class RolloutConfig:
             f"rollout.weight_snapshot_every must be >= 1 (1 writes every version whole), got {self.weight_snapshot_every}",
         )
         require(
-            not self.weight_delta or self.weight_backend == "file",
-            f"rollout.weight_delta works with weight_backend = 'file' only; the {self.weight_backend!r} transport "
-            "sends every version whole: set weight_delta = false or weight_backend = 'file'",
+            self.weight_backend == "file",
+            "rollout.weight_backend = 'nccl' cannot run yet: vLLM's nccl engine needs one NCCL group of the trainer and "
+            "a fixed set of workers, which no role forms, so the trainer would fail at its first publish; use 'file' "
+            "(rollout.weight_dir on /dev/shm or a shared filesystem; rollout.weight_delta to send less)",
         )
         require(
             0 < self.max_tokens < self.max_model_len,

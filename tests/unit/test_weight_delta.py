@@ -184,3 +184,13 @@ def test_a_rank_that_does_not_hold_the_base_writes_its_part_whole(tmp_path: Path
     same_bits(encoder.tensors, before)
     decoded = dict(DeltaDecoder(HeldWeights(), None).tensors("v5", meta, load(shard.read_bytes()).items()))
     same_bits(decoded, before)
+
+
+def test_the_config_refuses_a_snapshot_interval_below_one_and_the_nccl_backend_naming_why():
+    from common.config import load_config
+    from common.config.coerce import ConfigError
+
+    with pytest.raises(ConfigError, match="weight_snapshot_every must be >= 1"):
+        load_config("configs/demo.toml", ["rollout.weight_delta=true", "rollout.weight_snapshot_every=0"])
+    with pytest.raises(ConfigError, match="'nccl' cannot run yet.*use 'file'"):
+        load_config("configs/demo.toml", ["rollout.weight_backend=nccl"])
