@@ -3,7 +3,8 @@ common/weights/index.py), each renamed into place once whole so workers can load
 written, by one trainer rank or several. Rank 0's `VersionWriter` owns the temporary directory, writes its own
 `VersionPart` (shards 0..) while `PeerWriters`, the other ranks, write theirs (the shards after it), then the
 index from every rank's `PartReport`, and renames the directory into place. A writer that fails leaves the
-ABORTED marker, so workers streaming the version stop instead of waiting. Left out: a failing rank does not
+ABORTED marker, so workers streaming the version stop instead of waiting. With delta publishing each rank
+encodes its part against its own copy of the part it wrote last (common/weights/delta.py). Left out: a failing rank does not
 stop the others (`PeerWriters.write` has no cancel); every writer runs to its end before the directory is
 removed, and the ABORTED marker releases the workers early.
 """

@@ -387,6 +387,7 @@ class RLTrainer(TrainerRank):
             "weights/max_pause_s": result.max_pause_s,
             "weights/write_s": result.write_s,
             "weights/max_load_s": result.max_load_s,
+            "weights/mb": result.bytes / 1e6,  # as written: a delta's compressed bytes (rollout.weight_delta)
         }
         origin = self.flow_origin()
         if origin is None:
