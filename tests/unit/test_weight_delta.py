@@ -194,3 +194,20 @@ def test_the_config_refuses_a_snapshot_interval_below_one_and_the_nccl_backend_n
         load_config("configs/demo.toml", ["rollout.weight_delta=true", "rollout.weight_snapshot_every=0"])
     with pytest.raises(ConfigError, match="'nccl' cannot run yet.*use 'file'"):
         load_config("configs/demo.toml", ["rollout.weight_backend=nccl"])
+
+
+def test_a_delta_of_a_version_written_whole_without_delta_metadata_rebuilds_from_it(tmp_path: Path):
+    from common.weights.writer import VersionWriter, write_version
+
+    root = tmp_path / "weights"
+    first = model()
+    write_version(root, 1, first, MB)  # no delta metadata: a version of a publisher without deltas
+    encoder = DeltaEncoder()
+    encoder.remember(1, first.items())
+    second = step(first, seed=1)
+    writer = VersionWriter(root, 2, second, MB, delta=encoder, base=1)
+    writer.write()
+    writer.commit()
+    assert writer.delta_base == 1 == delta_base(root / "v2")
+    same_bits(rebuild(root, 2, HeldWeights()), second)
+    same_bits(dict(FileUpdateInfo(path=str(root / "v2")).tensors()), second)
