@@ -5,6 +5,8 @@ one H200). Planned, not measured: `python bench/plan_clusters.py`."""
 
 from __future__ import annotations
 
+import argparse
+
 from common.config import load_config
 from trainer.plan import H200_USABLE_GIB, GiB, plan, suggest
 
@@ -29,15 +31,18 @@ def moonlet() -> None:
         )
 
 
-def clusters() -> None:
+CLUSTER_MODELS = {"qwen3-30b-a3b": "configs/qwen3-30b-a3b.toml", "deepseek-v3": "configs/deepseek-v3.toml"}
+
+
+def clusters(models: tuple[str, ...] = tuple(CLUSTER_MODELS)) -> None:
     print(
         f"planned, not measured: per-rank GiB on H200s ({H200_USABLE_GIB:g} GiB usable), 1 row x 4096 per micro-batch"
     )
     print(
         f"  {'model':<15} {'gpus':>5} {'ep':>4} {'AC':<9} {'params':>7} {'grads':>7} {'optim':>7} {'act':>6} {'total':>7}  fits"
     )
-    for name, path in (("qwen3-30b-a3b", "configs/qwen3-30b-a3b.toml"), ("deepseek-v3", "configs/deepseek-v3.toml")):
-        cfg = load_config(path)
+    for name in models:
+        cfg = load_config(CLUSTER_MODELS[name])
         experts = cfg.trainer.model.n_routed_experts
         for gpus in (8, 64, 256):
             ep = max(e for e in range(1, gpus + 1) if gpus % e == 0 and experts % e == 0)
@@ -52,5 +57,10 @@ def clusters() -> None:
 
 
 if __name__ == "__main__":
-    moonlet()
-    clusters()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", default=",".join(CLUSTER_MODELS), help="cluster rows of these (comma-separated)")
+    ap.add_argument("--no-moonlet", action="store_true", help="skip moonlet's planned-vs-measured rows")
+    args = ap.parse_args()
+    if not args.no_moonlet:
+        moonlet()
+    clusters(tuple(args.models.split(",")))
