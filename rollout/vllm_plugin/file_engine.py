@@ -121,7 +121,7 @@ class FileUpdateInfo(WeightTransferUpdateInfo):
         root = self.root()
         decoder: DeltaDecoder | None = None
         plain = False
-        meta: dict[str, Any] | None = None
+        version = version_of_dir(Path(self.path))
         for path, data in self.shard_data():
             meta, tensors = shard_tensors(data)
             if meta is None:
@@ -130,12 +130,14 @@ class FileUpdateInfo(WeightTransferUpdateInfo):
                 continue
             if decoder is None:
                 decoder = DeltaDecoder(prior, lambda base: rebuild(root, base, prior))
+            if version is None:
+                version = int(meta["version"])
             # The held copy is the decoder's; the model gets its own (a loader may change what it is given).
             yield from ((name, t.clone()) for name, t in decoder.tensors(str(path), meta, tensors))
-        if decoder is not None and meta is not None:
+        if decoder is not None and version is not None:
             if plain:
                 raise DeltaError(f"{self.path} mixes shards with and without delta metadata")
-            done = decoder.finish(version_of_dir(Path(self.path)) or int(meta["version"]))
+            done = decoder.finish(version)
             held.version, held.tensors = done.version, done.tensors
 
     def root(self) -> Path:
