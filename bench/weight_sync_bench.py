@@ -241,8 +241,8 @@ PUBLISHED = re.compile(
 def demo_deltas(steps: int, base: Path) -> dict:
     """Launch the demo with delta publishing for `steps` RL steps (2 EP ranks); per published version its MB,
     whether a delta, publish and pause seconds, read from the trainer's log."""
-    root = base / "demo"
-    root.mkdir()
+    # A short root: vLLM's IPC socket paths under the run dir must stay below 107 bytes.
+    root = Path(tempfile.mkdtemp(prefix="wsb-"))
     sets = [
         f"run.root={root / 'runs'}",
         f"trainer.steps={steps}",
@@ -268,9 +268,44 @@ def demo_deltas(steps: int, base: Path) -> dict:
         }
         for m in PUBLISHED.finditer(logs)
     ]
+    shutil.rmtree(root, ignore_errors=True)
     if out.returncode != 0 or not versions:
         raise RuntimeError(f"the demo run failed (exit {out.returncode}): {out.stdout[-3000:]}{out.stderr[-3000:]}")
     return {"steps": steps, "versions": versions}
+
+
+def codec_table(lrs: list[float]) -> str:
+    """The encodings delta publishing could use, on one 64 MB (fp32) matrix of N(0, 0.02) weights moved by sign steps
+    of `lr`: bytes against the whole tensor, and the encoder's speed (this process, one call each)."""
+    import numpy as np
+    import zstandard
+
+    from common.weights.delta import _bytes, _shuffle, encode
+
+    lines = [
+        "| dtype | lr | elements changed | xor + zstd | byte-shuffled xor + zstd (ours) | sparse (int32 index, value) | "
+        "ours, encode MB/s |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    weights = torch.randn(4096, 4096, generator=torch.Generator().manual_seed(0)) * 0.02
+    for dtype in (torch.bfloat16, torch.float32):
+        for lr in lrs:
+            old = weights.to(dtype)
+            new = drift({"w": weights}, 1, lr)["w"].to(dtype)
+            xor = np.bitwise_xor(_bytes(new).numpy(), _bytes(old).numpy())
+            width = old.element_size()
+            changed = float((xor.reshape(-1, width) != 0).any(axis=1).mean())
+            plain = len(zstandard.ZstdCompressor(level=1).compress(xor.data))
+            t0 = time.perf_counter()
+            ours = len(encode(new, old))
+            took = time.perf_counter() - t0
+            assert len(zstandard.ZstdCompressor(level=1).compress(_shuffle(xor, width).data)) == ours
+            size = old.numel() * width
+            lines.append(
+                f"| {str(dtype).removeprefix('torch.')} | {lr:g} | {changed:.3f} | {plain / size:.3f} | "
+                f"{ours / size:.3f} | {changed * (4 + width) / width:.3f} | {size / took / 1e6:.0f} |"
+            )
+    return "\n".join(lines)
 
 
 def delta_table(results: list[dict], demo: dict | None) -> str:
@@ -372,19 +407,23 @@ def main() -> int:
 
 
 def delta_main(args: argparse.Namespace, base: Path) -> int:
+    lrs = [float(x) for x in args.lr.split(",")]
+    codecs = codec_table(sorted({1e-4, 1e-5, 1e-6, *lrs}, reverse=True))
+    print(codecs, flush=True)
     try:
-        lrs = [float(x) for x in args.lr.split(",")]
         results = [
             row
-            for n in args.sizes.split(",")
+            for n in filter(None, args.sizes.split(","))
             for row in asyncio.run(
                 bench_delta_size(n, SIZES[n], args.repeats, args.shard_mb, lrs, args.vllm_args.split(), base)
             )
         ]
+        print(delta_table(results, None), flush=True)  # kept in the output should the demo fail
         demo = demo_deltas(args.demo_steps, base) if args.demo_steps else None
     finally:
         shutil.rmtree(base, ignore_errors=True)
     text = delta_table(results, demo)
+    print(codecs)
     print(text)
     if args.results:
         section = (
@@ -392,7 +431,7 @@ def delta_main(args: argparse.Namespace, base: Path) -> int:
             f"Machine: {platform.node()}, {os.cpu_count()} CPU cores, torch {torch.__version__}, vLLM CPU build. "
             f"Command: `.venv/bin/python bench/weight_sync_bench.py --delta --sizes {args.sizes} --repeats "
             f"{args.repeats} --lr {args.lr} --demo-steps {args.demo_steps} --results`. One worker; per size "
-            f"{args.repeats} versions each way (medians), fp32 tensors as the demo publishes them.\n\n{text}\n"
+            f"{args.repeats} versions each way (medians), fp32 tensors as the demo publishes them.\n\n{codecs}\n\n{text}\n"
         )
         path = ROOT / "bench" / "RESULTS.md"
         path.write_text(path.read_text().rstrip("\n") + "\n" + section)
