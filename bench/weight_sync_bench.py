@@ -328,11 +328,11 @@ def delta_table(results: list[dict], demo: dict | None) -> str:
         if ratios:
             lines += [
                 "",
-                f"The demo, {demo['steps']} RL steps (2 EP ranks, fully the demo's config): {len(vs)} versions published, "
-                f"{len(full)} whole ({full[0]:.2f} MB), {len(ratios)} deltas; delta / whole bytes: median "
-                f"{statistics.median(ratios):.3f}, min {min(ratios):.3f}, max {max(ratios):.3f}; publish median "
-                f"{statistics.median(v['publish_s'] for v in vs if v['delta']):.3f} s against "
-                f"{statistics.median(v['publish_s'] for v in vs if not v['delta']):.3f} s whole.",
+                f"The demo, {demo['steps']} RL steps (its config, 2 EP ranks): {len(vs)} versions published, "
+                f"{len(full)} whole ({full[0]:.2f} MB), {len(ratios)} deltas; delta / whole bytes (the log's MB, one "
+                f"decimal): median {statistics.median(ratios):.3f}, min {min(ratios):.3f}, max {max(ratios):.3f}; "
+                f"publish median {statistics.median(v['publish_s'] for v in vs if v['delta']):.3f} s, pause median "
+                f"{statistics.median(v['pause_s'] for v in vs if v['delta']):.3f} s.",
                 "",
                 "Per version (MB): "
                 + ", ".join(f"v{v['version']} {v['mb']:.2f}{'' if v['delta'] else ' (whole)'}" for v in vs),
