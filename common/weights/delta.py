@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import json
 import zlib
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -156,7 +156,7 @@ class DeltaDecoder:
     older version from disk when a delta's base is not the one held. `finish(version)` makes the decoded
     tensors the held ones once every shard went through."""
 
-    def __init__(self, held: HeldWeights, load_base: Any) -> None:
+    def __init__(self, held: HeldWeights, load_base: Callable[[int], dict[str, torch.Tensor]] | None) -> None:
         self.held, self.load_base = held, load_base
         self.fresh: dict[str, torch.Tensor] = {}
 
@@ -191,6 +191,10 @@ class DeltaDecoder:
         if base is None:
             raise DeltaError(f"{where}: tensor {name!r} is a delta but the shard names no base version")
         if self.held.version != base:
+            if self.load_base is None:
+                raise DeltaError(
+                    f"{where}: tensor {name!r} is a delta of version {base}, which this reader cannot rebuild"
+                )
             self.held = HeldWeights(base, self.load_base(base))
         old = self.held.tensors.pop(name, None)  # each name comes once per version: the base copy can go
         dtype, shape = _dtype(entry["dtype"]), torch.Size(entry["shape"])
@@ -262,7 +266,7 @@ def rebuild(root: Path, version: int, held: HeldWeights) -> dict[str, torch.Tens
     return current.tensors
 
 
-def _no_base(directory: Path) -> Any:
+def _no_base(directory: Path) -> Callable[[int], dict[str, torch.Tensor]]:
     def fail(base: int) -> dict[str, torch.Tensor]:
         raise DeltaError(f"{directory} is a delta of version {base}, which its chain did not produce")
 
