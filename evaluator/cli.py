@@ -180,7 +180,7 @@ def version_files(cfg: Config, run_dir: Path, version: int) -> Path:
     if not kept:
         raise ReproduceError(
             f"--version {version}: {root} holds no published weight versions, so there is nothing to load (a run "
-            "keeps its versions there only with rollout.weight_backend = 'file'); evaluate a server as it is with "
+            "keeps its versions there with rollout.weight_backend = 'file' or 'collective'); evaluate a server as it is with "
             "--url URL and no --version"
         )
     if version > kept[-1]:

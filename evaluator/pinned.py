@@ -15,6 +15,7 @@ import aiohttp
 from common.http import RetryPolicy
 from common.redis_client import entries
 from common.weights.fleet import WorkerError, evict, live_workers, set_worker_version, while_alive
+from common.weights.versions import FILE_BACKENDS
 from common.weights.workers import apply_version, served_version
 from evaluator.backend import Backend, RequestError
 from evaluator.fleetview import EvaluatorError, StreamWait
@@ -67,11 +68,11 @@ class PinWatcher(Watcher):
         keys = self.ctx.keys
         for entry_id, fields in entries(await self.client.xrange(keys.weights_log, min=f"({self.log_id}")):
             self.log_id = entry_id
-            if fields["backend"] != "file":
+            if fields["backend"] not in FILE_BACKENDS:
                 raise EvaluatorError(
                     f"weight version {fields['version']} was published with backend {fields['backend']!r}; pin mode "
-                    "loads file-published versions only. Use rollout.weight_backend = 'file' or evaluator.pin = "
-                    "'never'"
+                    "loads versions written as files only. Use rollout.weight_backend = 'file' or 'collective', or "
+                    "evaluator.pin = 'never'"
                 )
             self.published[int(fields["version"])] = fields["location"]
 

@@ -48,6 +48,7 @@ from common.proc import die_with_parent
 from common.redis_client import STOP_WRITE_S
 from common.roles import RunContext, announce
 from common.weights.fleet import WorkerError, WorkerRecord, current_version, read_record, register, set_worker_version
+from common.weights.versions import FILE_BACKENDS
 from common.weights.workers import apply_version, end_cut_update, label_version, weight_lock
 from rollout.vllm_plugin import FILE_BACKEND
 from rollout.vllm_plugin.auth import KEY_ENV, MIDDLEWARE
@@ -90,7 +91,8 @@ def serving_dtype(dtype: str, model_dir: Path) -> str:
 
 def vllm_command(ro: RolloutConfig, model_dir: Path, host: str, port: int, cpu: bool) -> list[str]:
     """The vLLM OpenAI server command line of a worker (engine args pass through from the config)."""
-    backend = FILE_BACKEND if ro.weight_backend == "file" else "nccl"
+    # The `file` engine takes both file and collective versions (a collective update names its groups).
+    backend = FILE_BACKEND if ro.weight_backend in FILE_BACKENDS else "nccl"
     cmd = [
         sys.executable,
         "-m",
@@ -395,11 +397,11 @@ async def follow_current(ctx: RunContext, client, session: aiohttp.ClientSession
 async def _location_of(client, ctx: RunContext, version: int) -> str:
     for _id, fields in await client.xrevrange(ctx.keys.weights_log, count=1000):
         if int(fields["version"]) == version:
-            if fields["backend"] != "file":
+            if fields["backend"] not in FILE_BACKENDS:
                 raise WorkerError(
                     f"weights:current = {version} was published with backend {fields['backend']!r}; a new worker can "
-                    "only load file-published versions by itself. Use rollout.weight_backend = 'file' for elastic "
-                    "workers."
+                    "only load versions written as files by itself. Use rollout.weight_backend = 'file' or "
+                    "'collective' for elastic workers."
                 )
             return fields["location"]
     raise WorkerError(f"weights:current = {version} has no entry in {ctx.keys.weights_log}; the publisher is broken")

@@ -20,6 +20,7 @@ import torch
 
 from common.roles import RunContext
 from common.weights.delta import DeltaEncoder
+from common.weights.group import GroupSpec, ShardCaster
 from common.weights.index import PartReport
 from common.weights.writer import VersionPart, count_shards
 from trainer.checkpoint import Companion, TrainState
@@ -104,9 +105,12 @@ class RankPeers:
         self.ranks, self.shard_counts = ranks, shard_counts
         self.called = False
 
-    def write(self, tmp: Path, first_shard: list[int], total_shards: int, base: int | None) -> list[PartReport]:
+    def write(
+        self, tmp: Path, first_shard: list[int], total_shards: int, base: int | None, group: GroupSpec | None = None
+    ) -> list[PartReport]:
         self.called = True
-        self.ranks.broadcast({"tmp": str(tmp), "first": first_shard, "total": total_shards, "base": base})
+        where = {"tmp": str(tmp), "first": first_shard, "total": total_shards, "base": base}
+        self.ranks.broadcast({**where, "group": None if group is None else group.to_dict()})
         reports = self.ranks.all_gather(None)[1:]
         failed = [r for r in reports if isinstance(r, str)]
         if failed:
@@ -224,6 +228,9 @@ class TrainerRank:
         where = self.ranks.broadcast()
         if where is None:
             return
+        caster = None
+        if where["group"] is not None:  # the collective transport: each shard goes to the workers first
+            caster = ShardCaster(GroupSpec.from_dict(where["group"]), self.ranks.rank)
         try:
             report: PartReport | str = VersionPart(
                 Path(where["tmp"]),
@@ -234,9 +241,13 @@ class TrainerRank:
                 where["total"],
                 self.delta,
                 where["base"],
+                None if caster is None else caster.send,
             ).write()
         except Exception as exc:  # reported to rank 0, which fails the publish and says why
             report = f"trainer rank {self.ranks.rank}: {type(exc).__name__}: {exc}"
+        finally:
+            if caster is not None:
+                caster.close()
         self.ranks.all_gather(report)
 
     def save_shard(self, cmd: Save) -> None:

@@ -346,9 +346,18 @@ class RolloutConfig:
     """More vLLM command-line arguments, passed through unchanged."""
     startup_timeout_s: float = 600.0
     """How long a worker may take to become ready (health plus one real completion)."""
-    weight_backend: Literal["file", "nccl"] = "file"
-    """Weight transfer: safetensors files under weight_dir (any machine). "nccl" (vLLM's NCCL engine, GPUs) is
-    refused until a role forms its group of trainer and workers."""
+    weight_backend: Literal["file", "collective", "nccl"] = "file"
+    """Weight transfer. "file": safetensors files under weight_dir, which every worker reads (any machine that sees
+    it). "collective": every trainer rank broadcasts its shards of a version to the live workers through gloo
+    groups (the workers reach trainer rank 0 at weight_group_host), and the version is written under weight_dir
+    too, for late workers, the evaluator and republishing (common/weights/collective.py). "nccl" (vLLM's NCCL
+    engine, GPUs) is refused until a role forms its group of trainer and workers."""
+    weight_group_host: str = "auto"
+    """With weight_backend = "collective": the address of trainer rank 0's host the workers reach its rendezvous
+    store at; auto = the address this host reaches Redis from (loopback when Redis is on loopback)."""
+    weight_group_timeout_s: float = 60.0
+    """With weight_backend = "collective": how long a version's groups wait for every member to join and for each
+    transfer; a worker that never joins costs the others this long before they read the files instead."""
     weight_dir: str = ""
     """Where published versions are written; empty means <run dir>/weights (use /dev/shm/... for speed)."""
     keep_versions: int = 2
@@ -393,9 +402,19 @@ class RolloutConfig:
             f"rollout.weight_snapshot_every must be >= 1 (1 writes every version whole), got {self.weight_snapshot_every}",
         )
         require(
-            self.weight_backend == "file",
+            self.weight_backend != "collective" or self.tensor_parallel_size == 1,
+            f"rollout.weight_backend = 'collective' with rollout.tensor_parallel_size = {self.tensor_parallel_size}: "
+            "each tensor-parallel rank of a worker would need a rank of its own in the weight groups, which is not "
+            "built; use tensor_parallel_size = 1 or weight_backend = 'file'",
+        )
+        require(
+            self.weight_group_timeout_s > 0,
+            f"rollout.weight_group_timeout_s must be > 0 (seconds), got {self.weight_group_timeout_s}",
+        )
+        require(
+            self.weight_backend != "nccl",
             "rollout.weight_backend = 'nccl' cannot run yet: vLLM's nccl engine needs one NCCL group of the trainer and "
-            "a fixed set of workers, which no role forms, so the trainer would fail at its first publish; use 'file' "
+            "a fixed set of workers, which no role forms, so the trainer would fail at its first publish; use 'collective' (gloo groups the trainer forms with the live workers) or 'file' "
             "(rollout.weight_dir on /dev/shm or a shared filesystem; rollout.weight_delta to send less)",
         )
         require(

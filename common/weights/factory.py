@@ -17,10 +17,26 @@ def make_transport(
     driver: WorkerDriver,
     nccl_group: NcclGroup | None = None,
     model_files: Path | None = None,
+    group_host: str = "127.0.0.1",
 ) -> WeightTransport:
     """`file`: versions under `root` (see file.py), each carrying the model files of the HF directory
-    `model_files` (config, tokenizer, chat template). `nccl`: a broadcast to the fixed workers of `nccl_group`,
-    which the trainer forms (see nccl.py)."""
+    `model_files` (config, tokenizer, chat template). `collective`: the same files, and each version broadcast to
+    the live workers from every trainer rank, through groups meeting at `group_host` (see collective.py). `nccl`:
+    a broadcast to the fixed workers of `nccl_group`, which the trainer forms (see nccl.py)."""
+    if cfg.weight_backend == "collective":
+        from common.weights.collective import CollectiveTransport  # torch.distributed: the trainer's side only
+
+        return CollectiveTransport(
+            root,
+            driver,
+            cfg.weight_shard_mb << 20,
+            cfg.keep_versions,
+            group_host,
+            cfg.weight_group_timeout_s,
+            model_files,
+            cfg.weight_delta,
+            cfg.weight_snapshot_every,
+        )
     if cfg.weight_backend == "file":
         return FileTransport(
             root,
@@ -41,4 +57,4 @@ def make_transport(
         return NcclTransport(
             list(nccl_group.urls), nccl_group.master_address, nccl_group.master_port, cfg.tensor_parallel_size, driver
         )
-    raise ValueError(f"rollout.weight_backend = {cfg.weight_backend!r} is not one of 'file', 'nccl'")
+    raise ValueError(f"rollout.weight_backend = {cfg.weight_backend!r} is not one of 'file', 'collective', 'nccl'")

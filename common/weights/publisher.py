@@ -22,6 +22,7 @@ import redis.asyncio
 
 from common.config import RolloutConfig
 from common.keys import Keys
+from common.net import is_loopback, route_source
 from common.roles import announce
 from common.weights.base import PublishError, PublishResult
 from common.weights.factory import make_transport
@@ -58,7 +59,13 @@ class WeightPublisher:
         self.client, self.keys, self.cfg = client, keys, cfg
         self.root = weight_root(cfg, run_dir)
         self.driver = WorkerDriver(client, keys, cfg.api_key, session)
-        self.transport = make_transport(cfg, self.root, self.driver, nccl_group, model_files)
+        group_host = ""
+        if cfg.weight_backend == "collective":
+            group_host = cfg.weight_group_host
+            if group_host == "auto":
+                redis_host = str(client.connection_pool.connection_kwargs.get("host", "127.0.0.1"))
+                group_host = "127.0.0.1" if is_loopback(redis_host) else route_source(redis_host)
+        self.transport = make_transport(cfg, self.root, self.driver, nccl_group, model_files, group_host)
 
     async def __aenter__(self) -> WeightPublisher:
         return self

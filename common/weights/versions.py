@@ -21,6 +21,10 @@ from common.keys import Keys
 from common.weights.fleet import current_version, read_records
 from common.weights.index import delta_base
 
+FILE_BACKENDS = ("file", "collective")
+"""The transports whose versions are committed as `v<N>/` directories (a worker catching up, the evaluator's
+pinned worker and a republish load those)."""
+
 _VERSION_DIR = re.compile(r"^v(\d+)$")
 _TMP_DIR = re.compile(r"^\.v(\d+)\.\d+\.tmp$")
 # Versions kept whatever keep_versions says (a JSON list in the weight dir).

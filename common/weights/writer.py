@@ -17,7 +17,7 @@ import shutil
 import threading
 import time
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     import torch
 
     from common.weights.delta import DeltaEncoder
+    from common.weights.group import GroupSpec
 
 
 def plan_shards(named: list[tuple[str, torch.Tensor]], shard_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
@@ -96,9 +97,12 @@ class VersionPart:
         total_shards: int,
         delta: DeltaEncoder | None = None,
         base: int | None = None,
+        sink: Callable[[int, bytes], None] | None = None,
     ) -> None:
         """With `delta` (this rank's encoder: rollout.weight_delta) every shard carries delta metadata, and the
-        tensors are written as deltas of version `base` where the encoder holds it (common/weights/delta.py)."""
+        tensors are written as deltas of version `base` where the encoder holds it (common/weights/delta.py).
+        `sink(index, bytes)` gets each shard before its file is written (the collective transport's sending
+        side, common/weights/group.py)."""
         named = list(per_expert_views(tensors))
         self.shards = plan_shards(named, shard_bytes)
         if first_shard < 0 or first_shard + len(self.shards) > total_shards:
@@ -109,6 +113,7 @@ class VersionPart:
         self.tmp, self.version = tmp, version
         self.delta = delta
         self.base = delta.base_for(base) if delta is not None else None
+        self.sink = sink
         self.first_shard, self.total_shards = first_shard, total_shards
         self.bytes = sum(t.numel() * t.element_size() for _, t in named)
         self.export_s = 0.0
@@ -133,6 +138,8 @@ class VersionPart:
                 report.tensor_bytes += sum(t.numel() * t.element_size() for t in tensors.values())
                 # Serialised in memory so the checksum costs no second read of the file.
                 data = save(tensors, metadata=metadata)
+                if self.sink is not None:
+                    self.sink(i, data)
                 path = self.tmp / shard_name(i, self.total_shards)
                 partial = path.with_name(path.name + ".partial")
                 partial.write_bytes(data)
@@ -159,10 +166,13 @@ class PeerWriters(Protocol):
     shard_counts: list[int]
     """How many shards each other rank will write (`count_shards` of its tensors), in rank order 1, 2, ..."""
 
-    def write(self, tmp: Path, first_shard: list[int], total_shards: int, base: int | None) -> list[PartReport]:
+    def write(
+        self, tmp: Path, first_shard: list[int], total_shards: int, base: int | None, group: GroupSpec | None = None
+    ) -> list[PartReport]:
         """Have rank r+1 write its part into `tmp` from shard `first_shard[r]` of `total_shards` (as deltas of version
-        `base` where it holds it, when publishing deltas); block until every rank is done; their reports in rank
-        order. Raises if any rank failed (that rank left the ABORTED marker)."""
+        `base` where it holds it, when publishing deltas), each shard broadcast first into its group of `group`
+        when given (common/weights/group.py); block until every rank is done; their reports in rank order. Raises
+        if any rank failed (that rank left the ABORTED marker)."""
         ...
 
 
@@ -224,16 +234,18 @@ class VersionWriter:
     def write_s(self) -> float:
         return self.part.write_s
 
-    def write(self, peers: PeerWriters | None = None) -> None:
+    def write(self, peers: PeerWriters | None = None, group: GroupSpec | None = None) -> None:
         """Write rank 0's part while `peers` write theirs, then the index (blocking); returns when every writer
-        has ended. On any failure leave the ABORTED marker and raise PublishError naming who failed."""
+        has ended. With `group`, every rank broadcasts each shard into its group first (the part's `sink` is rank
+        0's). On any failure leave the ABORTED marker and raise PublishError naming who failed."""
         with ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"write-v{self.version}") as pool:
             mine = pool.submit(self.part.write)
-            theirs = (
-                pool.submit(peers.write, self.tmp, self.peer_first_shards, self.total_shards, self.base)
-                if peers
-                else None
-            )
+            if peers and group is not None:
+                theirs = pool.submit(peers.write, self.tmp, self.peer_first_shards, self.total_shards, self.base, group)
+            elif peers:
+                theirs = pool.submit(peers.write, self.tmp, self.peer_first_shards, self.total_shards, self.base)
+            else:
+                theirs = None
         # Both have ended (the pool's exit waits), so nothing writes into the directory after this.
         failures = [
             (who, exc)

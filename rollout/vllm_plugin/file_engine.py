@@ -17,14 +17,18 @@ deltas on disk); every decoded tensor, streamed or not, is checked against its C
 are streamed, one at a time, into `model.load_weights` inside vLLM's layer-wise
 reload (`initialize_layerwise_reload` on start, `finalize_layerwise_reload` on finish), so HF-named
 checkpoint tensors (one name per expert) are sharded, fused and post-processed exactly as at load.
-No process group or handshake is needed: trainer and workers only share the files.
+With `{"group": ...}` (the collective transport, common/weights/collective.py) the shards of a streamed version
+come through torch.distributed groups from the trainer ranks, each checked against the CRC-32 its sender sent; only
+what a broken group did not deliver is read from the files. Otherwise no process group or handshake is needed:
+trainer and workers only share the files.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,10 +40,13 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from common.weights.delta import DeltaDecoder, DeltaError, HeldWeights, rebuild, shard_tensors
+from common.weights.group import GroupSpec, receive_shards
 from common.weights.index import ABORT_MARKER, committed_shards, read_index, shard_name
 from common.weights.versions import version_of_dir
 
 _POLL_S = 0.001
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -55,6 +62,12 @@ class FileUpdateInfo(WeightTransferUpdateInfo):
     """When > 0, the version is being streamed into `path` as this many shards; wait for each."""
     wait_s: float = 300.0
     """How long to wait for each streamed shard before giving up."""
+    group: dict[str, Any] | None = None
+    """A version sent by the collective transport (common/weights/collective.py): its groups' GroupSpec, this
+    worker's `rank` in each, and `owned`, [first shard, count] per trainer rank. The shards come through the
+    groups, checksummed; those a broken group did not deliver are read from the streamed files."""
+    received: int = field(default=0, init=False)
+    """How many shards came through the groups (counted while reading)."""
 
     def files(self) -> Iterator[Path]:
         """The version's files in load order; for a stream, each one once it is whole."""
@@ -102,6 +115,9 @@ class FileUpdateInfo(WeightTransferUpdateInfo):
         """Every file of the version with its bytes, in load order; a complete version with an index is checked
         file by file (CorruptShardError names the file, the expected and the found value)."""
         p = Path(self.path)
+        if self.group is not None:
+            yield from self._group_shards(p)
+            return
         expected = read_index(p) if self.shards == 0 and p.is_dir() else None
         if expected is None:
             for f in self.files():
@@ -109,6 +125,23 @@ class FileUpdateInfo(WeightTransferUpdateInfo):
             return
         list(self.files())  # says so when the directory holds no shard at all
         yield from committed_shards(p, expected)
+
+    def _group_shards(self, p: Path) -> Iterator[tuple[Path, bytes]]:
+        assert self.group is not None
+        spec = GroupSpec.from_dict(self.group)
+        owned = [range(first, first + count) for first, count in self.group["owned"]]
+        if self.shards != sum(len(r) for r in owned):
+            raise ValueError(
+                f"file weight update: the groups of {self.path} send {sum(len(r) for r in owned)} shard(s) but the "
+                f"version has {self.shards}"
+            )
+        for index, data in receive_shards(spec, int(self.group["rank"]), owned):
+            path = p / shard_name(index, self.shards)
+            if data is None:  # its group broke: the file (streamed, or already written) has the same bytes
+                data = self._wait_for(path, index).read_bytes()
+            else:
+                self.received += 1
+            yield path, data
 
     def tensors(self, held: HeldWeights | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """The version's tensors, whole: a delta's decoded against `held`, the weights of the version loaded before
@@ -170,6 +203,13 @@ class FileWeightTransferEngine(WeightTransferEngine[FileInitInfo, FileUpdateInfo
         if self.device.type != "cpu":
             tensors = ((name, t.to(self.device, non_blocking=True)) for name, t in tensors)
         self.model.load_weights(tensors)  # type: ignore[operator]  # vLLM's models define it; nn.Module types it as a Tensor
+        if update_info.group is not None:
+            log.info(
+                "weights %s: %d of %d shard(s) came through the weight groups, the rest from the files",
+                update_info.path,
+                update_info.received,
+                update_info.shards,
+            )
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         self.receive_weights(self.parse_update_info(update_info))

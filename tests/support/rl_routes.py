@@ -36,11 +36,15 @@ async def register(r, keys: Keys, worker_id: str, url: str, alive: bool = True) 
 
 
 async def reading_worker(
-    got: dict, on_update: Callable[[dict], None] | None = None, held: HeldWeights | None = None
+    got: dict,
+    on_update: Callable[[dict], None] | None = None,
+    held: HeldWeights | None = None,
+    reads: list | None = None,
 ) -> tuple[web.AppRunner, str]:
     """A worker that answers the RL routes and, on /update_weights, reads the version into `got` with the real
-    reader (the `file` engine's; deltas are decoded against `held`, as the engine holds them); `on_update(update_info)`
-    runs first. A failed read answers 500, as vLLM does."""
+    reader (the `file` engine's; deltas are decoded against `held`, as the engine holds them; a collective update
+    is received through its groups); `on_update(update_info)` runs first; `reads` gets each read's FileUpdateInfo.
+    A failed read answers 500, as vLLM does."""
     import asyncio
 
     from rollout.vllm_plugin.file_engine import FileUpdateInfo
@@ -52,8 +56,11 @@ async def reading_worker(
                 on_update(info)
 
             def read() -> None:
-                for name, t in FileUpdateInfo(**info).tensors(held):
+                update = FileUpdateInfo(**info)
+                for name, t in update.tensors(held):
                     got[name] = t.clone()
+                if reads is not None:
+                    reads.append(update)
 
             try:
                 await asyncio.to_thread(read)

@@ -192,7 +192,7 @@ def test_the_config_refuses_a_snapshot_interval_below_one_and_the_nccl_backend_n
 
     with pytest.raises(ConfigError, match="weight_snapshot_every must be >= 1"):
         load_config("configs/demo.toml", ["rollout.weight_delta=true", "rollout.weight_snapshot_every=0"])
-    with pytest.raises(ConfigError, match="'nccl' cannot run yet.*use 'file'"):
+    with pytest.raises(ConfigError, match="'nccl' cannot run yet.*use 'collective'.*or 'file'"):
         load_config("configs/demo.toml", ["rollout.weight_backend=nccl"])
 
 
