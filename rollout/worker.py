@@ -205,7 +205,8 @@ class VllmProcess:
 
     async def _forward(self) -> None:
         assert self.proc is not None and self.proc.stdout is not None
-        with self.log_path.open("ab") as fh:
+        # Unbuffered: whoever reads the log (a person tailing it, a test) sees each line as the server writes it.
+        with self.log_path.open("ab", buffering=0) as fh:
             async for raw in self.proc.stdout:
                 fh.write(raw)
                 line = raw.decode(errors="replace").rstrip()

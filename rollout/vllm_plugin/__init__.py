@@ -32,6 +32,20 @@ def register() -> None:
         )
     from rollout.vllm_plugin import cpu_moe_fix, routed_experts, watchdog
 
+    _log_to_server_output()
     cpu_moe_fix.install()
     routed_experts.install()
     watchdog.start()
+
+
+def _log_to_server_output() -> None:
+    """Our INFO lines (how many shards of a collective update came through the groups, the routed-experts
+    capture) in the server's output beside vLLM's own: vLLM configures its `vllm` logger only."""
+    plugin = logging.getLogger(__name__)
+    if plugin.handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [%(name)s] %(message)s", "%m-%d %H:%M:%S"))
+    plugin.addHandler(handler)
+    plugin.setLevel(logging.INFO)
+    plugin.propagate = False

@@ -205,10 +205,11 @@ class FileWeightTransferEngine(WeightTransferEngine[FileInitInfo, FileUpdateInfo
         self.model.load_weights(tensors)  # type: ignore[operator]  # vLLM's models define it; nn.Module types it as a Tensor
         if update_info.group is not None:
             log.info(
-                "weights %s: %d of %d shard(s) came through the weight groups, the rest from the files",
+                "weights %s: %d of %d shard(s) came through the weight groups, %d from the files",
                 update_info.path,
                 update_info.received,
                 update_info.shards,
+                update_info.shards - update_info.received,
             )
 
     def update_weights(self, update_info: dict[str, Any]) -> None:

@@ -89,10 +89,12 @@ def worker_url(run, worker_id: str | None = None) -> str:
     return workers[worker_id]["url"]
 
 
-def publisher(run, r, pause_mode: str = "keep", snapshot_every: int = 0) -> WeightPublisher:
-    """The run's publisher; with `snapshot_every` it publishes deltas, one version in that many whole."""
+def publisher(run, r, pause_mode: str = "keep", snapshot_every: int = 0, backend: str = "file") -> WeightPublisher:
+    """The run's publisher; with `snapshot_every` it publishes deltas, one version in that many whole; `backend`:
+    rollout.weight_backend."""
     cfg = run.cfg()
     cfg.rollout.pause_mode = pause_mode
+    cfg.rollout.weight_backend = backend
     cfg.rollout.weight_delta = snapshot_every > 0
     cfg.rollout.weight_snapshot_every = max(snapshot_every, 1)
     return WeightPublisher(r, run.keys, cfg.rollout, run.run_dir)
@@ -344,22 +346,25 @@ async def test_abort_mode_pause_returns_partial_results_marked_aborted(deepseek_
 
 
 @pytest.mark.timeout(400)
+@pytest.mark.parametrize("backend", ["file", "collective"])
 async def test_a_version_published_as_deltas_serves_bit_for_bit_the_log_probs_of_the_same_version_sent_whole(
-    deepseek_run,
+    deepseek_run, backend
 ):
+    """Deltas through `backend` (collective: the real vLLM server receives every shard through a gloo group from
+    this process, and says so in its log), then the same weights as a whole version of the file transport."""
     run = deepseek_run
     url = worker_url(run)
     r = run.rz.async_client()
     state = hf_model(model_dir(run)).state_dict()
     async with (
         RolloutClient("policy", url=url, token=run.secrets.workers) as client,
-        publisher(run, r, snapshot_every=3) as deltas,
+        publisher(run, r, snapshot_every=3, backend=backend) as deltas,
         publisher(run, r) as whole,
     ):
         for seed in (1, 2, 3):  # a snapshot, then two deltas, each of the version before
             state = drift(state, seed)
             result = await deltas.publish(await next_version(run, r), state)
-            assert not result.evicted
+            assert not result.evicted and result.workers
         version = result.version
         assert delta_base(deltas.root / f"v{version}") == version - 1
         assert delta_base(deltas.root / f"v{version - 1}") == version - 2
@@ -369,7 +374,18 @@ async def test_a_version_published_as_deltas_serves_bit_for_bit_the_log_probs_of
         assert not sent_whole.evicted and delta_base(Path(sent_whole.location)) is None
         (by_whole,) = await client.generate(PROMPT, max_tokens=24, seed=5, ignore_eos=True)
         assert by_delta.token_ids == by_whole.token_ids and by_delta.logprobs == by_whole.logprobs
-        print(f"delta version {version}: {result.bytes / 1e6:.2f} MB against {sent_whole.bytes / 1e6:.2f} MB whole")
+        if backend == "collective":
+            took = f"/.v{version}.{os.getpid()}.tmp: {result.shards} of {result.shards} shard(s) came through the weight groups, 0 from the files"
+            for w in result.workers:
+                server_log = run.run_dir / "logs" / f"vllm-{w.worker_id}.log"
+                # The worker role copies the server's output into its log as it comes.
+                await asyncio.to_thread(
+                    run.wait_for, f"{took!r} in {server_log}", lambda: took in server_log.read_text(), None, 10
+                )
+        print(
+            f"{backend} delta version {version}: {result.bytes / 1e6:.2f} MB against {sent_whole.bytes / 1e6:.2f} "
+            "MB whole"
+        )
         await restore(run, r, whole)
     await r.aclose()
 
