@@ -380,7 +380,7 @@ async def test_a_version_published_as_deltas_serves_bit_for_bit_the_log_probs_of
                 server_log = run.run_dir / "logs" / f"vllm-{w.worker_id}.log"
                 # The worker role copies the server's output into its log as it comes.
                 await asyncio.to_thread(
-                    run.wait_for, f"{took!r} in {server_log}", lambda: took in server_log.read_text(), None, 10
+                    run.wait_for, f"{took!r} in {server_log}", lambda log=server_log: took in log.read_text(), None, 10
                 )
         print(
             f"{backend} delta version {version}: {result.bytes / 1e6:.2f} MB against {sent_whole.bytes / 1e6:.2f} "
