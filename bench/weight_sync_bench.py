@@ -9,15 +9,18 @@ the target is <= 20%. Prints a markdown table; with --results appends it to benc
 
     .venv/bin/python bench/weight_sync_bench.py [--sizes tiny,s,m,l] [--repeats 5] [--shard-mb 32] [--results]
 
-With --delta it compares, per size in the same run, the file transport sending every version whole against
-sending deltas (rollout.weight_delta; common/weights/delta.py), both streamed, on the same sequence of versions
-that drift as optimizer steps do (every float moves by --lr: sign steps, as Adam's first steps are): bytes
-written per version, publish time and pause window (medians; the delta publisher's first version is its
-snapshot and is left out). With --demo-steps N it also launches the demo (configs/demo.toml, 2 expert-parallel
-trainer ranks, deltas on, no snapshot after the first) for N RL steps and reads from the trainer's log the
-bytes of every version it published, so the delta ratio is that of real RL steps.
+With --delta it compares, per size in the same run and for each transport of --backends (file: the worker reads
+the version's files; collective: the trainer broadcasts the shards to it through a gloo group, common/weights/
+collective.py), every version sent whole against sent as a delta (rollout.weight_delta; common/weights/delta.py),
+all streamed, on the same sequence of versions that drift as optimizer steps do (every float moves by --lr: sign
+steps, as Adam's first steps are): bytes per version, publish time and pause window (medians; the delta
+publisher's first version is its snapshot and is left out). With --demo-steps N it also launches the demo
+(configs/demo.toml, 2 expert-parallel trainer ranks, deltas on, no snapshot after the first, the transport
+--demo-backend) for N RL steps and reads from the trainer's log the bytes of every version it published, so the
+delta ratio is that of real RL steps.
 
-    .venv/bin/python bench/weight_sync_bench.py --delta --sizes tiny,l --repeats 8 --demo-steps 20 [--results]
+    .venv/bin/python bench/weight_sync_bench.py --delta --sizes tiny,l --repeats 8 --demo-steps 20 \
+        [--backends file,collective] [--demo-backend collective] [--results]
 """
 
 from __future__ import annotations
@@ -146,7 +149,14 @@ def drift(tensors: dict[str, torch.Tensor], seed: int, lr: float) -> dict[str, t
 
 
 async def bench_delta_size(
-    name: str, overrides: dict, repeats: int, shard_mb: int, lrs: list[float], vllm_args: list[str], base: Path
+    name: str,
+    overrides: dict,
+    repeats: int,
+    shard_mb: int,
+    lrs: list[float],
+    vllm_args: list[str],
+    base: Path,
+    backends: list[str],
 ) -> list[dict]:
     """Whole against delta publishing of the same drifting versions to one real worker, per learning rate (see the
     module docstring)."""
@@ -156,19 +166,38 @@ async def bench_delta_size(
         version = 0
         rows = []
         for lr in lrs:
-            row, version = await _delta_rows(r, keys, cfg, original, name, lr, repeats, shard_mb, version, work)
+            row, version = await _delta_rows(
+                r, keys, cfg, original, name, lr, repeats, shard_mb, version, work, backends
+            )
             rows.append(row)
         return rows
 
 
 async def _delta_rows(
-    r, keys: Keys, cfg, original: dict, name: str, lr: float, repeats: int, shard_mb: int, version: int, work: Path
+    r,
+    keys: Keys,
+    cfg,
+    original: dict,
+    name: str,
+    lr: float,
+    repeats: int,
+    shard_mb: int,
+    version: int,
+    work: Path,
+    backends: list[str],
 ) -> tuple[dict, int]:
-    """One learning rate: `repeats` drifting versions whole, then the same as deltas; (row, last version used)."""
+    """One learning rate: per transport, `repeats` drifting versions whole, then the same as deltas; (row, last
+    version used)."""
     size = sum(t.numel() * t.element_size() for t in original.values())
-    out: dict = {"size": name, "mb": size / 1e6, "lr": lr}
-    for mode, delta in (("whole", False), ("delta", True)):
-        ro = replace(cfg.rollout, weight_shard_mb=shard_mb, weight_delta=delta, weight_snapshot_every=repeats + 2)
+    out: dict = {"size": name, "mb": size / 1e6, "lr": lr, "backends": backends}
+    for backend, mode, delta in ((b, m, d) for b in backends for m, d in (("whole", False), ("delta", True))):
+        ro = replace(
+            cfg.rollout,
+            weight_backend=backend,
+            weight_shard_mb=shard_mb,
+            weight_delta=delta,
+            weight_snapshot_every=repeats + 2,
+        )
         rows = []
         state = original
         async with WeightPublisher(r, keys, ro, work / "run") as pub:
@@ -180,14 +209,14 @@ async def _delta_rows(
                 assert not res.evicted, res.evicted
                 assert (res.delta_base is not None) == (delta and i > 0), (mode, i, res.delta_base)
                 print(
-                    f"{name} {mode:5s} v{version}: {res.bytes / 1e6:.2f} MB publish {res.total_s:.3f} "
+                    f"{name} {backend} {mode:5s} v{version}: {res.bytes / 1e6:.2f} MB publish {res.total_s:.3f} "
                     f"write {res.write_s:.3f} pause {res.max_pause_s:.3f}",
                     flush=True,
                 )
                 if i > 0:  # the delta publisher's first version is its snapshot
                     rows.append((res.bytes, res.total_s, res.max_pause_s, res.write_s))
         nbytes, total, pause, write = (statistics.median(col) for col in zip(*rows, strict=True))
-        out[mode] = {"bytes": nbytes, "publish_s": total, "pause_s": pause, "write_s": write}
+        out[f"{backend} {mode}"] = {"bytes": nbytes, "publish_s": total, "pause_s": pause, "write_s": write}
     return out, version
 
 
@@ -238,9 +267,9 @@ PUBLISHED = re.compile(
 )
 
 
-def demo_deltas(steps: int, base: Path) -> dict:
-    """Launch the demo with delta publishing for `steps` RL steps (2 EP ranks); per published version its MB,
-    whether a delta, publish and pause seconds, read from the trainer's log."""
+def demo_deltas(steps: int, base: Path, backend: str = "file") -> dict:
+    """Launch the demo with delta publishing through `backend` for `steps` RL steps (2 EP ranks); per published
+    version its MB, whether a delta, publish and pause seconds, read from the trainer's log."""
     # A short root: vLLM's IPC socket paths under the run dir must stay below 107 bytes.
     root = Path(tempfile.mkdtemp(prefix="wsb-"))
     sets = [
@@ -249,6 +278,7 @@ def demo_deltas(steps: int, base: Path) -> dict:
         "launch.roles.trainer.replicas=2",
         "trainer.parallel.ep=2",
         "rollout.weight_delta=true",
+        f"rollout.weight_backend={backend}",
         f"rollout.weight_snapshot_every={steps + 10}",
         "evaluator.every_n_versions=1000",
     ]
@@ -271,7 +301,7 @@ def demo_deltas(steps: int, base: Path) -> dict:
     shutil.rmtree(root, ignore_errors=True)
     if out.returncode != 0 or not versions:
         raise RuntimeError(f"the demo run failed (exit {out.returncode}): {out.stdout[-3000:]}{out.stderr[-3000:]}")
-    return {"steps": steps, "versions": versions}
+    return {"steps": steps, "versions": versions, "backend": backend}
 
 
 def codec_table(lrs: list[float]) -> str:
@@ -309,18 +339,23 @@ def codec_table(lrs: list[float]) -> str:
 
 
 def delta_table(results: list[dict], demo: dict | None) -> str:
+    """One row per size, lr, transport and way of sending; the ratios are against the first transport sending
+    whole versions (the file transport's, by default) in the same run."""
     lines = [
-        "| size | tensors (MB) | lr | whole: MB / version | publish (s) | pause (s) | delta: MB / version | "
-        "publish (s) | pause (s) | delta / whole bytes | publish ratio |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| size | tensors (MB) | lr | transport | sent | MB / version | publish (s) | pause (s) | bytes / whole | "
+        "publish / file whole | pause / file whole |",
+        "|---|---:|---:|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for x in results:
-        wh, de = x["whole"], x["delta"]
-        lines.append(
-            f"| {x['size']} | {x['mb']:.1f} | {x['lr']:g} | {wh['bytes'] / 1e6:.2f} | {wh['publish_s']:.3f} | "
-            f"{wh['pause_s']:.3f} | {de['bytes'] / 1e6:.2f} | {de['publish_s']:.3f} | {de['pause_s']:.3f} | "
-            f"{de['bytes'] / wh['bytes']:.3f} | {de['publish_s'] / wh['publish_s']:.2f} |"
-        )
+        ref = x[f"{x['backends'][0]} whole"]
+        for backend in x["backends"]:
+            for mode in ("whole", "delta"):
+                m = x[f"{backend} {mode}"]
+                lines.append(
+                    f"| {x['size']} | {x['mb']:.1f} | {x['lr']:g} | {backend} | {mode} | {m['bytes'] / 1e6:.2f} | "
+                    f"{m['publish_s']:.3f} | {m['pause_s']:.3f} | {m['bytes'] / ref['bytes']:.3f} | "
+                    f"{m['publish_s'] / ref['publish_s']:.2f} | {m['pause_s'] / ref['pause_s']:.2f} |"
+                )
     if demo:
         vs = demo["versions"]
         full = [v["mb"] for v in vs if not v["delta"]]
@@ -328,7 +363,8 @@ def delta_table(results: list[dict], demo: dict | None) -> str:
         if ratios:
             lines += [
                 "",
-                f"The demo, {demo['steps']} RL steps (its config, 2 EP ranks): {len(vs)} versions published, "
+                f"The demo, {demo['steps']} RL steps (its config, 2 EP ranks, the {demo['backend']} transport): "
+                f"{len(vs)} versions published, "
                 f"{len(full)} whole ({full[0]:.2f} MB), {len(ratios)} deltas; delta / whole bytes (the log's MB, one "
                 f"decimal): median {statistics.median(ratios):.3f}, min {min(ratios):.3f}, max {max(ratios):.3f}; "
                 f"publish median {statistics.median(v['publish_s'] for v in vs if v['delta']):.3f} s, pause median "
@@ -366,6 +402,10 @@ def main() -> int:
     ap.add_argument("--delta", action="store_true", help="compare whole and delta publishing (module docstring)")
     ap.add_argument("--lr", default="1e-4,1e-6", help="with --delta: how far each float moves per version (a list)")
     ap.add_argument("--demo-steps", type=int, default=0, help="with --delta: also launch the demo for this many steps")
+    ap.add_argument(
+        "--backends", default="file,collective", help="with --delta: the transports (rollout.weight_backend)"
+    )
+    ap.add_argument("--demo-backend", default="collective", help="with --delta: the demo run's rollout.weight_backend")
     args = ap.parse_args()
     (ROOT / "runs").mkdir(exist_ok=True)
     base = Path(tempfile.mkdtemp(prefix="weight_sync_bench-", dir=ROOT / "runs"))
@@ -415,11 +455,20 @@ def delta_main(args: argparse.Namespace, base: Path) -> int:
             row
             for n in filter(None, args.sizes.split(","))
             for row in asyncio.run(
-                bench_delta_size(n, SIZES[n], args.repeats, args.shard_mb, lrs, args.vllm_args.split(), base)
+                bench_delta_size(
+                    n,
+                    SIZES[n],
+                    args.repeats,
+                    args.shard_mb,
+                    lrs,
+                    args.vllm_args.split(),
+                    base,
+                    args.backends.split(","),
+                )
             )
         ]
         print(delta_table(results, None), flush=True)  # kept in the output should the demo fail
-        demo = demo_deltas(args.demo_steps, base) if args.demo_steps else None
+        demo = demo_deltas(args.demo_steps, base, args.demo_backend) if args.demo_steps else None
     finally:
         shutil.rmtree(base, ignore_errors=True)
     text = delta_table(results, demo)
@@ -427,10 +476,11 @@ def delta_main(args: argparse.Namespace, base: Path) -> int:
     print(text)
     if args.results:
         section = (
-            f"\n## Delta publishing against whole versions (file transport, streamed) — {time.strftime('%Y-%m-%d %H:%M')}\n\n"
+            f"\n## Delta publishing against whole versions, transports {args.backends} — {time.strftime('%Y-%m-%d %H:%M')}\n\n"
             f"Machine: {platform.node()}, {os.cpu_count()} CPU cores, torch {torch.__version__}, vLLM CPU build. "
             f"Command: `.venv/bin/python bench/weight_sync_bench.py --delta --sizes {args.sizes} --repeats "
-            f"{args.repeats} --lr {args.lr} --demo-steps {args.demo_steps} --results`. One worker; per size "
+            f"{args.repeats} --lr {args.lr} --demo-steps {args.demo_steps} --backends {args.backends} --demo-backend "
+            f"{args.demo_backend} --results`. One worker; per size "
             f"{args.repeats} versions each way (medians), fp32 tensors as the demo publishes them.\n\n{codecs}\n\n{text}\n"
         )
         path = ROOT / "bench" / "RESULTS.md"

@@ -182,9 +182,10 @@ def larger_heldout_set(root: Path, count: int) -> Path:
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
 def test_two_ep_ranks_with_routing_replay_learn_fully_async_through_faults(short_root, tmp_path):
-    """The demo, fully async, with the trainer as 2 ranks (EP = 2: each holds 4 of the 8 experts and writes
-    them into every published version, published as deltas of the version before, one in four whole: the restarted
-    worker and the evaluator's pinned worker rebuild a delta's base from its snapshot) and rollout routing replay (the experts vLLM chose for every token
+    """The demo, fully async, with the trainer as 2 ranks (EP = 2: each holds 4 of the 8 experts and sends them,
+    in every published version, straight to the live worker through its own gloo group: the collective transport;
+    versions are deltas of the version before, one in four whole, and are written as files too: the restarted
+    worker and the evaluator's pinned worker rebuild a delta's base from its snapshot there) and rollout routing replay (the experts vLLM chose for every token
     drive the trainer's expert-parallel dispatch). SIGKILL of the rollout worker after step 3, of the router
     after step 6, of redis-server after step 9: the launcher restarts the worker and the router (which takes
     over its own name), the launcher's rendezvous starts Redis again from its append-only file, and the run
@@ -222,6 +223,7 @@ def test_two_ep_ranks_with_routing_replay_learn_fully_async_through_faults(short
         "trainer.parallel.ep=2",
         "trainer.checkpoint.interval_steps=5",
         "trainer.rl.routing_replay=rollout",
+        "rollout.weight_backend=collective",
         "rollout.weight_delta=true",
         "rollout.weight_snapshot_every=4",
         *MIXTURE,
@@ -264,6 +266,12 @@ def test_two_ep_ranks_with_routing_replay_learn_fully_async_through_faults(short
         (int(v), int(b)) for v, b in re.findall(r"published weight version (\d+) \(a delta of version (\d+)\)", log)
     ]
     assert len(deltas) >= STEPS // 2 and all(b == v - 1 for v, b in deltas), deltas
+    # ... and reached the live workers through the groups of both ranks: every shard of most versions (a version
+    # under way when the worker was killed may have gone through the files).
+    server_logs = "\n".join(p.read_text(errors="replace") for p in (run.run_dir / "logs").glob("vllm-*.log"))
+    through = re.findall(r"(\d+) of (\d+) shard\(s\) came through the weight groups, (\d+) from the files", server_logs)
+    whole_through = [n for k, n, f in through if k == n and f == "0"]
+    assert len(whole_through) >= STEPS // 2 and all(int(n) >= 2 for n in whole_through), through
     # A second rollout worker registered (the restarted one) and the run finished on it.
     assert len(re.findall(r"registered worker \S+ .*\(train pool\)", log)) >= 2
     steps_done = ledger(run.run_dir)
