@@ -268,7 +268,20 @@ _MEASURED: dict[tuple[str, ...], dict[tuple[int, int], list[float]]] = {}
 
 def head_bytes(mc: ModelConfig, tokens: int, dtype: torch.dtype = torch.bfloat16) -> float:
     """Final norm, lm_head and the loss (cross-entropy over logits.float(), as trainer/core.py computes it):
-    bytes per token the forward keeps, measured at the real vocabulary and width."""
+    bytes per token the forward keeps, measured at the real vocabulary and width (once per shape: `suggest` plans
+    many token counts, and a DeepSeek-V3 head is 3.7 GB to build)."""
+    key = (mc.hidden_size, mc.vocab_size, str(dtype))
+    if key not in _HEAD:
+        _HEAD[key] = _measure_head(mc, dtype)
+    at8, per_token = _HEAD[key]
+    return at8 + per_token * (tokens - 8)
+
+
+_HEAD: dict[tuple[int, int, str], tuple[float, float]] = {}
+
+
+def _measure_head(mc: ModelConfig, dtype: torch.dtype) -> tuple[float, float]:
+    """The head's bytes at 8 tokens, and per token more."""
     norm = torch.nn.RMSNorm(mc.hidden_size)
     head = torch.nn.Linear(mc.hidden_size, mc.vocab_size, bias=False)
     with torch.no_grad():
@@ -284,8 +297,7 @@ def head_bytes(mc: ModelConfig, tokens: int, dtype: torch.dtype = torch.bfloat16
             return torch.nn.functional.cross_entropy(logits.float(), targets, reduction="sum")
 
         measured.append(float(_net_forward_bytes(fwd)))
-    per_token = (measured[1] - measured[0]) / 8
-    return measured[0] + per_token * (tokens - 8)
+    return measured[0], (measured[1] - measured[0]) / 8
 
 
 def plan(

@@ -118,7 +118,16 @@ def receive_shards(spec: GroupSpec, rank: int, owned: Sequence[Sequence[int]]) -
     deliver because it broke (the caller reads that one from the files). A shard whose bytes fail their CRC-32
     raises GroupShardError naming it."""
     arrived: queue.Queue[tuple[int, bytes | None] | BaseException | None] = queue.Queue(maxsize=2 * len(owned))
+    stopped = threading.Event()  # the reader gave up (a load failed): the receivers stop handing shards over
     store = dist.TCPStore(spec.address, spec.port, is_master=False, timeout=datetime.timedelta(seconds=spec.timeout_s))
+
+    def put(item: tuple[int, bytes | None] | BaseException | None) -> None:
+        while not stopped.is_set():
+            try:
+                arrived.put(item, timeout=0.5)
+                return
+            except queue.Full:
+                continue
 
     def receive(trainer_rank: int, indices: Sequence[int]) -> None:
         got = 0
@@ -137,10 +146,10 @@ def receive_shards(spec: GroupSpec, rank: int, owned: Sequence[Sequence[int]]) -
                             f"shard {index} from trainer rank {trainer_rank} arrived through the weight group with "
                             f"CRC-32 {zlib.crc32(raw):#010x}, its sender sent {crc:#010x}"
                         )
-                    arrived.put((index, raw))
+                    put((index, raw))
                     got += 1
         except GroupShardError as exc:
-            arrived.put(exc)
+            put(exc)
         except Exception as exc:  # the group broke: the rest of this rank's shards come from the files
             log.warning(
                 "weight group %s/r%d broke after %d of %d shard(s) (%s: %s); reading the rest from the files",
@@ -152,8 +161,8 @@ def receive_shards(spec: GroupSpec, rank: int, owned: Sequence[Sequence[int]]) -
                 exc,
             )
             for index in indices[got:]:
-                arrived.put((index, None))
-        arrived.put(None)
+                put((index, None))
+        put(None)
 
     threads = [
         threading.Thread(target=receive, args=(r, list(ix)), name=f"weights-r{r}", daemon=True)
@@ -162,11 +171,14 @@ def receive_shards(spec: GroupSpec, rank: int, owned: Sequence[Sequence[int]]) -
     for t in threads:
         t.start()
     done = 0
-    while done < len(threads):
-        item = arrived.get()
-        if item is None:
-            done += 1
-        elif isinstance(item, BaseException):
-            raise item
-        else:
-            yield item
+    try:
+        while done < len(threads):
+            item = arrived.get()
+            if item is None:
+                done += 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        stopped.set()

@@ -161,3 +161,27 @@ def test_the_config_refuses_the_collective_transport_with_tensor_parallel_worker
     assert cfg.rollout.weight_backend == "collective"
     with pytest.raises(ConfigError, match="tensor_parallel_size = 2.*rank of its own in the weight groups"):
         load_config("configs/demo.toml", ["rollout.weight_backend=collective", "rollout.tensor_parallel_size=2"])
+
+
+def test_a_shard_whose_bytes_do_not_match_the_crc_its_sender_sent_is_refused_naming_it():
+    """The wire itself (group.py) over a real gloo group of two threads: a sender that announces a wrong CRC-32
+    (bytes changed in transit look the same to the receiver) gets its shard refused, the shard named."""
+    import zlib
+
+    from common.weights.group import GroupShardError, _broadcast, join, receive_shards, serve_store
+
+    store = serve_store("127.0.0.1", 10.0)
+    spec = GroupSpec("127.0.0.1", store.port, "crc", 2, 10.0)
+    data = b"shard bytes" * 100
+
+    def bad_sender() -> None:
+        pg = join(spec, 0, 0, store)
+        _broadcast(pg, torch.tensor([7, len(data), zlib.crc32(data) ^ 1], dtype=torch.int64))
+        _broadcast(pg, torch.frombuffer(bytearray(data), dtype=torch.uint8))
+
+    sender = threading.Thread(target=bad_sender)
+    sender.start()
+    with pytest.raises(GroupShardError, match=r"shard 7 from trainer rank 0 .* with CRC-32"):
+        list(receive_shards(spec, 1, [[7]]))
+    sender.join(10)
+    assert not sender.is_alive()
