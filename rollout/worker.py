@@ -50,7 +50,7 @@ from common.roles import RunContext, announce
 from common.weights.fleet import WorkerError, WorkerRecord, current_version, read_record, register, set_worker_version
 from common.weights.versions import FILE_BACKENDS
 from common.weights.workers import apply_version, end_cut_update, label_version, weight_lock
-from rollout.vllm_plugin import FILE_BACKEND
+from rollout.vllm_plugin import COLLECTIVE_BACKEND, FILE_BACKEND
 from rollout.vllm_plugin.auth import KEY_ENV, MIDDLEWARE
 from rollout.vllm_plugin.watchdog import PARENT_ENV
 from trainer.tinykit import TINY_MODELS, resolve_model
@@ -91,8 +91,7 @@ def serving_dtype(dtype: str, model_dir: Path) -> str:
 
 def vllm_command(ro: RolloutConfig, model_dir: Path, host: str, port: int, cpu: bool) -> list[str]:
     """The vLLM OpenAI server command line of a worker (engine args pass through from the config)."""
-    # The `file` engine takes both file and collective versions (a collective update names its groups).
-    backend = FILE_BACKEND if ro.weight_backend in FILE_BACKENDS else "nccl"
+    backend = {"file": FILE_BACKEND, "collective": COLLECTIVE_BACKEND}.get(ro.weight_backend, "nccl")
     cmd = [
         sys.executable,
         "-m",

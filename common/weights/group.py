@@ -27,6 +27,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from common.net import route_source
+
 log = logging.getLogger(__name__)
 
 _HEADER = 3  # shard index, byte count, CRC-32
@@ -64,7 +66,12 @@ def join(spec: GroupSpec, trainer_rank: int, rank: int, store: dist.Store | None
     if store is None:
         store = dist.TCPStore(spec.address, spec.port, is_master=False, timeout=timeout)
     prefixed = dist.PrefixStore(f"{spec.prefix}/r{trainer_rank}", store)
-    return dist.ProcessGroupGloo(prefixed, rank, spec.size, timeout)
+    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # in the extension, not its stubs
+    options._timeout = timeout
+    # Gloo's default device is the address the host name resolves to, which on a host of several interfaces
+    # (or in a network namespace) may not reach the others: the one that reaches the store does.
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=route_source(spec.address))]
+    return dist.ProcessGroupGloo(prefixed, rank, spec.size, options)
 
 
 def _broadcast(pg: Any, t: torch.Tensor) -> None:

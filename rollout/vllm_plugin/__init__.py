@@ -1,8 +1,9 @@
-"""Slipstream's vLLM general plugin: the `file` weight-transfer engine and the CPU MoE reload fix.
+"""Slipstream's vLLM general plugin: the `file` (and `collective`) weight-transfer engine and the CPU MoE reload fix.
 
 vLLM runs `register` (entry point group `vllm.general_plugins`, see pyproject.toml) in every vLLM
 process. It registers the `file` engine, which loads a published weight version from safetensors
-files (common/weights/ writes them) and works on any machine that sees the files, and, on the CPU
+files (common/weights/ writes them) and works on any machine that sees the files, also as `collective`, the
+name it runs under when versions come through the trainer ranks' gloo groups, and, on the CPU
 platform of vLLM 0.32, makes weight reloads re-run the CPU expert pre-packing that vLLM skips, and
 in the server a worker role started, watches that role and ends the server when it dies (watchdog.py).
 On that platform it also makes `--enable-return-routed-experts` work with the V1 CPU model runner
@@ -18,6 +19,10 @@ import logging
 log = logging.getLogger(__name__)
 
 FILE_BACKEND = "file"
+COLLECTIVE_BACKEND = "collective"
+"""The same engine under the name of the collective transport (common/weights/collective.py): it receives a
+version's shards through the trainer ranks' gloo groups, and loads versions from files as the `file` engine does
+(a worker catching up, the evaluator's pinned worker)."""
 
 
 def register() -> None:
@@ -26,10 +31,11 @@ def register() -> None:
 
     # vLLM loads general plugins once per process, but a process that imports us twice (tests) must
     # not fail on the factory's duplicate-name check.
-    if FILE_BACKEND not in WeightTransferEngineFactory._registry:
-        WeightTransferEngineFactory.register_engine(
-            FILE_BACKEND, "rollout.vllm_plugin.file_engine", "FileWeightTransferEngine"
-        )
+    for name in (FILE_BACKEND, COLLECTIVE_BACKEND):
+        if name not in WeightTransferEngineFactory._registry:
+            WeightTransferEngineFactory.register_engine(
+                name, "rollout.vllm_plugin.file_engine", "FileWeightTransferEngine"
+            )
     from rollout.vllm_plugin import cpu_moe_fix, routed_experts, watchdog
 
     _log_to_server_output()
