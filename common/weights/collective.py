@@ -10,8 +10,9 @@ worker taking the newest version: a late or restarted worker catching up, the ev
 republish, and the decode base of a worker that missed a version. So the pause window and the workers' reads no
 longer wait on the shared filesystem, which the trainer still writes (and `keep_versions` still prunes).
 
-Workers must join within `rollout.weight_group_timeout_s`; a worker that fails before joining makes the others
-wait that long and then read the files. Tensor parallel workers are refused by the config (every TP rank of a
+Workers must join within `rollout.weight_group_timeout_s`. A worker whose update fails (before it joined, or
+while the others wait) calls the version's groups off: the members still waiting stop at once and read the files;
+one that hangs without failing costs the others the timeout. Tensor parallel workers are refused by the config (every TP rank of a
 worker would need its own group rank; not built).
 """
 
@@ -29,8 +30,8 @@ import torch.distributed as dist
 
 from common.weights.base import PublishError, PublishResult
 from common.weights.file import SHARD_WAIT_S, FileTransport
-from common.weights.group import GroupSpec, ShardCaster, serve_store
-from common.weights.workers import WorkerDriver
+from common.weights.group import GroupSpec, ShardCaster, abort, serve_store
+from common.weights.workers import WorkerDriver, WorkerOutcome
 
 log = logging.getLogger(__name__)
 
@@ -82,12 +83,15 @@ class CollectiveTransport(FileTransport):
         group: dict[str, Any] = {**spec.to_dict(), "owned": [[f, n] for f, n in zip(firsts, counts, strict=True)]}
         base = {"path": str(writer.tmp), "shards": writer.total_shards, "wait_s": SHARD_WAIT_S}
         infos = {w: {**base, "group": {**group, "rank": 1 + i}} for i, w in enumerate(workers)}
+
+        async def update(worker_id: str, url: str) -> WorkerOutcome:
+            outcome = await self.driver.update(worker_id, url, version, infos[worker_id], pause_mode)
+            if not outcome.ok:  # it will never join (or has left): the others stop waiting for it
+                await asyncio.to_thread(abort, spec, f"worker {worker_id} failed: {outcome.error[:300]}")
+            return outcome
+
         self._write = write = asyncio.ensure_future(asyncio.to_thread(writer.write, self._peers, spec))
-        outcomes = list(
-            await asyncio.gather(
-                *(self.driver.update(w, url, version, infos[w], pause_mode) for w, url in workers.items())
-            )
-        )
+        outcomes = list(await asyncio.gather(*(update(w, url) for w, url in workers.items())))
         await asyncio.wait({write})
         caster.close()
         if (failure := write.exception()) is not None:

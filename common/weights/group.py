@@ -19,6 +19,7 @@ import datetime
 import logging
 import queue
 import threading
+import time
 import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
@@ -32,6 +33,7 @@ from common.net import route_source
 log = logging.getLogger(__name__)
 
 _HEADER = 3  # shard index, byte count, CRC-32
+_JOIN_POLL_S = 0.02
 
 
 @dataclass(frozen=True)
@@ -58,13 +60,42 @@ def serve_store(host: str, timeout_s: float) -> dist.TCPStore:
     return dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s))
 
 
+class GroupAborted(RuntimeError):
+    """The version's groups were called off before they formed (a worker failed before joining)."""
+
+
+def abort(spec: GroupSpec, reason: str) -> None:
+    """Call off the version's groups: every member still waiting to join stops waiting (and reads the files).
+    Through a store client of its own: a TCPStore client used by two threads at once garbles its replies."""
+    timeout = datetime.timedelta(seconds=spec.timeout_s)
+    dist.TCPStore(spec.address, spec.port, is_master=False, timeout=timeout).set(f"{spec.prefix}/abort", reason)
+
+
 def join(spec: GroupSpec, trainer_rank: int, rank: int, store: dist.Store | None = None) -> Any:
-    """Join trainer rank `trainer_rank`'s group of the version as group rank `rank` (blocks until every member has
-    joined, at most the spec's timeout). A gloo backend object of its own (typed Any: torch's stubs give
-    ProcessGroupGloo no collectives), apart from any default group of the process (vLLM's, the trainer's)."""
+    """Join trainer rank `trainer_rank`'s group of the version as group rank `rank`. First every member announces
+    itself in the store; this waits until all have (at most the spec's timeout) or the groups are called off
+    (`abort`: GroupAborted), so a worker that failed before joining costs the others no timeout. A gloo backend
+    object of its own (typed Any: torch's stubs give ProcessGroupGloo no collectives), apart from any default
+    group of the process (vLLM's, the trainer's)."""
     timeout = datetime.timedelta(seconds=spec.timeout_s)
     if store is None:
         store = dist.TCPStore(spec.address, spec.port, is_master=False, timeout=timeout)
+    here = f"{spec.prefix}/r{trainer_rank}/here"
+    store.set(f"{here}/{rank}", "1")
+    everyone = [f"{here}/{i}" for i in range(spec.size)]
+    called_off = [f"{spec.prefix}/abort"]
+    deadline = time.monotonic() + spec.timeout_s
+    while not store.check(everyone):
+        if store.check(called_off):
+            raise GroupAborted(
+                f"the weight groups of {spec.prefix} were called off: {store.get(called_off[0]).decode()}"
+            )
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"weight group {spec.prefix}/r{trainer_rank}: not every one of its {spec.size} members joined within "
+                f"{spec.timeout_s:g} s (rollout.weight_group_timeout_s)"
+            )
+        time.sleep(_JOIN_POLL_S)
     prefixed = dist.PrefixStore(f"{spec.prefix}/r{trainer_rank}", store)
     options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # in the extension, not its stubs
     options._timeout = timeout
@@ -126,7 +157,6 @@ def receive_shards(spec: GroupSpec, rank: int, owned: Sequence[Sequence[int]]) -
     raises GroupShardError naming it."""
     arrived: queue.Queue[tuple[int, bytes | None] | BaseException | None] = queue.Queue(maxsize=2 * len(owned))
     stopped = threading.Event()  # the reader gave up (a load failed): the receivers stop handing shards over
-    store = dist.TCPStore(spec.address, spec.port, is_master=False, timeout=datetime.timedelta(seconds=spec.timeout_s))
 
     def put(item: tuple[int, bytes | None] | BaseException | None) -> None:
         while not stopped.is_set():
@@ -140,7 +170,7 @@ def receive_shards(spec: GroupSpec, rank: int, owned: Sequence[Sequence[int]]) -
         got = 0
         try:
             if indices:
-                pg = join(spec, trainer_rank, rank, store)
+                pg = join(spec, trainer_rank, rank)  # a store client of its own: one is not shared across threads
                 header = torch.zeros(_HEADER, dtype=torch.int64)
                 for _ in indices:
                     _broadcast(pg, header)

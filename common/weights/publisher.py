@@ -10,6 +10,7 @@ weights only under the worker's weight lock (workers.py).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
@@ -26,9 +27,9 @@ from common.net import is_loopback, route_source
 from common.roles import announce
 from common.weights.base import PublishError, PublishResult
 from common.weights.factory import make_transport
-from common.weights.fleet import current_version, live_workers
+from common.weights.fleet import current_version, live_workers, read_records
 from common.weights.nccl import NcclGroup
-from common.weights.versions import weight_root
+from common.weights.versions import FILE_BACKENDS, weight_root
 from common.weights.workers import WorkerDriver
 
 if TYPE_CHECKING:
@@ -123,9 +124,36 @@ class WeightPublisher:
             result = await self.transport.send(version, workers, mode)
             await self._commit(result, t0)
             published = True
+            if self.transport.backend in FILE_BACKENDS:
+                await self._bring_late_joiners(result, workers, mode)
         finally:
             await self.transport.finish(published)
         return result
+
+    async def _bring_late_joiners(self, result: PublishResult, sent_to: Mapping[str, str], mode: str) -> None:
+        """Bring to the version, from its files, the workers that registered while it was sent: one that restarted
+        or was readmitted caught up to weights:current, then the version before, and registered after this publish
+        chose its workers. Before the publish returns, because the next batch is generated right after it, and
+        on-policy refuses a sample of the version before."""
+        records = await read_records(self.client, self.keys.workers)
+        late = {
+            w: url
+            for w, url in (await live_workers(self.client, self.keys)).items()
+            if w not in sent_to and w in records and (records[w].weight_version or -1) < result.version
+        }
+        if not late:
+            return
+        info = {"path": result.location}
+        outcomes = await asyncio.gather(
+            *(self.driver.update(w, url, result.version, info, mode) for w, url in late.items())
+        )
+        result.workers += outcomes
+        log.info(
+            "brought %d worker(s) that registered during the publish to weight version %d%s",
+            sum(o.ok for o in outcomes),
+            result.version,
+            "; EVICTED " + str([o.worker_id for o in outcomes if not o.ok]) if not all(o.ok for o in outcomes) else "",
+        )
 
     async def _commit(self, result: PublishResult, t0: float) -> None:
         """Every worker still live has acknowledged (failures were evicted), so the version is current."""

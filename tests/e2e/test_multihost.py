@@ -4,7 +4,8 @@ Host A (192.0.2.1) runs Redis and the router, host B (192.0.2.2) a vLLM worker, 
 the trainer and the evaluator; each process is started by the script `slipstream scripts` wrote for
 it, with every listener bound to 0.0.0.0 and advertised as `auto`, so the addresses the roles find
 each other by are the ones the run chose itself. The demo trains on-policy for 10 RL steps (the end-to-end test of the on-policy strategy: it trains
-on fresh samples only) and every version reaches its evaluator on host C; then every process
+on fresh samples only), every version reaching host B's worker through the collective transport's gloo group
+and its evaluator on host C; then every process
 of host B is killed and the router must evict the worker. Mid-run host B is partitioned (its link to the
 bridge down for PARTITION_S): the router evicts its worker, admits it again once the link is back, and the
 run finishes every step. Namespaces need root (`ip netns`): the test
@@ -144,6 +145,10 @@ def test_three_hosts_train_the_demo_from_the_scripts_survive_a_partition_and_the
         "launch.roles.vllm_eval.replicas=0",
         "trainer.final_eval_wait_s=120",
         "flow.strategy=on_policy",
+        # Versions reach host B from the trainer on host C through the collective transport's gloo group (the
+        # files under the shared run dir are its catch-up path); a group cut by the partition gives up in 10 s.
+        "rollout.weight_backend=collective",
+        "rollout.weight_group_timeout_s=10",
         LEARNING_BENCHMARKS,
     ]
     cmd = [sys.executable, "-m", "common.runs.cli", "scripts", "configs/demo.toml", str(short_root / "scripts")]
@@ -243,6 +248,10 @@ def test_three_hosts_train_the_demo_from_the_scripts_survive_a_partition_and_the
         print(f"multihost held-out: {end_of_run_rise(heldout, min(heldout), STEPS)}")
         print(f"multihost sampled reward: {reward_rise(dict(enumerate(rewards)), STEPS)}")
         print(f"multihost training facts: {end_of_run_rise(trained_facts, min(trained_facts), STEPS)}")
+        # The versions crossed from host C to host B through the group: every shard of nearly all of them.
+        server_logs = "\n".join(p.read_text(errors="replace") for p in (run_dir / "logs").glob("vllm-*.log"))
+        through = re.findall(r"(\d+) of (\d+) shard\(s\) came through the weight groups, (\d+) from", server_logs)
+        assert len([n for k, n, f in through if k == n and f == "0"]) >= STEPS - 2, through
         steps_done = [json.loads(x) for x in (run_dir / "trained_prompts.jsonl").read_text().splitlines()]
         assert [s["step"] for s in steps_done] == list(range(STEPS))
         trained = [p for s in steps_done for p in s["prompt_ids"]]
