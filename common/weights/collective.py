@@ -12,8 +12,8 @@ longer wait on the shared filesystem, which the trainer still writes (and `keep_
 
 Workers must join within `rollout.weight_group_timeout_s`. A worker whose update fails (before it joined, or
 while the others wait) calls the version's groups off: the members still waiting stop at once and read the files;
-one that hangs without failing costs the others the timeout. Tensor parallel workers are refused by the config (every TP rank of a
-worker would need its own group rank; not built).
+one that hangs without failing costs the others the timeout. Tensor-parallel workers are refused by the config
+(every TP rank of a worker would need a group rank of its own; not built).
 """
 
 from __future__ import annotations
