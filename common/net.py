@@ -1,7 +1,7 @@
 """Where a listening process binds, and the address it tells the others to use.
 
-Every listening part of a run (Redis, the router, vLLM workers, trainer rank 0's process-group store)
-has a bind host and an advertise host. Loopback is the default for both, so a run stays on one machine
+Every listening part of a run (Redis, the router, vLLM workers, trainer rank 0's process-group store, the
+collective weight transport's store) has a bind host and an advertise host. Loopback is the default for both, so a run stays on one machine
 unless the config says otherwise. `advertise_host = "auto"` advertises the bind host when it is one
 address; for a wildcard bind (0.0.0.0, ::) it advertises the address of the interface that routes
 toward the experiment's Redis, found with a connected UDP socket (the kernel picks the route; no packet
@@ -11,11 +11,16 @@ non-loopback address, and asks for an explicit advertise host when there are sev
 
 from __future__ import annotations
 
+import datetime
 import ipaddress
 import socket
+from typing import TYPE_CHECKING
 
 import aiohttp
 import psutil
+
+if TYPE_CHECKING:
+    from torch.distributed import TCPStore
 
 AUTO = "auto"
 WILDCARDS = ("0.0.0.0", "::", "")
@@ -118,4 +123,26 @@ def vllm_session(token: str = "") -> aiohttp.ClientSession:
     """A client session for vLLM servers (carrying `token`): idle connections are dropped before vLLM drops them."""
     return aiohttp.ClientSession(
         headers=bearer(token), connector=aiohttp.TCPConnector(keepalive_timeout=VLLM_CLIENT_KEEPALIVE_S)
+    )
+
+
+def serve_store(host: str, port: int, world: int, timeout: datetime.timedelta) -> TCPStore:
+    """A torch TCPStore server listening on `host` only (port 0: a free one; its `.port` says which). torch's
+    store server binds every interface when it opens its own socket; handed a listening socket
+    (`master_listen_fd`, libuv backend) it serves that one instead. OSError when `host` is not this machine's."""
+    import torch.distributed as dist
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(max(128, world))
+    except OSError:
+        sock.close()
+        raise
+    bound = int(sock.getsockname()[1])
+    # torch owns the descriptor from here (detach: Python must not close it under the store).
+    return dist.TCPStore(
+        host, bound, world, is_master=True, timeout=timeout, wait_for_workers=False, master_listen_fd=sock.detach()
     )

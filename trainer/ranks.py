@@ -30,6 +30,8 @@ import psutil
 import torch
 import torch.distributed as dist
 
+from common.net import serve_store
+
 log = logging.getLogger(__name__)
 
 # How long a rank waits for rank 0's store address and for the whole group to form.
@@ -198,25 +200,14 @@ def form_group(
 
 
 def _serve_store(host: str, port: int, world: int, timeout: datetime.timedelta, field: str) -> dist.TCPStore:
-    """Rank 0's TCPStore, listening on `host` only. torch's store server binds every interface when it opens its
-    own socket; handed a listening socket (`master_listen_fd`, libuv backend) it serves that one instead."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    """Rank 0's TCPStore, listening on `host` only (common/net.py `serve_store`)."""
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        sock.listen(max(128, world))
+        return serve_store(host, port, world, timeout)
     except OSError as exc:
-        sock.close()
         raise RankError(
             f"trainer rank 0 cannot listen on {host}:{port} for its process-group store ({exc}); {field} must be "
             "an address of rank 0's own machine"
         ) from None
-    bound = int(sock.getsockname()[1])
-    # torch owns the descriptor from here (detach: Python must not close it under the store).
-    return dist.TCPStore(
-        host, bound, world, is_master=True, timeout=timeout, wait_for_workers=False, master_listen_fd=sock.detach()
-    )
 
 
 def torchrun_listen_host(master_addr: str) -> str | None:

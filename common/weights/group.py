@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from common import net
 from common.net import route_source
 
 log = logging.getLogger(__name__)
@@ -56,8 +57,9 @@ class GroupSpec:
 
 
 def serve_store(host: str, timeout_s: float) -> dist.TCPStore:
-    """Trainer rank 0's rendezvous store for every version's groups, on a free port of `host`."""
-    return dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s))
+    """Trainer rank 0's rendezvous store for every version's groups, on a free port of `host`, listening there only
+    (as rank 0's process-group store: not on every interface)."""
+    return net.serve_store(host, 0, 1, datetime.timedelta(seconds=timeout_s))
 
 
 class GroupAborted(RuntimeError):

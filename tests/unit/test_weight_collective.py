@@ -168,12 +168,20 @@ def test_the_config_refuses_the_collective_transport_with_tensor_parallel_worker
 
 def test_a_shard_whose_bytes_do_not_match_the_crc_its_sender_sent_is_refused_naming_it():
     """The wire itself (group.py) over a real gloo group of two threads: a sender that announces a wrong CRC-32
-    (bytes changed in transit look the same to the receiver) gets its shard refused, the shard named."""
+    (bytes changed in transit look the same to the receiver) gets its shard refused, the shard named; the store
+    the groups meet on listens on its address only."""
     import zlib
 
     from common.weights.group import GroupShardError, _broadcast, join, receive_shards, serve_store
 
     store = serve_store("127.0.0.1", 10.0)
+    # The weight groups' store listens on the address it was given only, not on every interface.
+    import psutil
+
+    listening = {
+        c.laddr.ip for c in psutil.net_connections("tcp") if c.status == "LISTEN" and c.laddr.port == store.port
+    }
+    assert listening == {"127.0.0.1"}, listening
     spec = GroupSpec("127.0.0.1", store.port, "crc", 2, 10.0)
     data = b"shard bytes" * 100
 
