@@ -49,7 +49,7 @@ from common.redis_client import STOP_WRITE_S
 from common.roles import RunContext, announce
 from common.weights.fleet import WorkerError, WorkerRecord, current_version, read_record, register, set_worker_version
 from common.weights.versions import FILE_BACKENDS
-from common.weights.workers import apply_version, end_cut_update, label_version, weight_lock
+from common.weights.workers import apply_version, end_cut_update, is_paused, label_version, resume, weight_lock
 from rollout.vllm_plugin import COLLECTIVE_BACKEND, FILE_BACKEND
 from rollout.vllm_plugin.auth import KEY_ENV, MIDDLEWARE
 from rollout.vllm_plugin.watchdog import PARENT_ENV
@@ -394,6 +394,51 @@ async def follow_current(ctx: RunContext, client, session: aiohttp.ClientSession
         return version
 
 
+# How long a server may stay paused with nobody holding the worker's weight lock before the worker resumes it.
+UNHELD_PAUSE_GRACE_S = 30.0
+
+
+class UnheldPause:
+    """Resumes the server once it has stayed paused for UNHELD_PAUSE_GRACE_S with nobody holding the worker's
+    weight lock.
+
+    Every pause of the run's own is made under that lock (a publisher, the worker's catch-up) and undone before it
+    is released. One that is not: a publisher cut off by a partition mid-update gives up on its calls, but a
+    request its kernel still had to send arrives once the link is back, after the worker has rejoined and resumed,
+    and pauses it with nobody left to resume it (seen in the multihost test: generation stopped for good). Each
+    look takes the lock itself (only tries it: held by someone means the pause is theirs), so it never undoes the
+    pause of an update under way; the grace leaves a pause made just before an update takes the lock alone."""
+
+    def __init__(self, grace_s: float = UNHELD_PAUSE_GRACE_S) -> None:
+        self.grace_s = grace_s
+        self.since: float | None = None
+
+    async def look(self, ctx: RunContext, client, session: aiohttp.ClientSession, worker_id: str, url: str) -> bool:
+        """One look; True if it resumed the server."""
+        try:
+            async with weight_lock(client, ctx.keys, worker_id, wait_s=0.05):
+                if not await is_paused(session, url):
+                    self.since = None
+                    return False
+                now = time.monotonic()
+                self.since = now if self.since is None else self.since
+                if now - self.since < self.grace_s:
+                    return False
+                await resume(session, url)
+                self.since = None
+        except (WorkerError, RedisError) as exc:  # the lock is someone's (LockError), or the server is out of reach now
+            log.debug("unheld-pause look: %s", exc)
+            self.since = None
+            return False
+        log.warning(
+            "worker %s: its server stayed paused for %.0f s with nobody holding its weight lock (a cut-off "
+            "publisher's request that arrived late); resumed it",
+            worker_id,
+            self.grace_s,
+        )
+        return True
+
+
 async def _location_of(client, ctx: RunContext, version: int) -> str:
     for _id, fields in await client.xrevrange(ctx.keys.weights_log, count=1000):
         if int(fields["version"]) == version:
@@ -505,6 +550,7 @@ async def _serve(
 ) -> int:
     period = ctx.cfg.rendezvous.heartbeat_period_s
     died = asyncio.create_task(vllm.wait(), name="vllm exit")
+    unheld = UnheldPause()
     try:
         while True:
             done, _ = await asyncio.wait({died}, timeout=period)
@@ -526,6 +572,7 @@ async def _serve(
             if current is not None and (entry.weight_version is None or current > entry.weight_version):
                 # A publish finished without driving us (it started before we registered).
                 await follow_current(ctx, client, session, worker_id, record.url)
+            await unheld.look(ctx, client, session, worker_id, record.url)
     finally:
         await cancel_and_join(died, 5.0, "the worker's watch of its vLLM server")
 

@@ -127,6 +127,15 @@ async def apply_version(
     return time.perf_counter() - paused_at
 
 
+async def is_paused(session: aiohttp.ClientSession, url: str) -> bool:
+    """Whether the server at `url` is paused (/pause without its /resume yet)."""
+    return bool(json.loads(await _call(session, "GET", f"{url}/is_paused")).get("is_paused"))
+
+
+async def resume(session: aiohttp.ClientSession, url: str) -> None:
+    await _call(session, "POST", f"{url}/resume")
+
+
 async def served_version(session: aiohttp.ClientSession, url: str) -> str | None:
     """The weight version label the worker reports on /weight_info."""
     return json.loads(await _call(session, "GET", f"{url}/weight_info"))["weight_version"]

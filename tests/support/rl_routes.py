@@ -16,10 +16,13 @@ if TYPE_CHECKING:
     from common.weights.delta import HeldWeights
 
 
-async def start_app(handle: Callable[[web.Request], Awaitable[web.Response]]) -> tuple[web.AppRunner, str]:
-    """Serve `handle` for every POST on a free loopback port; the runner (clean it up) and its URL."""
+async def start_app(
+    handle: Callable[[web.Request], Awaitable[web.Response]], methods: tuple[str, ...] = ("POST",)
+) -> tuple[web.AppRunner, str]:
+    """Serve `handle` for every request of `methods` on a free loopback port; the runner (clean it up) and its URL."""
     app = web.Application()
-    app.router.add_route("POST", "/{tail:.*}", handle)
+    for method in methods:
+        app.router.add_route(method, "/{tail:.*}", handle)
     runner = web.AppRunner(app)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", 0).start()
