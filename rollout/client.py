@@ -83,6 +83,10 @@ class Sample:
     worker: str = ""
     """The id of the worker that generated it, as the router named it (common.http.WORKER_HEADER); "" when the
     answer did not come through a router, or the Sample was pickled before this field existed."""
+    mask: list[int] | None = None
+    """Aligned with token_ids in a multi-turn episode (rollout/episode.py): 1 where the policy sampled the token,
+    0 where the environment appended it (a tool result), which is never trained and whose log-prob is a 0.0
+    placeholder and version the one before it. None: every token was sampled (a single turn)."""
 
     @property
     def aborted(self) -> bool:

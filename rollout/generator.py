@@ -1,8 +1,10 @@
-"""The generation side of the RL trainer process: one sample of one prompt through the router, rewarded
-by the task (`SampleGenerator`, the genable the flow runtime drives on the generation controller's event
-loop), and the record it yields (`Rollout`, with when it was generated: `GenTiming`, which the trainer
-logs as the run's gen/* metrics). A request that finds no worker (all of them restarting) waits for
-one, bounded by `rollout.startup_timeout_s`, instead of spending the flow's error budget."""
+"""The generation side of the RL trainer process: one sample of one prompt, an episode of the run's environment
+(rollout/episode.py: one turn of the task, or several with tools) played through the router
+(`SampleGenerator`, the genable the flow runtime drives on the generation controller's event loop), and the
+record it yields (`Rollout`, with when it was generated: `GenTiming`, which the trainer logs as the run's gen/*
+metrics). A turn whose request finds no worker (all of them restarting, or its worker killed mid-episode) waits
+for one, bounded by `rollout.startup_timeout_s`, and is sent again with the episode's tokens so far: the episode
+goes on from that turn instead of spending the flow's error budget."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from common.config import Config
 from common.roles import RunContext
 from rollout.chat import prompt_token_ids
 from rollout.client import NoRouterError, RolloutClient, RolloutError, Sample
+from rollout.episode import Budget, Environments, TaskEnvironments, run_episode
 from rollout.flow.runtime import SampleRequest
 from rollout.tasks import Problem, Task
 
@@ -32,10 +35,10 @@ class GenTiming:
     dispatched: float
     """The flow runtime handed the sample to the controller (`SampleRequest.dispatched`)."""
     sent: float
-    """The request that produced the sample went to the router: the moment the controller started the
-    attempt (it calls the genable at once), or later if the attempt first waited for a worker."""
+    """The episode's first request went to the router: the moment the controller started the attempt (it calls
+    the genable at once), or later if the attempt first waited for a worker."""
     done: float
-    """The router's answer came back (the reward is computed after)."""
+    """The router's answer to its last turn came back (the reward is computed after)."""
     concurrency: int
     """Requests in flight at the controller when this one was sent, itself included."""
 
@@ -52,13 +55,22 @@ class GenTiming:
 
 @dataclass
 class Rollout:
-    """One sample of one prompt: the generation with its behaviour log-probs, its reward and its timing
-    (None for rollouts not made by `SampleGenerator`); the flow runtime reads it as a `Trajectory`."""
+    """One sample of one prompt: the episode's tokens with their behaviour log-probs (`sample`; its mask marks the
+    environment's tokens), its reward, the text of the policy's last turn and its timing (None for rollouts not
+    made by `SampleGenerator`); the flow runtime reads it as a `Trajectory`. The episode's costs default to one
+    turn without tools (a Rollout pickled before they existed reads these)."""
 
     sample: Sample
     reward: float
     text: str
     timing: GenTiming | None = None
+    turns: int = 1
+    """Policy turns (generation requests that completed)."""
+    tool_calls: int = 0
+    tool_s: float = 0.0
+    """Seconds the episode spent in the environment's steps between turns (its tools)."""
+    env_tokens: int = 0
+    """Tokens the environment appended (mask 0 in `sample`)."""
 
     @property
     def weight_versions(self) -> list[int]:
@@ -73,8 +85,13 @@ class SampleGenerator:
     `rollout.startup_timeout_s`, instead of burning the error budget.
     """
 
-    def __init__(self, cfg: Config, ctx: RunContext, task: Task, tokenizer: Any) -> None:
+    def __init__(
+        self, cfg: Config, ctx: RunContext, task: Task, tokenizer: Any, envs: Environments | None = None
+    ) -> None:
+        """`envs`: the run's environments (rollout.episode); None plays the task's one-turn episodes."""
         self.cfg, self.ctx, self.task, self.tokenizer = cfg, ctx, task, tokenizer
+        self.envs = envs if envs is not None else TaskEnvironments(task)
+        self.budget = Budget.from_config(cfg, one_turn=isinstance(self.envs, TaskEnvironments))
         self._client: RolloutClient | None = None
         self._encoded: dict[str, list[int]] = {}
         # Calls running now. The controller runs every attempt through this, its only genable, and caps
@@ -105,32 +122,57 @@ class SampleGenerator:
                 affinity_header=self.cfg.router.affinity_header,
                 token=self.cfg.router.auth_token,
             )
+        client, ro = self._client, self.cfg.rollout
+        group = f"{self.ctx.exp}:{req.prompt_id}"  # every turn of every sample of a group: one worker's cache
+        sent: float | None = None  # the first turn's request went out (after any wait for a worker)
+        answered: float | None = None  # the last turn's answer came back
+        concurrency = self._in_flight
+        first = True
+
+        async def turn(context: list[int], max_tokens: int) -> Sample:
+            nonlocal sent, answered, first
+            deadline = time.monotonic() + ro.startup_timeout_s
+            while True:
+                if sent is None:
+                    sent = time.monotonic()
+                try:
+                    (sample,) = await client.generate(
+                        context,
+                        temperature=ro.temperature,
+                        top_k=ro.top_k,
+                        top_p=ro.top_p,
+                        max_tokens=max_tokens,
+                        group=group,
+                    )
+                    break
+                except (NoRouterError, RolloutError, aiohttp.ClientConnectionError) as exc:
+                    if not no_worker(exc) or time.monotonic() > deadline:
+                        raise
+                    if first:
+                        sent = None  # the first turn's wait for a worker is queueing: the sample is not sent yet
+                    await asyncio.sleep(NO_WORKER_RETRY_S)
+            first, answered = False, time.monotonic()
+            if sample.aborted:
+                raise RolloutError(f"sample {req.prompt_id}/{req.index} was aborted by a weight update")
+            return sample
+
         problem = req.prompt
-        ro = self.cfg.rollout
-        prompt = self.encode(problem.prompt)
-        deadline = time.monotonic() + ro.startup_timeout_s
-        while True:
-            sent, concurrency = time.monotonic(), self._in_flight
-            try:
-                (sample,) = await self._client.generate(
-                    prompt,
-                    temperature=ro.temperature,
-                    top_k=ro.top_k,
-                    top_p=ro.top_p,
-                    max_tokens=ro.max_tokens,
-                    group=f"{self.ctx.exp}:{req.prompt_id}",
-                )
-                break
-            except (NoRouterError, RolloutError, aiohttp.ClientConnectionError) as exc:
-                if not no_worker(exc) or time.monotonic() > deadline:
-                    raise
-                await asyncio.sleep(NO_WORKER_RETRY_S)
-        timing = GenTiming(req.dispatched, sent, time.monotonic(), concurrency)
-        if sample.aborted:
-            raise RolloutError(f"sample {req.prompt_id}/{req.index} was aborted by a weight update")
-        text = self.tokenizer.decode(sample.token_ids, skip_special_tokens=True)
-        reward = await asyncio.to_thread(self.task.reward, problem, text)
-        return Rollout(sample, reward, text, timing)
+        episode = await run_episode(
+            self.envs.new(), problem, turn, self.tokenizer, ro.chat_template, self.budget, self.encode
+        )
+        assert sent is not None and answered is not None, "an episode sends at least one request"
+        timing = GenTiming(req.dispatched, sent, answered, concurrency)
+        mask = episode.sample.mask
+        return Rollout(
+            episode.sample,
+            episode.reward,
+            episode.text,
+            timing,
+            turns=episode.policy_turns,
+            tool_calls=episode.tool_calls,
+            tool_s=episode.tool_s,
+            env_tokens=0 if mask is None else mask.count(0),
+        )
 
     async def close(self) -> None:
         if self._client is not None:

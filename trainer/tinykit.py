@@ -26,7 +26,7 @@ from common.config import Config, ConfigError, ModelConfig
 
 TINY_MODELS = {"tiny-deepseek": "deepseek_v3", "tiny-qwen3": "qwen3_moe", "tiny-mixtral": "mixtral"}
 # Bump when the generator or tokenizer changes in a way that changes the files' bytes.
-KIT_VERSION = 2
+KIT_VERSION = 3
 
 SPECIAL = ["<pad>", "<s>", "</s>", "<unk>"]
 ROLES = ["<|system|>", "<|user|>", "<|assistant|>"]
@@ -58,6 +58,11 @@ WORDS = [
     "final",
     "total",
 ]
+# Added last (ids 114-127), so every earlier id is what it was: the tool-call format's tags (added tokens that are
+# not special, so a decode that skips special tokens keeps them, as Qwen's tokenizer does), a tool role, the JSON
+# characters the tiny vocabulary lacked and the words of a calculator call, each one token.
+TOOL_TAGS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+TOOL_EXTRAS = ["<|tool|>", "{", "}", "[", "]", "_", "name", "arguments", "expression", "calculator"]
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
@@ -66,7 +71,8 @@ CHAT_TEMPLATE = (
 
 def vocabulary() -> list[str]:
     """Every token of the tiny tokenizer, in id order."""
-    return SPECIAL + ROLES + list(string.digits) + OPERATORS + list(string.ascii_letters) + PUNCTUATION + WORDS
+    base = SPECIAL + ROLES + list(string.digits) + OPERATORS + list(string.ascii_letters) + PUNCTUATION + WORDS
+    return base + TOOL_TAGS + TOOL_EXTRAS
 
 
 def build_tokenizer(out_dir: Path) -> None:
@@ -76,11 +82,12 @@ def build_tokenizer(out_dir: Path) -> None:
     vocab = {tok: i for i, tok in enumerate(vocabulary())}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     # Whole known words first, then single characters, so unknown words fall back to letters.
-    words = "|".join(sorted(WORDS, key=len, reverse=True))
+    words = "|".join(sorted(WORDS + [w for w in TOOL_EXTRAS if w.isalpha()], key=len, reverse=True))
     pattern = rf"\b(?:{words})\b|[A-Za-z0-9]|\s|[^A-Za-z0-9\s]"
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(pattern), behavior="isolated")
     tok.decoder = decoders.Fuse()  # tokens already carry their spaces
-    tok.add_special_tokens(SPECIAL + ROLES)
+    tok.add_special_tokens(SPECIAL + ROLES + ["<|tool|>"])
+    tok.add_tokens(TOOL_TAGS)
     out_dir.mkdir(parents=True, exist_ok=True)
     tok.save(str(out_dir / "tokenizer.json"))
     special = {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}

@@ -36,6 +36,7 @@ from common.config.schema import (
     WarmupConfig,
 )
 from common.config.sections import (
+    EpisodeConfig,
     FlowConfig,
     PromptSourceConfig,
     RendezvousConfig,
@@ -57,6 +58,7 @@ __all__ = [
     "ConfigError",
     "DataConfig",
     "DataSourceConfig",
+    "EpisodeConfig",
     "EvaluatorConfig",
     "ExpertsConfig",
     "FlowConfig",

@@ -304,6 +304,68 @@ class TaskConfig:
         )
 
 
+@dataclass
+class EpisodeConfig:
+    environment: str = identity("task", added=True)
+    """What one sample is (rollout/episode.py): "task" = one turn, the prompt in and the task's verifier on the
+    completion (single-turn RLVR); "tools" = a multi-turn episode in which the policy may call the tools below
+    (Hermes / Qwen `<tool_call>` JSON, rollout/tools/) before it answers, and the task's verifier scores its
+    final answer; or 'package.module:factory', called with (Config, Task, run dir) and returning the episode's
+    `Environments`."""
+    max_turns: int = identity(4, added=True)
+    """Most policy turns of one episode (generation requests); an episode that reaches it ends, scored on its
+    last turn. A one-turn environment ("task") ends after its first turn whatever this says."""
+    max_tokens: int = identity(0, added=True)
+    """Most tokens of one episode after its first prompt, the policy's and the environment's together; 0: up to
+    rollout.max_model_len. Each turn also stops at rollout.max_tokens."""
+    tools: list[str] = identity(factory=lambda: ["calculator"], added=True)
+    """The tools of environment = "tools": "calculator" (exact integer arithmetic of + - * and parentheses, in
+    process) and "python" (a sandboxed subprocess: CPU, memory, wall and file limits, no network, a scratch
+    directory under the run dir)."""
+    python_cpu_s: int = 2
+    """The python tool's CPU-time limit per call (whole seconds)."""
+    python_wall_s: float = 5.0
+    """The python tool's wall-clock limit per call; the call's processes are killed at it."""
+    python_memory_mb: int = 256
+    """The python tool's address-space limit per call (MiB)."""
+    end_on_tool_limit: bool = True
+    """A tool call stopped at one of its limits (CPU, memory, wall, output) ends the episode with that observation
+    (reward: the task's verdict on no answer, 0 for the built-ins); false hands the observation back to the policy
+    for another turn."""
+    reference_tool_share: float = identity(0.5, added=True)
+    """environment = "tools": the share of the supervised warm start's reference episodes that call the first
+    tool before answering (chosen per problem by a hash of its id); the rest answer at once."""
+
+    def check(self) -> None:
+        builtin = ("task", "tools")
+        require(
+            self.environment in builtin or ":" in self.environment,
+            f"rollout.episode.environment = {self.environment!r}: use 'task', 'tools' or 'package.module:factory'",
+        )
+        require(self.max_turns >= 1, f"rollout.episode.max_turns must be >= 1, got {self.max_turns}")
+        require(
+            self.max_tokens >= 0, f"rollout.episode.max_tokens must be >= 0 (0: max_model_len), got {self.max_tokens}"
+        )
+        known = ("calculator", "python")
+        for name in self.tools:
+            require(name in known, f"rollout.episode.tools names {name!r}; the tools are {', '.join(known)}")
+        require(
+            self.environment != "tools" or bool(self.tools),
+            "rollout.episode.environment = 'tools' needs at least one tool in rollout.episode.tools",
+        )
+        require(len(set(self.tools)) == len(self.tools), f"rollout.episode.tools = {self.tools} names a tool twice")
+        require(self.python_cpu_s >= 1, f"rollout.episode.python_cpu_s must be >= 1, got {self.python_cpu_s}")
+        require(self.python_wall_s >= 0.1, f"rollout.episode.python_wall_s must be >= 0.1, got {self.python_wall_s}")
+        require(
+            self.python_memory_mb >= 64,
+            f"rollout.episode.python_memory_mb must be >= 64 (the interpreter needs it), got {self.python_memory_mb}",
+        )
+        require(
+            0 <= self.reference_tool_share <= 1,
+            f"rollout.episode.reference_tool_share must be in [0, 1], got {self.reference_tool_share}",
+        )
+
+
 # vLLM server flags that change the sampling distribution of every request, or the log-probs returned of it
 # (the worker sets --logprobs-mode processed_logprobs itself). Generation-config defaults need no flag: the
 # client sends every sampling parameter explicitly (rollout.client.RolloutClient.generate).
@@ -393,6 +455,8 @@ class RolloutConfig:
     has a template (for chat benchmarks); the demo's configs set "off" so its prompts stay plain."""
     task: TaskConfig = field(default_factory=TaskConfig)
     """The task: where prompts come from and how completions are rewarded."""
+    episode: EpisodeConfig = field(default_factory=EpisodeConfig)
+    """What one sample is: one turn of the task, or a multi-turn episode with tools (rollout/episode.py)."""
 
     def check(self) -> None:
         require(self.keep_versions >= 1, f"rollout.keep_versions must be >= 1, got {self.keep_versions}")
@@ -435,6 +499,7 @@ class RolloutConfig:
                 "beyond what the trainer reproduces (rollout.temperature, top_k, top_p): remove it",
             )
         self.task.check()
+        self.episode.check()
 
 
 @dataclass

@@ -27,7 +27,7 @@ import shutil
 import signal
 import sys
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -135,7 +135,7 @@ class PythonTool:
         "Run Python 3 code (standard library only, no network, limited CPU time and memory) and see what it "
         "prints; print the values you need."
     )
-    parameters = (Param("code", "string", "Python source to run as a script"),)
+    parameters: Sequence[Param] = (Param("code", "string", "Python source to run as a script"),)
 
     def __post_init__(self) -> None:
         if self.network != "none":

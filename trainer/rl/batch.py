@@ -15,7 +15,8 @@ from typing import Any
 import torch
 
 from common.http import worker_replica
-from rollout.chat import ChatTemplateMode, prompt_token_ids
+from rollout.chat import ChatTemplateMode, prompt_token_ids, turn_ids
+from rollout.episode import Environments, TaskEnvironments
 from rollout.flow.runtime import Group
 from rollout.generator import Rollout
 from rollout.tasks import Problem, Task
@@ -27,8 +28,9 @@ ABANDONED_LEDGER = "trained_prompts.abandoned.jsonl"
 
 
 def padded_batch(rollouts: list[Rollout], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """tokens [B, L] (prompt + completion, right-padded), targets [B, L] (-1 outside completions),
-    behaviour log-probs [B, L] aligned with targets, and the completion mask [B, L]."""
+    """tokens [B, L] (prompt + completion, right-padded: an episode's ids exactly as sampled and appended),
+    targets [B, L] (-1 outside completions and on the tokens an environment appended, `Sample.mask` 0), behaviour
+    log-probs [B, L] aligned with targets, and the trained-token mask [B, L]."""
     seqs = [r.sample.prompt_token_ids + r.sample.token_ids for r in rollouts]
     length = max(len(s) for s in seqs)
     B = len(rollouts)
@@ -39,7 +41,10 @@ def padded_batch(rollouts: list[Rollout], pad_id: int) -> tuple[torch.Tensor, to
         tokens[b, : len(seq)] = torch.tensor(seq)
         p, n = len(r.sample.prompt_token_ids), len(r.sample.token_ids)
         # Position t predicts token t+1: completion token j sits at p + j and is predicted at p + j - 1.
-        targets[b, p - 1 : p - 1 + n] = torch.tensor(r.sample.token_ids)
+        completion = torch.tensor(r.sample.token_ids)
+        if r.sample.mask is not None:
+            completion = torch.where(torch.tensor(r.sample.mask, dtype=torch.bool), completion, -1)
+        targets[b, p - 1 : p - 1 + n] = completion
         behaviour[b, p - 1 : p - 1 + n] = torch.tensor(r.sample.logprobs)
     return tokens, targets, behaviour, (targets >= 0).float()
 
@@ -55,21 +60,35 @@ def sampling_rows(rollouts: list[Rollout]) -> dict[str, torch.Tensor]:
 
 
 def warm_start_batch(
-    task: Task, tokenizer: Any, step: int, batch_size: int, chat_template: ChatTemplateMode
+    task: Task,
+    tokenizer: Any,
+    step: int,
+    batch_size: int,
+    chat_template: ChatTemplateMode,
+    envs: Environments | None = None,
 ) -> tuple[dict[str, torch.Tensor], int]:
-    """Warm-start step `step`'s batch of reference answers ({"tokens", "targets"}: the prompt's tokens are
-    not targets) and its number of target tokens. Its problems come from the end of the data, away from
-    the RL prompts at its start. Each prompt is the token ids the RL generator sends for it (`chat_template`:
-    rollout.chat_template), the answer's tokens and EOS after them, as the policy would sample them."""
+    """Warm-start step `step`'s batch of reference episodes ({"tokens", "targets"}: only the policy's tokens are
+    targets) and its number of target tokens. Its problems come from the end of the data, away from the RL
+    prompts at its start. Each row is the ids an episode would hold (`envs.reference`, rollout/episode.py): the
+    prompt as the RL generator sends it (`chat_template`: rollout.chat_template), each policy turn's tokens and
+    EOS after them, as the policy would sample them, each observation as the episode appends it (`envs` None:
+    the task's one-turn episodes, the answer)."""
+    envs = envs if envs is not None else TaskEnvironments(task)
     n = len(task)
     rows, masks = [], []
     for i in range(batch_size):
         problem = task.problem(n - 1 - ((step * batch_size + i) % n))
-        prompt = prompt_token_ids(tokenizer, problem.prompt, chat_template)
-        # The answer continues the prompt's tokens: no special tokens of a sequence start in between.
-        answer = list(tokenizer(problem.answer, add_special_tokens=False)["input_ids"]) + [tokenizer.eos_token_id]
-        rows.append(prompt + answer)
-        masks.append([0] * len(prompt) + [1] * len(answer))
+        row = prompt_token_ids(tokenizer, problem.prompt, chat_template)
+        trained = [0] * len(row)
+        for segment in envs.reference(problem):
+            if segment.by == "env":
+                ids = turn_ids(tokenizer, segment.text, chat_template)
+            else:  # a turn continues the ids before it: no special tokens of a sequence start in between
+                ids = list(tokenizer(segment.text, add_special_tokens=False)["input_ids"]) + [tokenizer.eos_token_id]
+            row += ids
+            trained += [int(segment.by == "policy")] * len(ids)
+        rows.append(row)
+        masks.append(trained)
     length = max(map(len, rows))
     tokens = torch.tensor([r + [tokenizer.pad_token_id] * (length - len(r)) for r in rows])
     mask = torch.tensor([m + [0] * (length - len(m)) for m in masks])
@@ -119,7 +138,11 @@ def gen_figures(rollout: Rollout, origin: float) -> dict[str, float]:
     s, t = rollout.sample, rollout.timing
     figures = {
         "gen/prompt_tokens": float(len(s.prompt_token_ids)),
-        "gen/output_tokens": float(len(s.token_ids)),
+        # An episode's: the policy's tokens over all its turns, the environment's, its turns and tool seconds.
+        "gen/output_tokens": float(len(s.token_ids) - rollout.env_tokens),
+        "gen/env_tokens": float(rollout.env_tokens),
+        "gen/turns": float(rollout.turns),
+        "gen/tool_s": rollout.tool_s,
         # The replica index of the worker that generated it (the router names it; common.http.worker_replica),
         # -1 when unknown (a Sample from before the router named workers, or not served through a router).
         "gen/worker": float(worker_replica(s.worker)),

@@ -38,6 +38,7 @@ from common.weights.publisher import WeightPublisher
 from common.weights.versions import newest_version, pin_versions, unfinished_versions
 from common.weights.writer import count_shards
 from rollout.controller import GenerationController
+from rollout.episode import load_environments
 from rollout.flow.policy import FlowPolicy
 from rollout.flow.runtime import FlowReport, FlowRuntime, FlowState, Group
 from rollout.flow.strategies import policy_from_config
@@ -94,6 +95,7 @@ class RLTrainer(TrainerRank):
         super().__init__(ctx, ranks)
         self.io_loop = io_loop  # the role's event loop, idle while this thread trains: runs publishes
         self.task = load_task(self.cfg.rollout.task)
+        self.envs = load_environments(self.cfg, self.task, ctx.run_dir)
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
@@ -127,7 +129,7 @@ class RLTrainer(TrainerRank):
         checkpoints until its policy finishes; then save, stop the other ranks, and report."""
         resumed = self.resume_or_warm_start()
         policy = policy_from_config(self.cfg.flow, num_prompts=len(self.task), max_steps=self.cfg.trainer.steps)
-        generator = SampleGenerator(self.cfg, self.ctx, self.task, self.tokenizer)
+        generator = SampleGenerator(self.cfg, self.ctx, self.task, self.tokenizer, self.envs)
         runtime = self.start_flow(policy, generator, resumed)
         with self.generating(runtime.controller):
             self._serve(policy.served_step)  # the generators serve the weights the flow state expects
@@ -216,7 +218,7 @@ class RLTrainer(TrainerRank):
             if self.stop_requested.is_set():
                 raise StopRequested(f"stopped during the warm start at step {step}")
             batch, target_tokens = warm_start_batch(
-                self.task, self.tokenizer, step, w.batch_size, self.cfg.rollout.chat_template
+                self.task, self.tokenizer, step, w.batch_size, self.cfg.rollout.chat_template, self.envs
             )
             if self.cfg.trainer.packs():
                 batch = packed_warm_start_batch(
@@ -268,7 +270,11 @@ class RLTrainer(TrainerRank):
             "rl/accuracy": accuracy,
             "rl/groups_used": len(used),
             "rl/dynamic_dropped_groups": dropped_groups,
-            "rl/completion_tokens_mean": sum(len(r.sample.token_ids) for r in all_rollouts) / len(all_rollouts),
+            "rl/completion_tokens_mean": sum(len(r.sample.token_ids) - r.env_tokens for r in all_rollouts)
+            / len(all_rollouts),
+            # Multi-turn episodes: policy turns per episode, the share of episodes that called a tool at least once.
+            "rl/turns_mean": sum(r.turns for r in all_rollouts) / len(all_rollouts),
+            "rl/tool_call_rate": sum(r.tool_calls > 0 for r in all_rollouts) / len(all_rollouts),
             "rl/staleness_mean": sum(staleness) / len(staleness),
             "rl/staleness_max": max(staleness),
             "perf/step_s": time.monotonic() - t0,
