@@ -7,7 +7,8 @@ again. An observation's ids are its own turn of the chat template (`rollout.chat
 
 A single-turn task is the one-step environment `TaskEnvironment` (the prompt in, the task's verifier on the
 completion), so every sample takes this one path. Environments are built per episode by an `Environments`
-object, loaded from `rollout.episode.environment` ("task", "tools", or an import path) by `load_environments`;
+object, loaded from `rollout.episode.environment` ("task", "tools", or an import path) by
+rollout/environments.py `load_environments`;
 its `reference` gives the supervised warm start's trajectory of a problem. The budget: `rollout.episode.max_turns`
 policy turns and `max_tokens` tokens after the first prompt (0: up to `rollout.max_model_len`), each turn at most
 `rollout.max_tokens`.
@@ -18,12 +19,11 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 from rollout.chat import ChatTemplateMode, prompt_token_ids, turn_ids
 from rollout.client import Sample
-from rollout.tasks import Problem, Task, import_factory
+from rollout.tasks import Problem, Task
 
 if TYPE_CHECKING:
     from common.config import Config
@@ -106,25 +106,6 @@ class TaskEnvironments:
         return [Segment("policy", problem.answer)]
 
 
-def load_environments(cfg: Config, task: Task, run_dir: Path) -> Environments:
-    """The environments `cfg.rollout.episode.environment` names, over `task`, writing under `run_dir` (tool
-    scratch directories)."""
-    name = cfg.rollout.episode.environment
-    if name == "task":
-        return TaskEnvironments(task)
-    if name == "tools":
-        from rollout.tools.env import ToolEnvironments
-
-        return ToolEnvironments.from_config(cfg.rollout.episode, task, run_dir)
-    envs = import_factory(name, "rollout.episode.environment")(cfg, task, run_dir)
-    if not isinstance(envs, Environments):
-        raise TypeError(
-            f"rollout.episode.environment {name!r} returned {type(envs).__name__}, which lacks new() and "
-            "reference(problem)"
-        )
-    return envs
-
-
 @dataclass(frozen=True)
 class Budget:
     """An episode's limits: policy turns, tokens after the first prompt, tokens per turn, the context length."""
@@ -172,6 +153,11 @@ class Episode:
     ended: str = ""
     """done (the environment ended it), max_turns, max_tokens (the budget ended it), or length (its last turn
     hit the context)."""
+
+    def trained_turns(self) -> list[Turn]:
+        """The turns the sample holds: up to the last policy turn (an observation after it is never trained)."""
+        last = max(i for i, t in enumerate(self.turns) if t.by == "policy")
+        return self.turns[: last + 1]
 
 
 # One policy turn: (context ids, the most tokens it may write) -> the sampled Sample of that request.

@@ -19,7 +19,7 @@ from common.config import Config
 from common.roles import RunContext
 from rollout.chat import prompt_token_ids
 from rollout.client import NoRouterError, RolloutClient, RolloutError, Sample
-from rollout.episode import Budget, Environments, TaskEnvironments, run_episode
+from rollout.episode import Budget, Environments, TaskEnvironments, Turn, run_episode
 from rollout.flow.runtime import SampleRequest
 from rollout.tasks import Problem, Task
 
@@ -71,6 +71,9 @@ class Rollout:
     """Seconds the episode spent in the environment's steps between turns (its tools)."""
     env_tokens: int = 0
     """Tokens the environment appended (mask 0 in `sample`)."""
+    pieces: list[Turn] | None = None
+    """The episode's turns up to its last policy turn, each with the ids recorded when it came (a policy turn's
+    as vLLM returned them, an observation's as appended): what trainer.rl.audit_tokens checks the batch against."""
 
     @property
     def weight_versions(self) -> list[int]:
@@ -172,6 +175,7 @@ class SampleGenerator:
             tool_calls=episode.tool_calls,
             tool_s=episode.tool_s,
             env_tokens=0 if mask is None else mask.count(0),
+            pieces=episode.trained_turns(),
         )
 
     async def close(self) -> None:

@@ -476,6 +476,11 @@ class RLConfig:
     """Optimizer updates per RL step (PPO mini-batches): the step's groups are cut, in order and whole, into
     this many mini-batches, each an update against the proximal log-probs of the weights that began the
     step (verl's ppo_mini_batch_size, AReaL's ppo_n_minibatches). Fewer when fewer groups carry a signal."""
+    audit_tokens: bool = False
+    """Check, every step, that each trained sample's row in the batch the ranks train on (after packing) holds
+    exactly the ids its episode recorded turn by turn (the ids vLLM returned for each policy turn, the ids appended
+    for each observation) and that only the policy's are targets; a mismatch stops the run naming the sample.
+    Logs audit/samples, audit/policy_tokens and audit/env_tokens per step. Costs a pass over the batch."""
     routing_replay: Literal["none", "rollout"] = identity("none")
     """Rollout routing replay (R3): `rollout` makes every MoE layer of the trainer use, for each token, the
     top-k experts vLLM chose when it generated (returned with rollout.return_routed_experts); the gate weights

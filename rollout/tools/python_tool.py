@@ -39,7 +39,8 @@ _libc = ctypes.CDLL(None, use_errno=True)
 
 # Waits for the parent's go byte on stdin (then stdin is /dev/null), runs the model's code as __main__ and
 # reports, on the status pipe whose fd is argv[1], the limits that surface as Python exceptions (address
-# space: MemoryError; file size: EFBIG, since Python ignores SIGXFSZ).
+# space: MemoryError; file size: EFBIG, since Python ignores SIGXFSZ; the network it does not have: an unreachable
+# network or a name that cannot be resolved).
 _RUNNER = r"""
 import errno, os, sys, traceback
 if sys.stdin.buffer.read(1) != b"g":  # the go byte: the parent holds our namespace and pid before code runs
@@ -48,6 +49,7 @@ null = os.open(os.devnull, os.O_RDONLY)
 os.dup2(null, 0)
 os.close(null)
 status, code = int(sys.argv[1]), sys.argv[2]
+NETWORK = (errno.ENETUNREACH, errno.EHOSTUNREACH, errno.ENETDOWN)
 sys.argv = ["<tool>"]
 namespace = {"__name__": "__main__", "__builtins__": __builtins__}
 try:
@@ -59,6 +61,8 @@ except BaseException as exc:
         os.write(status, b"memory")
     elif isinstance(exc, OSError) and exc.errno == errno.EFBIG:
         os.write(status, b"fsize")
+    elif isinstance(exc, OSError) and (exc.errno in NETWORK or type(exc).__name__ == "gaierror"):
+        os.write(status, b"network")
     namespace.clear()  # frees what the code held, so the report below has memory to run in
     tb = exc.__traceback__.tb_next
     traceback.clear_frames(tb)
@@ -283,6 +287,8 @@ class PythonTool:
             return f"memory limit {limits.memory_bytes / _MIB:g} MiB exceeded"
         if status == b"fsize" or rc == -signal.SIGXFSZ:
             return f"file size limit {limits.file_bytes} bytes exceeded"
+        if status == b"network":
+            return "network access attempted; the tool has no network"
         return None
 
     def _child_setup(self) -> None:

@@ -330,6 +330,7 @@ async def test_the_network_is_unreachable_inside_and_a_connection_fails_fast(tmp
     print(f"network: failed after {result.wall_s:.2f}s")
     assert result.stdout == "[(1, 'lo')]\n"
     assert result.exit_code == 1 and result.stderr.endswith("OSError: [Errno 101] Network is unreachable\n")
+    assert result.limit == "network access attempted; the tool has no network" and result.is_error
     assert result.wall_s is not None and result.wall_s < 5
 
 

@@ -16,7 +16,7 @@ import torch
 
 from common.http import worker_replica
 from rollout.chat import ChatTemplateMode, prompt_token_ids, turn_ids
-from rollout.episode import Environments, TaskEnvironments
+from rollout.episode import Environments, TaskEnvironments, Turn
 from rollout.flow.runtime import Group
 from rollout.generator import Rollout
 from rollout.tasks import Problem, Task
@@ -113,8 +113,9 @@ def packed_rl_batch(
     tensors beside them; `lengths`: each row's tokens, `rollout_lengths`) packed (trainer/pack.py), each PPO
     mini-batch (`parts`) on its own, in rows of `pack_tokens` (0: the longest sample) balanced over `world`
     ranks. Returns the batch and the mini-batches' rows in it."""
-    # A packed row's padding is never trained (targets -1, mask 0) and is taken at temperature 1, untruncated.
-    fill = {"tokens": pad_id, "targets": -1, "routing": -1, "temperature": 1, "top_p": 1}
+    # A packed row's padding is never trained (targets -1, mask 0) and is taken at temperature 1, untruncated; it
+    # belongs to no sample (the token audit's owner -1).
+    fill = {"tokens": pad_id, "targets": -1, "routing": -1, "temperature": 1, "top_p": 1, "sample": -1}
     return pack_batch(batch, lengths, parts, pack_tokens or max(lengths), world, fill)
 
 
@@ -128,6 +129,48 @@ def packed_warm_start_batch(
     fill = {"tokens": pad_id, "targets": -1}
     packed, _ = pack_batch(batch, lengths, [slice(0, len(lengths))], pack_tokens or max(lengths), world, fill)
     return packed
+
+
+class TokenAuditError(RuntimeError):
+    """A trained row does not hold the ids its episode recorded (trainer.rl.audit_tokens)."""
+
+
+def audit_tokens(
+    tokens: torch.Tensor, targets: torch.Tensor, owner: torch.Tensor, rollouts: list[Rollout]
+) -> dict[str, float]:
+    """trainer.rl.audit_tokens: every rollout's positions in the batch the ranks train on (`owner` [R, S]: the
+    index into `rollouts` of each position's sample, -1 for padding) hold its prompt's ids and then its episode's
+    turns' ids as recorded (`Rollout.pieces`; a single turn without pieces: its sampled ids), in order, and the
+    targets are the next id where the policy sampled it and -1 elsewhere. Raises TokenAuditError naming the first
+    sample that differs; returns the step's audit/* figures."""
+    policy = env = 0
+    for b, r in enumerate(rollouts):
+        where = owner == b
+        ids, got = tokens[where].tolist(), targets[where].tolist()
+        pieces = r.pieces if r.pieces is not None else [Turn("policy", r.sample.token_ids, r.text)]
+        expected, sampled = list(r.sample.prompt_token_ids), [False] * len(r.sample.prompt_token_ids)
+        for piece in pieces:
+            expected += piece.ids
+            sampled += [piece.by == "policy"] * len(piece.ids)
+        if ids != expected:
+            at = next(
+                (i for i, (x, y) in enumerate(zip(ids, expected, strict=False)) if x != y), min(len(ids), len(expected))
+            )
+            raise TokenAuditError(
+                f"trained sample {b} (prompt {r.sample.prompt_token_ids[:8]}...) holds {len(ids)} ids where its "
+                f"episode recorded {len(expected)}; first difference at position {at}: "
+                f"{ids[at : at + 4]} trained, {expected[at : at + 4]} recorded"
+            )
+        want = [expected[t + 1] if sampled[t + 1] else -1 for t in range(len(expected) - 1)] + [-1]
+        if got != want:
+            at = next(i for i, (x, y) in enumerate(zip(got, want, strict=True)) if x != y)
+            raise TokenAuditError(
+                f"trained sample {b}: the target at position {at} is {got[at]}, expected {want[at]} (a "
+                f"{'policy' if want[at] >= 0 else 'non-policy'} token)"
+            )
+        policy += sum(sampled)
+        env += len(sampled) - sum(sampled) - len(r.sample.prompt_token_ids)
+    return {"audit/samples": float(len(rollouts)), "audit/policy_tokens": float(policy), "audit/env_tokens": float(env)}
 
 
 def gen_figures(rollout: Rollout, origin: float) -> dict[str, float]:

@@ -38,7 +38,7 @@ from common.weights.publisher import WeightPublisher
 from common.weights.versions import newest_version, pin_versions, unfinished_versions
 from common.weights.writer import count_shards
 from rollout.controller import GenerationController
-from rollout.episode import load_environments
+from rollout.environments import load_environments
 from rollout.flow.policy import FlowPolicy
 from rollout.flow.runtime import FlowReport, FlowRuntime, FlowState, Group
 from rollout.flow.strategies import policy_from_config
@@ -66,6 +66,7 @@ from trainer.ranks import Ranks
 from trainer.report import write_report
 from trainer.rl.advantages import clip_advantages, clip_rewards, group_advantages, zero_variance_groups
 from trainer.rl.batch import (
+    audit_tokens,
     gen_figures,
     ledger_record,
     packed_rl_batch,
@@ -343,15 +344,21 @@ class RLTrainer(TrainerRank):
             )
         rows = mini_batch_rows(group_sizes, self.cfg.trainer.rl.mini_batches)
         padded_positions = tokens.numel()
+        lengths = rollout_lengths(rollouts)
+        audit = self.cfg.trainer.rl.audit_tokens
+        if audit:  # which sample each row is, packed along with the rest: then which sample each position is
+            batch["sample"] = torch.arange(len(rollouts))
         if self.cfg.trainer.packs():
             batch, rows = packed_rl_batch(
-                batch,
-                rollout_lengths(rollouts),
-                rows,
-                self.cfg.trainer.pack_tokens,
-                self.ranks.world,
-                self.tokenizer.pad_token_id,
+                batch, lengths, rows, self.cfg.trainer.pack_tokens, self.ranks.world, self.tokenizer.pad_token_id
             )
+        audited: dict[str, float] = {}
+        if audit:
+            owner = batch.pop("sample")
+            if owner.dim() == 1:  # padded rows: a row is its sample up to the sample's length
+                positions = torch.arange(tokens.shape[1])
+                owner = torch.where(positions < torch.tensor(lengths)[:, None], owner[:, None], -1)
+            audited = audit_tokens(batch["tokens"], batch["targets"], owner, rollouts)
         t1 = time.perf_counter()
         result = self.command(RLStep(batch, rows, step))
         t2 = time.perf_counter()
@@ -368,6 +375,7 @@ class RLTrainer(TrainerRank):
             "perf/batch_s": t1 - t0,
             "perf/update_s": t2 - t1,
             "perf/train_tokens_per_s": n_tokens / (t2 - t0),
+            **audited,
         }
         return figures
 
