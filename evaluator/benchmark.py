@@ -32,6 +32,7 @@ BENCHMARKS = {
     "gsm8k": "evaluator.benchmarks.gsm8k:GSM8K",
     "ifeval": "evaluator.benchmarks.ifeval:IFEval",
     "ifeval_google": "evaluator.benchmarks.ifeval_published:IFEvalPublished",
+    "tool_arithmetic": "evaluator.benchmarks.tool_arithmetic:ToolArithmetic",
 }
 
 
