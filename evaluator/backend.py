@@ -130,6 +130,8 @@ class Backend:
         self.model = model or ""
         self.timeout = aiohttp.ClientTimeout(total=request_timeout_s)
         self.retry = retry or RetryPolicy()
+        # The endpoint's own bearer token (the router's), sent over the session's (a worker's rollout.api_key).
+        self.token = token
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.served: ServedModel | None = None
         self.counter: PromptCounter | None = None

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from common.config import TaskConfig
+from common.config import EpisodeConfig, TaskConfig
 from common.jsonl import read_jsonl
 
 if TYPE_CHECKING:
@@ -32,6 +32,7 @@ BENCHMARKS = {
     "gsm8k": "evaluator.benchmarks.gsm8k:GSM8K",
     "ifeval": "evaluator.benchmarks.ifeval:IFEval",
     "ifeval_google": "evaluator.benchmarks.ifeval_published:IFEvalPublished",
+    "tool_arithmetic": "evaluator.benchmarks.tool_arithmetic:ToolArithmetic",
 }
 
 
@@ -139,12 +140,21 @@ class Benchmark(ABC):
     """True for a benchmark that makes and scores its own requests (an lm-eval task): evaluator.runner.evaluate
     hands it the endpoint through its `run` method instead of generating its cases."""
 
-    def __init__(self, data_root: str | Path, train_task: TaskConfig | None = None, chat: bool = False) -> None:
+    def __init__(
+        self,
+        data_root: str | Path,
+        train_task: TaskConfig | None = None,
+        chat: bool = False,
+        episode: EpisodeConfig | None = None,
+    ) -> None:
         self.data_root = Path(data_root)
         # The run's RL task, for benchmarks that follow the training distribution (held-out arithmetic).
         self.train_task = train_task
         # Such a benchmark's prompts go through the chat template when the RL prompts do (rollout.chat).
         self.chat = chat
+        # The run's rollout.episode, for benchmarks played as episodes of its tools (tool_arithmetic); None: the
+        # section's defaults.
+        self.episode = episode
 
     def data_file(self, relative: str) -> Path:
         """A file under the data root; a missing one is an error naming the path and the setting."""
@@ -203,11 +213,13 @@ def load_benchmark(
     train_task: TaskConfig | None = None,
     chat: bool = False,
     lm_eval_include_path: str = "",
+    episode: EpisodeConfig | None = None,
 ) -> Benchmark:
     """The benchmark registered under `name`, constructed over `data_root` (cheap: no data is read yet); `chat`:
     prompts that follow the training task are chat messages, as the RL prompts are templated. "lm_eval:<task>" is
     lm-evaluation-harness's task (evaluator/benchmarks/lm_eval_task.py), looked up also under
-    `lm_eval_include_path`."""
+    `lm_eval_include_path`. `episode` is the run's rollout.episode, which a benchmark played as tool episodes
+    (tool_arithmetic) follows: its tools, turn and token budget (None: the section's defaults)."""
     if name.startswith("lm_eval:"):
         # Imported by name, as BENCHMARKS are: lm_eval_task's run() builds on evaluator.runner, which imports this.
         lm_eval_task = importlib.import_module("evaluator.benchmarks.lm_eval_task")
@@ -220,7 +232,7 @@ def load_benchmark(
         )
     module_name, cls_name = target.split(":")
     cls = getattr(importlib.import_module(module_name), cls_name)
-    return cls(data_root, train_task, chat)
+    return cls(data_root, train_task, chat, episode)
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

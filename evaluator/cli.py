@@ -274,8 +274,9 @@ def benchmark_name(name: str) -> str:
 
 def cli_plan(args: argparse.Namespace, cfg: Config | None) -> EvalPlan:
     """What `slipstream eval` evaluates: `eval_plan` of the config's evaluator section and training task, with
-    the flags given applied on top. Without a config: the flags over EvaluatorConfig's defaults, and no
-    training task (held-out arithmetic then takes its data file's knobs) and no chat template."""
+    the flags given applied on top. Without a config: the flags over EvaluatorConfig's defaults, no training
+    task (held-out arithmetic then takes its data file's knobs), no chat template and rollout.episode's defaults
+    (tool_arithmetic's tools and budget)."""
     ev = cfg.evaluator if cfg is not None else EvaluatorConfig(benchmarks=[])
     flags = {
         "benchmarks": args.benchmark,
@@ -292,7 +293,9 @@ def cli_plan(args: argparse.Namespace, cfg: Config | None) -> EvalPlan:
         )
     run_dir = run_dir_of(args, cfg) if cfg is not None else None
     chat = cfg is not None and follows_chat_template(cfg, run_dir, version_tokenizer(args, cfg, run_dir))
-    result = eval_plan(ev, cfg.rollout.task if cfg is not None else None, chat)
+    result = eval_plan(
+        ev, cfg.rollout.task if cfg is not None else None, chat, cfg.rollout.episode if cfg is not None else None
+    )
     extra = {"samples": args.samples, "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed}
     options = dataclasses.replace(result.options, **{k: v for k, v in extra.items() if v is not None})
     return dataclasses.replace(result, options=options)

@@ -104,7 +104,7 @@ async def main(ctx: RunContext) -> int:
     ev = cfg.evaluator
     # The same plan `slipstream eval --config` builds, so the command reproduces these scores.
     chat = await asyncio.to_thread(follows_chat_template, cfg, ctx.run_dir)
-    plan = eval_plan(ev, cfg.rollout.task, chat)
+    plan = eval_plan(ev, cfg.rollout.task, chat, cfg.rollout.episode)
     client = ctx.async_redis()
     metrics = open_metrics(cfg, ctx.run_dir, ctx.exp, "evaluator", 0)
     cache = ResultCache(ctx.run_dir / "evals" / "cache.jsonl")

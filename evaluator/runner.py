@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from common.config import Config, EvaluatorConfig, TaskConfig
+from common.config import Config, EpisodeConfig, EvaluatorConfig, TaskConfig
 from evaluator.backend import Backend, Generation, RequestError
 from evaluator.benchmark import Benchmark, BenchmarkError, Case, EvalOptions, SampleScore, load_benchmark
 from evaluator.cache import ResultCache, fingerprint
@@ -129,13 +129,17 @@ class EvalPlan:
     chunk_cases: int
 
 
-def eval_plan(ev: EvaluatorConfig, train_task: TaskConfig | None, chat: bool = False) -> EvalPlan:
+def eval_plan(
+    ev: EvaluatorConfig, train_task: TaskConfig | None, chat: bool = False, episode: EpisodeConfig | None = None
+) -> EvalPlan:
     """The evaluations `ev` asks for, each benchmark built over `ev.data_root` and following `train_task`
-    (None: the benchmarks' own data files decide, e.g. held-out arithmetic's knobs) and, with `chat`
-    (`follows_chat_template`), its prompts templated as the RL prompts are."""
+    (None: the benchmarks' own data files decide, e.g. held-out arithmetic's knobs), with `chat`
+    (`follows_chat_template`) its prompts templated as the RL prompts are, and a benchmark played as tool
+    episodes following the run's `episode` section (rollout.episode; None: its defaults)."""
     return EvalPlan(
         benchmarks=[
-            load_benchmark(name, ev.data_root, train_task, chat, ev.lm_eval_include_path) for name in ev.benchmarks
+            load_benchmark(name, ev.data_root, train_task, chat, ev.lm_eval_include_path, episode)
+            for name in ev.benchmarks
         ],
         options=EvalOptions(limit=ev.limit or None, max_tokens=ev.max_tokens or None),
         max_concurrent=ev.max_concurrent,

@@ -677,8 +677,9 @@ class TrainerConfig:
 @dataclass
 class EvaluatorConfig:
     benchmarks: list[str] = _list("arithmetic")
-    """Benchmarks evaluated on each evaluated policy version: arithmetic, gsm8k, ifeval, or "lm_eval:<task>" for an
-    lm-evaluation-harness task (needs the `lmeval` extra; see lm_eval_include_path)."""
+    """Benchmarks evaluated on each evaluated policy version: arithmetic, arithmetic_train, gsm8k, ifeval,
+    ifeval_google, tool_arithmetic (held-out arithmetic as greedy episodes of rollout.episode's tools), or
+    "lm_eval:<task>" for an lm-evaluation-harness task (needs the `lmeval` extra; see lm_eval_include_path)."""
     lm_eval_include_path: str = ""
     """Directory of lm-evaluation-harness task YAMLs of one's own, for "lm_eval:<task>" benchmarks (empty: lm-eval's
     own tasks only). Datasets are read offline, so a task's data must be local (e.g. dataset_path: json)."""

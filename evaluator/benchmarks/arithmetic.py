@@ -30,6 +30,7 @@ from functools import cached_property
 
 from common.config import PromptSourceConfig, TaskConfig
 from evaluator.benchmark import Benchmark, BenchmarkError, Case, ChatMessage, SampleScore, Sampling
+from rollout.tasks import Problem
 from rollout.tasks.arithmetic import GENERATOR_KNOBS, ArithmeticTask, verify
 
 DATA_FILE = "arithmetic/heldout.json"
@@ -103,12 +104,23 @@ class HeldOutArithmetic(Benchmark):
         return dataclasses.replace(spec, **{k: getattr(gen, k) for k in GENERATOR_KNOBS})
 
     @cached_property
-    def _cases(self) -> list[Case]:
+    def task(self) -> ArithmeticTask:
+        """The generator of this benchmark's problems (`spec`'s seed, count and knobs, this side of the split),
+        whose `reward` is the exact verifier `score` applies."""
         s = self.spec
         knobs = {k: getattr(s, k) for k in GENERATOR_KNOBS}
-        task = ArithmeticTask(seed=s.seed, num_problems=s.count, heldout=self.heldout, **knobs)
+        return ArithmeticTask(seed=s.seed, num_problems=s.count, heldout=self.heldout, **knobs)
+
+    @cached_property
+    def problems(self) -> list[Problem]:
+        """Every problem, in case order (the i-th case asks the i-th problem)."""
+        return [self.task.problem(i) for i in range(len(self.task))]
+
+    @cached_property
+    def _cases(self) -> list[Case]:
+        s = self.spec
         sampling = Sampling(temperature=0.0, max_tokens=s.max_tokens)
-        problems = [task.problem(i) for i in range(len(task))]
+        problems = self.problems
         if not self.chat:
             return [
                 Case(case_id(s, i, self.id_prefix), p.prompt, sampling, 1, {"answer": p.answer})

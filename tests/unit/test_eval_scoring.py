@@ -209,7 +209,7 @@ def test_importing_and_constructing_benchmarks_reads_no_data_and_imports_nothing
         "import sys\n"
         "from evaluator.benchmark import load_benchmark\n"
         "import evaluator.runner, evaluator.role\n"
-        f"bs = [load_benchmark(n, {str(tmp_path)!r}) for n in ('arithmetic', 'gsm8k', 'ifeval')]\n"
+        f"bs = [load_benchmark(n, {str(tmp_path)!r}) for n in ('arithmetic', 'gsm8k', 'ifeval', 'tool_arithmetic')]\n"
         "heavy = [m for m in ('math_verify', 'transformers', 'torch', 'sympy') if m in sys.modules]\n"
         "print(heavy)\n"
     )
