@@ -9,6 +9,7 @@ goes on from that turn instead of spending the flow's error budget."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +23,8 @@ from rollout.client import NoRouterError, RolloutClient, RolloutError, Sample
 from rollout.episode import Budget, Environments, TaskEnvironments, Turn, run_episode
 from rollout.flow.runtime import SampleRequest
 from rollout.tasks import Problem, Task
+
+log = logging.getLogger(__name__)
 
 # How often a generation request that found no worker (all restarting) tries again.
 NO_WORKER_RETRY_S = 1.0
@@ -135,6 +138,7 @@ class SampleGenerator:
         async def turn(context: list[int], max_tokens: int) -> Sample:
             nonlocal sent, answered, first
             deadline = time.monotonic() + ro.startup_timeout_s
+            resumed = False
             while True:
                 if sent is None:
                     sent = time.monotonic()
@@ -153,6 +157,16 @@ class SampleGenerator:
                         raise
                     if first:
                         sent = None  # the first turn's wait for a worker is queueing: the sample is not sent yet
+                    elif not resumed:
+                        resumed = True
+                        log.info(
+                            "episode %d/%d: a later turn's worker failed (%s); the turn is sent again with the "
+                            "episode's %d ids so far once a worker serves",
+                            req.prompt_id,
+                            req.index,
+                            exc,
+                            len(context),
+                        )
                     await asyncio.sleep(NO_WORKER_RETRY_S)
             first, answered = False, time.monotonic()
             if sample.aborted:

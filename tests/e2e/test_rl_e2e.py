@@ -77,7 +77,8 @@ ROLE_LOG = re.compile(r"^[a-z_]+-\d+\.log$")
 
 
 class Launch:
-    """`slipstream launch` of the demo. Quiet (the default console) or `verbose` (every role line on it)."""
+    """`slipstream launch` of the demo (or `config`). Quiet (the default console) or `verbose` (every role line
+    on it)."""
 
     def __init__(
         self,
@@ -87,6 +88,7 @@ class Launch:
         resume: bool = False,
         log_name: str = "launch.log",
         verbose: bool = False,
+        config: str = "configs/demo.toml",
     ) -> None:
         self.log_path = root / log_name
         self.run_dir = root / "runs" / exp
@@ -100,7 +102,7 @@ class Launch:
             "trainer.final_eval_wait_s=300",
             *overrides,
         ]
-        cmd = [sys.executable, "-m", "common.runs.cli", "launch", "configs/demo.toml"]
+        cmd = [sys.executable, "-m", "common.runs.cli", "launch", config]
         for s in sets:
             cmd += ["--set", s]
         if resume:
