@@ -364,7 +364,7 @@ def _digest(r: SimResult) -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
-# Made by the simulator before it modelled episodes (the commit before "simulator: multi-turn episodes").
+# Made by the simulator before it modelled episodes (commit b1de9c4).
 SINGLE_TURN_DIGESTS = {
     "on_policy": "d4e4229bd04fdb03",
     "one_step_off": "363a08f0e6d681dd",
