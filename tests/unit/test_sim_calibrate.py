@@ -229,6 +229,30 @@ def test_cli_calibrate_then_compare_predicts_the_run_and_draws_both(tmp_path, ca
     assert (run_dir / "sim_compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.parametrize("strategy", ["on_policy", "fully_async"])
+def test_cli_compare_of_a_multi_turn_run_predicts_its_turns_tool_calls_and_step_time(tmp_path, capsys, strategy):
+    cfg, r, workload = simulated_run(strategy, TRUE_EPISODES)
+    run_dir = write_run(tmp_path / "run", cfg, r, workload.prompt_tokens, noise=0.03, episodes=True)
+    assert cli_main(["--calibrate", str(run_dir)]) == 0
+    assert "episodes: 2.5" in capsys.readouterr().out
+    assert cli_main(["--compare", str(run_dir)]) == 0
+    out = capsys.readouterr().out
+    lines = {line[:34].strip(): line[34:].split() for line in out.splitlines()}
+    # The replay draws new lengths, turns and tool calls from the measured ones: turns within 5%, tool seconds
+    # within 10%, time per step and samples/s after step 0 within 10%.
+    for row, bound in [
+        ("turns per episode (mean)", 0.05),
+        ("tool calls per episode (s, mean)", 0.1),
+        ("time per step after step 0 (s)", 0.1),
+        ("samples/s after step 0", 0.1),
+    ]:
+        measured, predicted = (float(v) for v in lines[row][:2])
+        assert predicted == pytest.approx(measured, rel=bound), f"{row}: measured {measured}, predicted {predicted}"
+    turns = float(lines["turns per episode (mean)"][0])
+    assert turns == pytest.approx(r.turns_per_episode, rel=1e-3)  # the run's own, as its metrics record it
+    assert "episodes: 2.5" in out.split("measured against predicted")[0]  # the model the prediction used
+
+
 def test_cli_compare_without_a_model_file_tells_to_calibrate(tmp_path, capsys):
     cfg, r, workload = simulated_run("on_policy")
     run_dir = write_run(tmp_path / "run", cfg, r, workload.prompt_tokens, noise=0.0)

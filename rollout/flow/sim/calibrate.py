@@ -337,6 +337,13 @@ def fit_publish(publishes: list[PublishMeasure]) -> tuple[float, float, FitQuali
     return float(sync.mean()), float(pause.mean()), replace(sync_q, r2=None), replace(pause_q, r2=None)
 
 
+def turns_histogram(samples: list[GenMeasure]) -> dict[int, int]:
+    """Turns per episode -> episodes of the run; {} for a single-turn run (the single-turn model's)."""
+    if all(s.turns == 1 for s in samples):
+        return {}
+    return dict(sorted(Counter(s.turns for s in samples).items()))
+
+
 def fit_episodes(samples: list[GenMeasure]) -> tuple[EpisodeModel, list[FitQuality]]:
     """The episode model of a run's samples: its histogram of turns per episode and, over the T - 1 tool calls
     of each multi-turn episode, the mean seconds of one call, their standard deviation and the tokens a call
@@ -357,8 +364,7 @@ def fit_episodes(samples: list[GenMeasure]) -> tuple[EpisodeModel, list[FitQuali
     residual = tool - m * mean
     sd = float(np.sqrt(residual @ residual / dof)) if dof > 0 else 0.0
     per_call = float(env.sum()) / total
-    turns = dict(sorted(Counter(s.turns for s in samples).items()))
-    model = EpisodeModel(turns, mean, sd, per_call)
+    model = EpisodeModel(turns_histogram(samples), mean, sd, per_call)
     note = f"{int(total)} calls over {int(multi.sum())} episodes; sd from the spread of the episodes' sums"
     tool_q = _quality("tool calls", m * mean, tool, note)
     env_q = _quality("tool result tokens", m * per_call, env)
