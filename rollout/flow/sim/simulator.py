@@ -140,8 +140,9 @@ class EpisodeModel:
     between them. `turns` is a histogram, turns per episode -> episodes seen, which each episode draws from;
     empty (or only 1), every episode is a single turn. A tool call takes `tool_s` seconds on average with
     standard deviation `tool_sd` (lognormal with that mean and spread; exactly `tool_s` when `tool_sd` is 0)
-    and appends `env_tokens` tokens on average, which the next turn reads as prompt and the trainer trains
-    on with the episode. The policy's tokens are split evenly over the turns (`split_tokens`)."""
+    and appends `env_tokens` tokens on average, which the next turn reads as prompt and which count in the
+    train step's tokens with the episode's own. The policy's tokens are split evenly over the turns
+    (`split_tokens`)."""
 
     turns: dict[int, int] = field(default_factory=dict)
     tool_s: float = 0.0
@@ -227,7 +228,7 @@ class GeneratorPool:
         self.decoding = [0] * model.workers
         self.heaps: list[list[tuple[float, int, SampleKey]]] = [[] for _ in range(model.workers)]
         self.waiting: list[tuple[float, int, SampleKey]] = []  # (decoding starts, seq, key)
-        self.tooling: list[tuple[float, int, SampleKey]] = []  # (tool call ends, seq, key)
+        self.calls: list[tuple[float, int, SampleKey]] = []  # (tool call ends, seq, key)
         self.weights_step = 0
         self.paused = False
         self.active: dict[SampleKey, InFlight] = {}
@@ -237,9 +238,9 @@ class GeneratorPool:
 
     def advance(self, now: float) -> None:
         while True:
-            wait, tool = self._valid(self.waiting), self._valid(self.tooling)
+            wait, tool = self._valid(self.waiting), self._valid(self.calls)
             if tool is not None and tool[0] <= now and (wait is None or tool[0] < wait[0]):
-                heapq.heappop(self.tooling)
+                heapq.heappop(self.calls)
                 self._run(tool[0])
                 req = self.active[tool[2]]
                 req.tooling = False
@@ -268,11 +269,11 @@ class GeneratorPool:
         """Start an episode of `tokens` policy tokens and the given tool calls (seconds each) between its
         turns, one turn more than calls, the tokens split evenly over them; no calls: a single request."""
         worker = min(range(self.model.workers), key=self.load.__getitem__)
-        turns = split_tokens(tokens, len(tool_calls) + 1)
+        per_turn = split_tokens(tokens, len(tool_calls) + 1)
         self.seq += 1
         self.load[worker] += 1
-        later = list(zip(tool_calls, turns[1:], strict=True))
-        req = self.active[key] = InFlight(worker, turns[0], self.weights_step, self.seq, later=later)
+        later = list(zip(tool_calls, per_turn[1:], strict=True))
+        req = self.active[key] = InFlight(worker, per_turn[0], self.weights_step, self.seq, later=later)
         self._enter(req, key)
 
     def _enter(self, req: InFlight, key: SampleKey) -> None:
@@ -289,7 +290,7 @@ class GeneratorPool:
         self.decoding[req.worker] -= 1
         self.seq += 1
         req.seq, req.finish, req.tooling = self.seq, None, True
-        heapq.heappush(self.tooling, (self.t + seconds, req.seq, key))
+        heapq.heappush(self.calls, (self.t + seconds, req.seq, key))
 
     def _decode(self, req: InFlight, key: SampleKey) -> None:
         req.finish = self.levels[req.worker] + req.tokens
@@ -315,7 +316,7 @@ class GeneratorPool:
     def next_time(self) -> float:
         top = self._valid(self.waiting)
         t = top[0] if top is not None else math.inf
-        if (top := self._valid(self.tooling)) is not None:
+        if (top := self._valid(self.calls)) is not None:
             t = min(t, top[0])
         if self.paused:
             return t
