@@ -1,5 +1,5 @@
 """`slipstream simulate`'s inputs and sweeps: the workload a whole config implies, the layers of config, model
-file and flags, and `--sweep` with its recommendation."""
+file (its episode model too) and flags, and `--sweep` with its recommendation."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from rollout.flow.events import FlowCounters
 from rollout.flow.sim.calibrate import SimModel, save_model
 from rollout.flow.sim.cli import build_parser, cli_main, load_inputs, task_workload
 from rollout.flow.sim.report import SimResult
-from rollout.flow.sim.simulator import Costs, ThroughputModel
+from rollout.flow.sim.simulator import Costs, EpisodeModel, ThroughputModel
 from rollout.flow.sim.sweep import SweepRow, recommend
 
 DEMO = str(Path(__file__).resolve().parents[2] / "configs" / "demo.toml")
@@ -47,6 +47,27 @@ def test_timing_flags_override_the_model_file(tmp_path, capsys):
         cli_main(["--model", str(tmp_path / "m.json"), "--workers", "3", "--steps", "1", "--median-tokens", "8"]) == 0
     )
     assert "model: 3 worker(s), peak 900 tokens/s, half 3, latency 10 ms" in capsys.readouterr().out
+
+
+def test_episode_flags_override_the_model_files_episodes(tmp_path, capsys):
+    episodes = EpisodeModel(turns={1: 1, 3: 1}, tool_s=0.5, tool_sd=0.1, env_tokens=12)
+    save_model(
+        SimModel(ThroughputModel(900.0, 3.0, 0.01, 1), Costs(1e-4, 0.2, 0.3, 0.1), episodes=episodes),
+        tmp_path / "m.json",
+    )
+    base = ["--model", str(tmp_path / "m.json"), "--steps", "2", "--median-tokens", "8"]
+    assert cli_main(base) == 0
+    out = capsys.readouterr().out
+    assert "episodes: 2 turns on average {1: 50%, 3: 50%}; a tool call 0.5 s (sd 0.1 s), appending 12 tokens" in out
+    assert "episodes: " in out.split("strategy fully_async")[1]  # the run's summary counts its turns and calls
+    args = build_parser().parse_args([*base, "--turns", "2", "--tool-s", "3", "--env-tokens", "0"])
+    e = load_inputs(args, None, None, SimModel(ThroughputModel(), Costs(), episodes=episodes)).episodes
+    assert e == EpisodeModel(turns={2: 1}, tool_s=3.0, tool_sd=0.1, env_tokens=0.0)
+    assert inputs().episodes == EpisodeModel()  # no model file: single turn
+    assert cli_main([*base, "--turns", "0"]) == 2
+    assert "--turns 0: an episode has at least one turn" in capsys.readouterr().err
+    assert cli_main([*base, "--tool-sd", "-1"]) == 2
+    assert "--tool-sd -1.0: it must be >= 0" in capsys.readouterr().err
 
 
 SMALL = ["--strategy", "fully_async", "--prompts-per-step", "4", "--samples-per-prompt", "2"]

@@ -1,15 +1,26 @@
-"""The simulator: hand-computed schedules, the processor-sharing model, invariants on a long-tail
-workload, the renderings and `slipstream simulate` (cli_main)."""
+"""The simulator: hand-computed schedules, the processor-sharing model, multi-turn episodes with tool calls,
+invariants on a long-tail workload, the renderings and `slipstream simulate` (cli_main)."""
 
 from __future__ import annotations
+
+import dataclasses
+import hashlib
 
 import pytest
 
 from common.config import FlowConfig
 from rollout.flow.policy import FlowPolicy
 from rollout.flow.sim.cli import build_parser, cli_main
-from rollout.flow.sim.report import TracePoint, ascii_timeline, save_png
-from rollout.flow.sim.simulator import Costs, GeneratorPool, ThroughputModel, Workload, simulate
+from rollout.flow.sim.report import SimResult, TracePoint, ascii_timeline, save_png
+from rollout.flow.sim.simulator import (
+    Costs,
+    EpisodeModel,
+    GeneratorPool,
+    ThroughputModel,
+    Workload,
+    simulate,
+    split_tokens,
+)
 from rollout.flow.strategies import policy_from_config
 
 # One request alone runs at 200 / (1 + 1) = 100 tokens/s; every sample is exactly 100 tokens long.
@@ -235,3 +246,151 @@ def test_cli_simulate_models_dynamic_sampling(capsys):
     assert "dynamic sampling dropped 0 zero-variance groups" in capsys.readouterr().out
     assert cli_main([*args, "--dynamic-sampling", "--uniform-group-rate", "1.5"]) == 2
     assert "--uniform-group-rate" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------------------
+# Multi-turn episodes
+# ----------------------------------------------------------------------------------------------
+
+
+def test_a_tool_call_lengthens_each_on_policy_step_by_its_seconds_and_its_tokens_train_with_the_episode():
+    two_turns = EpisodeModel(turns={2: 1}, tool_s=0.5, env_tokens=20)
+    costs = Costs(train_s_per_token=0.005, train_step_overhead_s=0.5, sync_s=0.25)
+    single = simulate(policy("on_policy", num_prompts=2), FIXED, MODEL, costs)
+    r = simulate(policy("on_policy", num_prompts=2), FIXED, MODEL, costs, episodes=two_turns)
+    # Single turn: gen [0, 1], train 0.5 + 0.005 * 100 = 1 s [1, 2], sync [2, 2.25]; again from 2.25: 4.5 s.
+    assert [t for s in single.steps for t in (s.start, s.end)] == pytest.approx([1.0, 2.0, 3.25, 4.25])
+    # Two turns of 50 tokens at 100 tokens/s with a 0.5 s tool call between: gen [0, 1.5]; the call appended
+    # 20 tokens, so train 0.5 + 0.005 * 120 = 1.1 s [1.5, 2.6]; sync [2.6, 2.85]; gen [2.85, 4.35]; train
+    # [4.35, 5.45]; sync [5.45, 5.7]. Each step 0.5 s (the call) + 0.1 s (its tokens) longer.
+    assert [t for s in r.steps for t in (s.start, s.end)] == pytest.approx([1.5, 2.6, 4.35, 5.45])
+    assert r.makespan == pytest.approx(single.makespan + 2 * (0.5 + 0.1)) and r.makespan == pytest.approx(5.7)
+    assert [s.tokens for s in r.steps] == [120, 120] and r.trained_completion_tokens == 200
+    assert [(s.turns, s.tool_s, s.env_tokens) for s in r.samples] == [(2, 0.5, 20)] * 2
+    assert r.turns_per_episode == 2.0 and r.tool_s_per_episode == 0.5
+    # The generator decodes 1 s of each 1.5 s episode; the episode is in flight at the controller throughout.
+    assert r.generator_busy_s == pytest.approx(2.0)
+    in_flight = [t for p, q in zip(r.trace, r.trace[1:], strict=False) if p.concurrency for t in (p.t, q.t)]
+    assert in_flight == pytest.approx([0.0, 1.5, 2.85, 4.35])
+    assert "episodes: 2.00 turns and 0.50 s of tool calls each on average (2 completed)" in r.summary()
+    assert "episodes:" not in single.summary()
+
+
+def test_an_episode_in_a_tool_call_holds_no_place_on_its_worker_and_comes_back_to_it():
+    pool = GeneratorPool(ThroughputModel(peak_tokens_per_s=300.0, half_concurrency=1.0, workers=2))
+    pool.add((0, 0), 200, tool_calls=(1.0,))  # two turns of 100 tokens, a one-second tool call between
+    pool.add((1, 0), 100)
+    pool.add((2, 0), 200)
+    assert [pool.active[(p, 0)].worker for p in range(3)] == [0, 1, 0]
+    # (1, 0) alone on worker 1 at 300 / 2 = 150 tokens/s: done at t = 2/3.
+    pool.advance(pool.next_time())
+    assert pool.t == pytest.approx(2 / 3) and pool.pop_finished() == [((1, 0), 0)]
+    # Worker 0 shares 300 / 3 = 100 tokens/s each between two: the first turn of (0, 0) ends at t = 1 and the
+    # episode goes to its tool call, in flight but off its worker, so (2, 0) speeds up to 150 tokens/s.
+    assert pool.next_time() == pytest.approx(1.0)
+    pool.advance(1.0)
+    assert pool.pop_finished() == [] and pool.active[(0, 0)].tooling
+    assert pool.load == [1, 0] and pool.decoding == [1, 0] and len(pool.active) == 2
+    assert pool.next_time() == pytest.approx(1.0 + 100 / 150)
+    pool.advance(1.0 + 100 / 150)
+    assert pool.pop_finished() == [((2, 0), 0)]
+    pool.add((3, 0), 300)  # both workers empty: worker 0, which 50 tokens by t = 2
+    assert pool.active[(3, 0)].worker == 0
+    # The call ends at t = 2; the second turn goes back to worker 0, though worker 1 is idle: both share
+    # 100 tokens/s, the turn's 100 tokens end at t = 3, then (3, 0)'s last 150 alone at 150/s by t = 4.
+    assert pool.next_time() == pytest.approx(2.0)
+    pool.advance(2.0)
+    assert pool.pop_finished() == [] and pool.load == [2, 0] and not pool.active[(0, 0)].tooling
+    assert pool.next_time() == pytest.approx(3.0)
+    pool.advance(3.0)
+    assert pool.pop_finished() == [((0, 0), 0)]
+    pool.advance(pool.next_time())
+    assert pool.t == pytest.approx(4.0) and pool.pop_finished() == [((3, 0), 0)]
+    assert pool.load == [0, 0] and not pool.active and pool.generated == pytest.approx(800.0)
+
+
+def test_an_episode_aborted_in_its_tool_call_leaves_the_pool_clean():
+    pool = GeneratorPool(ThroughputModel(peak_tokens_per_s=200.0, half_concurrency=1.0, latency_s=0.25))
+    pool.add((0, 0), 100, tool_calls=(2.0, 2.0))  # three turns of 34, 33 and 33 tokens
+    assert pool.active[(0, 0)].tokens == 34 and pool.active[(0, 0)].later == [(2.0, 33), (2.0, 33)]
+    first = 0.25 + 34 / 100  # the latency, then alone at 100 tokens/s
+    pool.advance(0.25)
+    assert pool.next_time() == pytest.approx(first)
+    pool.advance(first)
+    assert pool.pop_finished() == [] and pool.active[(0, 0)].tooling and pool.load == [0]
+    assert pool.next_time() == pytest.approx(first + 2.0)  # the call's end
+    pool.remove((0, 0))  # aborted while the tool runs
+    assert pool.load == [0] and pool.decoding == [0] and not pool.active
+    assert pool.next_time() == float("inf")  # its call's end is skipped
+    pool.add((0, 0), 10)  # the re-generated sample: a new request, whose latency comes first
+    assert pool.next_time() == pytest.approx(first + 0.25)
+    pool.advance(first + 0.25)
+    assert pool.next_time() == pytest.approx(first + 0.25 + 10 / 100)
+
+
+def test_episode_draws_are_seeded_and_follow_the_turn_histogram_and_the_tool_call_mean_and_spread():
+    model = EpisodeModel(turns={1: 1, 3: 3}, tool_s=2.0, tool_sd=1.0, env_tokens=7.5)
+    draws = [model.tool_calls(0, p, i, 0) for p in range(2000) for i in range(2)]
+    assert draws == [model.tool_calls(0, p, i, 0) for p in range(2000) for i in range(2)]
+    assert {len(d) for d in draws} == {0, 2} and sum(len(d) == 2 for d in draws) / len(draws) == pytest.approx(
+        0.75, abs=0.02
+    )
+    calls = [c for d in draws for c in d]
+    mean = sum(calls) / len(calls)
+    sd = (sum((c - mean) ** 2 for c in calls) / len(calls)) ** 0.5
+    assert (mean, sd) == pytest.approx((2.0, 1.0), rel=0.05) and min(calls) > 0
+    assert model.mean_turns == 2.5 and model.env_tokens_of(2) == 15
+    assert EpisodeModel(turns={2: 1}, tool_s=1.5).tool_calls(0, 0, 0, 0) == (1.5,)
+    assert (
+        EpisodeModel().tool_calls(0, 0, 0, 0) == ()
+        and EpisodeModel(turns={1: 5}, tool_s=9).tool_calls(0, 0, 0, 0) == ()
+    )
+    assert split_tokens(100, 3) == [34, 33, 33] and split_tokens(2, 3) == [1, 1, 0] and split_tokens(7, 1) == [7]
+    with pytest.raises(ValueError, match="turns per episode are whole numbers >= 1"):
+        EpisodeModel(turns={0: 1})
+    with pytest.raises(ValueError, match="tool_s = -1"):
+        EpisodeModel(tool_s=-1)
+
+
+def _digest(r: SimResult) -> str:
+    """Every event time, count and summary line of a single-turn run, in the fields a run had before episodes."""
+    parts = [repr(r.makespan), repr(r.generated_tokens), repr(r.generator_busy_s)]
+    parts += [repr((s.step, s.start, s.end, s.prompt_ids, s.tokens)) for s in r.steps]
+    parts += [repr((p.t, p.concurrency, p.weights_step, p.paused)) for p in r.trace]
+    parts += [
+        repr((s.prompt_id, s.index, s.attempt, s.start, s.end, s.tokens, s.worker, s.concurrency)) for s in r.samples
+    ]
+    parts.append(r.summary())
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+# Made by the simulator before it modelled episodes (commit b1de9c4).
+SINGLE_TURN_DIGESTS = {
+    "on_policy": "d4e4229bd04fdb03",
+    "one_step_off": "363a08f0e6d681dd",
+    "fully_async": "5cd9b506eb8bd067",
+}
+
+
+@pytest.mark.parametrize("strategy", list(SINGLE_TURN_DIGESTS))
+def test_single_turn_episodes_give_the_event_trace_of_the_simulator_before_episodes(strategy):
+    hw = dataclasses.replace(HW, latency_s=0.05, workers=2)
+    costs = Costs(5e-5, 1.0, 2.0, pause_s=0.5)
+    plain = simulate(long_tail_policy(strategy), LONG_TAIL, hw, costs)
+    assert _digest(plain) == SINGLE_TURN_DIGESTS[strategy]
+    # A model whose episodes all have one turn has no tool calls, whatever their time says.
+    one_turn = EpisodeModel(turns={1: 10}, tool_s=3.0, tool_sd=1.0, env_tokens=50)
+    assert _digest(simulate(long_tail_policy(strategy), LONG_TAIL, hw, costs, episodes=one_turn)) == _digest(plain)
+
+
+def test_tool_calls_slow_a_long_tail_run_less_when_generation_overlaps_them():
+    tools = EpisodeModel(turns={1: 1, 2: 1, 4: 1}, tool_s=2.0, tool_sd=1.0)
+    on = simulate(long_tail_policy("on_policy"), LONG_TAIL, HW, TRAIN)
+    on_tools = simulate(long_tail_policy("on_policy"), LONG_TAIL, HW, TRAIN, episodes=tools)
+    fa = simulate(long_tail_policy("fully_async"), LONG_TAIL, HW, TRAIN)
+    fa_tools = simulate(long_tail_policy("fully_async"), LONG_TAIL, HW, TRAIN, episodes=tools)
+    assert on_tools.makespan > on.makespan and fa_tools.makespan > fa.makespan
+    assert on_tools.generated_tokens == pytest.approx(on.generated_tokens)  # the same lengths, split over turns
+    assert 2.0 < on_tools.turns_per_episode < 2.7 and on_tools.tool_s_per_episode > 1.5
+    assert fa_tools.makespan - fa.makespan < on_tools.makespan - on.makespan
+    assert max(p.concurrency for p in fa_tools.trace) <= 32 and max(fa_tools.counters.staleness) <= 2

@@ -5,7 +5,9 @@ model and sets the prediction beside the measurement (compare.py); `--sweep KEY=
 settings and recommends one (sweep.py). Inputs are layers, each over the one before: built-in defaults; the
 whole config (`--config`, or the compared run's config.toml): its [flow] section, its trainer.steps and seed, and
 the workload its rollout section implies (`task_workload`); the compared run's measurements (its completion
-lengths, prompt tokens and steps); the timing model file (`--model`); then the flags. The flow flags are
+lengths, prompt tokens and steps); the timing model file (`--model`), with its episode model (turns per
+episode, tool calls), whose turns histogram the compared run's own replaces (turns, like lengths, are the
+workload's); then the flags. The flow flags are
 derived from the FlowConfig schema (`--prompts-per-step` for `prompts_per_step`, the type and choices from the
 field's annotation, the help from its docstring), one for each knob a policy reads. Left out: the controller's
 knobs (retries, timeouts, error budget), which the simulator does not model.
@@ -31,19 +33,22 @@ from rollout.flow.sim.calibrate import (
     SimModel,
     calibrate,
     describe,
+    describe_episodes,
     load_model,
     read_run,
     save_model,
+    turns_histogram,
 )
 from rollout.flow.sim.compare import comparison_table, measured_result
 from rollout.flow.sim.report import SimResult, ascii_timeline, compare_table, save_png
-from rollout.flow.sim.simulator import Costs, ThroughputModel, Workload, simulate
+from rollout.flow.sim.simulator import Costs, EpisodeModel, ThroughputModel, Workload, simulate
 from rollout.flow.sim.sweep import Setting, parse_axes, recommend, run_sweep, save_sweep_png, sweep_table
 from rollout.flow.strategies import STRATEGIES, policy_from_config
 
 LOGNORMAL = ("median_tokens", "sigma", "prompt_sigma")
 THROUGHPUT = ("peak_tokens_per_s", "half_concurrency", "latency_s", "workers")
 COSTS = ("train_s_per_token", "train_step_overhead_s", "sync_s", "pause_s")
+EPISODES = ("tool_s", "tool_sd", "env_tokens")
 
 
 def _policy_knobs() -> list[dataclasses.Field]:
@@ -116,6 +121,7 @@ class Inputs:
     workload: Workload
     throughput: ThroughputModel
     costs: Costs
+    episodes: EpisodeModel = dataclasses.field(default_factory=EpisodeModel)
 
     def simulate(self, flow: FlowConfig | None = None, throughput: ThroughputModel | None = None) -> SimResult:
         flow = flow or self.cfg.flow
@@ -124,7 +130,7 @@ class Inputs:
             num_prompts = self.steps * flow.prompts_per_step
         workload = dataclasses.replace(self.workload, num_prompts=num_prompts)
         policy = policy_from_config(flow, num_prompts=num_prompts, max_steps=self.steps)
-        return simulate(policy, workload, throughput or self.throughput, self.costs)
+        return simulate(policy, workload, throughput or self.throughput, self.costs, episodes=self.episodes)
 
     def describe(self) -> str:
         w, m, c = self.workload, self.throughput, self.costs
@@ -133,12 +139,13 @@ class Inputs:
             lengths = f"drawn from {len(capped)} lengths (mean {sum(capped) / len(capped):.1f}, max {max(capped)})"
         else:
             lengths = f"lognormal (median {w.median_tokens:g}, sigma {w.sigma:g}) capped at {w.max_tokens}"
-        return (
+        text = (
             f"workload: {self.steps} steps; completions {lengths}; prompts {w.prompt_tokens} tokens\n"
             f"model: {m.workers} worker(s), peak {m.peak_tokens_per_s:.4g} tokens/s, half {m.half_concurrency:.3g}, "
             f"latency {m.latency_s * 1e3:.3g} ms; train {c.train_step_overhead_s:.3g} s + "
             f"{c.train_s_per_token:.3g} s/token; publish {c.sync_s:.3g} s (pause {c.publish_pause_s:.3g} s)"
         )
+        return text + "\n" + describe_episodes(self.episodes) if self.episodes.multi_turn else text
 
 
 def load_inputs(
@@ -167,7 +174,19 @@ def load_inputs(
     )
     costs = model.costs if model else Costs()
     costs = dataclasses.replace(costs, **{k: getattr(args, k) for k in COSTS if getattr(args, k) is not None})
-    return Inputs(cfg, steps, args.num_prompts, workload, throughput, costs)
+    episodes = model.episodes if model else EpisodeModel()
+    if run is not None:
+        episodes = dataclasses.replace(episodes, turns=turns_histogram(run.samples))
+    if args.turns is not None:
+        if args.turns < 1:
+            raise ValueError(f"--turns {args.turns}: an episode has at least one turn")
+        episodes = dataclasses.replace(episodes, turns={args.turns: 1})
+    given = {k: getattr(args, k) for k in EPISODES if getattr(args, k) is not None}
+    for k, v in given.items():
+        if v < 0:
+            raise ValueError(f"--{k.replace('_', '-')} {v}: it must be >= 0")
+    episodes = dataclasses.replace(episodes, **given)
+    return Inputs(cfg, steps, args.num_prompts, workload, throughput, costs, episodes)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -215,6 +234,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--sync-s", type=float, help=f"a publish's time on the trainer ({c.sync_s:g})")
     g.add_argument("--pause-s", type=float, help="generation pause at the end of a publish (default: all of it)")
+    g.add_argument(
+        "--turns",
+        type=int,
+        help="turns (generation requests) of every episode (default: the model's histogram, else 1)",
+    )
+    g.add_argument("--tool-s", type=float, help="mean seconds of a tool call between two turns (default 0)")
+    g.add_argument("--tool-sd", type=float, help="standard deviation of a tool call's seconds (default 0)")
+    g.add_argument(
+        "--env-tokens", type=float, help="tokens a tool call appends, which the trainer trains on (default 0)"
+    )
     g = p.add_argument_group("modes (default: simulate and print the schedule)")
     modes = g.add_mutually_exclusive_group()
     modes.add_argument("--strategies", help="also simulate these strategies (comma-separated, or all) and tabulate")

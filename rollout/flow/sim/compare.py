@@ -4,7 +4,10 @@ pauses over time, the staleness histogram), so one table (`comparison_table`) an
 `save_png`) show measured and predicted alike. `slipstream simulate --compare RUN_DIR` is the command.
 Generator utilisation is measured against the timing model's capacity at max_concurrent, as it is
 predicted, so the two are comparable; the trained completion tokens of a run are its trained tokens less
-its prompts' (mean prompt length), an estimate.
+its prompts' and tool results' (mean prompt length and tool-result tokens per sample), an estimate. A
+multi-turn run's episodes are compared as wholes (turns per episode, seconds in tool calls, sent to done):
+its metrics do not time the turns, so its generator busy counts an episode's tool calls as busy (an upper
+bound), where the prediction counts only decoding.
 """
 
 from __future__ import annotations
@@ -37,14 +40,17 @@ def measured_result(run: RunMetrics, flow: FlowConfig, throughput: ThroughputMod
     spans += [Span(p.start, p.start + p.duration, "sync", p.version) for p in run.publishes]
     spans.sort(key=lambda s: s.start)
     samples = [
-        SampleRecord(-1, i, 0, g.start, g.start + g.generate, g.output_tokens, g.worker, g.concurrency)
+        SampleRecord(-1, i, 0, g.start, g.start + g.generate, g.output_tokens, g.worker, g.concurrency, g.turns)
         for i, g in enumerate(run.samples)
     ]
+    for record, g in zip(samples, run.samples, strict=True):  # what its episode spent in tool calls
+        record.tool_s, record.env_tokens = g.tool_s, g.env_tokens
     trace = _trace(samples, [(p.start + p.duration - p.pause, p.start + p.duration, p.version) for p in run.publishes])
     makespan = max([s.end for s in spans] + [s.end for s in samples] + [0.0])
     prompts = [g.prompt_tokens for g in run.samples if not math.isnan(g.prompt_tokens)]
     prompt_tokens = sum(prompts) / len(prompts) if prompts else 0.0
-    trained = sum(s.tokens for s in steps) - round(run.counters.trained_samples * prompt_tokens)
+    env_tokens = sum(g.env_tokens for g in run.samples) / len(run.samples) if run.samples else 0.0
+    trained = sum(s.tokens for s in steps) - round(run.counters.trained_samples * (prompt_tokens + env_tokens))
     busy = sum(
         b.t - a.t
         for a, b in zip(trace, trace[1:] + [TracePoint(makespan, 0, 0, False)], strict=True)
@@ -124,13 +130,16 @@ def steady_samples_s(r: SimResult) -> float:
 
 
 def judged(r: SimResult) -> dict[str, Any]:
-    """What a prediction is judged on, as JSON values: time per step and samples/s after step 0, and the
-    staleness histogram (bench/sim_validate.py records a real run's; tests/unit/test_sim_real.py checks against them)."""
+    """What a prediction is judged on, as JSON values: time per step and samples/s after step 0, the
+    staleness histogram (bench/sim_validate.py records a real run's; tests/unit/test_sim_real.py checks against
+    them), and the episodes' turns and seconds in tool calls (1 and 0 for a single-turn run)."""
     return {
         "steps": len(r.steps),
         "step_s": steady_step_s(r),
         "samples_per_s": steady_samples_s(r),
         "staleness": {str(k): n for k, n in sorted(r.counters.staleness.items())},
+        "turns_per_episode": r.turns_per_episode,
+        "tool_s_per_episode": r.tool_s_per_episode,
     }
 
 
@@ -141,7 +150,9 @@ ROWS: list[Row] = [
     ("time per step (s)", _step_s, False),
     ("time per step after step 0 (s)", steady_step_s, False),
     ("train step (s, mean)", _train_s, False),
-    ("request, sent to done (s, mean)", _request_s, False),
+    ("episode, sent to done (s, mean)", _request_s, False),
+    ("turns per episode (mean)", lambda r: r.turns_per_episode, False),
+    ("tool calls per episode (s, mean)", lambda r: r.tool_s_per_episode, False),
     ("samples/s", lambda r: r.samples_per_s, False),
     ("samples/s after step 0", steady_samples_s, False),
     ("staleness (mean)", lambda r: r.staleness_mean, False),

@@ -48,9 +48,11 @@ class TracePoint:
 
 @dataclass
 class SampleRecord:
-    """One completed generation request, as a run's gen/* metrics record it: attempt `attempt` of sample
-    `index` of `prompt_id`, sent at `start` and done at `end` (seconds), `tokens` long, served by `worker`,
-    with `concurrency` requests in flight when it was sent (itself included)."""
+    """One completed episode, as a run's gen/* metrics record it: attempt `attempt` of sample `index` of
+    `prompt_id`, its first request sent at `start` and its last done at `end` (seconds), `tokens` generated
+    by the policy over its `turns` turns, served by `worker`, with `concurrency` requests in flight when it
+    was sent (itself included), `tool_s` seconds in tool calls between its turns and `env_tokens` tokens
+    those calls appended."""
 
     prompt_id: int
     index: int
@@ -60,6 +62,9 @@ class SampleRecord:
     tokens: int
     worker: int
     concurrency: int
+    turns: int = 1
+    tool_s: float = 0.0
+    env_tokens: int = 0
 
 
 @dataclass
@@ -101,6 +106,16 @@ class SimResult:
         return self.counters.trained_samples / self.makespan if self.makespan else 0.0
 
     @property
+    def turns_per_episode(self) -> float:
+        """Turns (generation requests) per completed episode, on average; nan without episodes."""
+        return sum(s.turns for s in self.samples) / len(self.samples) if self.samples else math.nan
+
+    @property
+    def tool_s_per_episode(self) -> float:
+        """Seconds a completed episode spent in tool calls, on average; nan without episodes."""
+        return sum(s.tool_s for s in self.samples) / len(self.samples) if self.samples else math.nan
+
+    @property
     def staleness_mean(self) -> float:
         """Mean staleness of the trained samples, in steps."""
         n = sum(self.counters.staleness.values())
@@ -116,6 +131,12 @@ class SimResult:
     def summary(self) -> str:
         c = self.counters
         hist = ", ".join(f"{k}: {v}" for k, v in sorted(c.staleness.items()))
+        episodes = []
+        if any(s.turns > 1 for s in self.samples):  # a single-turn run's summary is as it always was
+            episodes.append(
+                f"episodes: {self.turns_per_episode:.2f} turns and {self.tool_s_per_episode:.2f} s of tool calls "
+                f"each on average ({len(self.samples)} completed)"
+            )
         return "\n".join(
             [
                 f"strategy {self.strategy}: {len(self.steps)} steps, {c.trained_samples} samples, finished by "
@@ -129,6 +150,7 @@ class SimResult:
                 f"dropped {c.dropped_samples} samples ({c.dropped_prompts} prompts), aborted {c.aborted_samples}",
                 f"dynamic sampling dropped {c.dropped_groups} zero-variance groups; generated "
                 f"{self.generated_tokens:.0f} tokens, trained {self.trained_completion_tokens}",
+                *episodes,
             ]
         )
 

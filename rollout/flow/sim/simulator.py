@@ -2,18 +2,22 @@
 through a discrete-event model of a generator pool and one trainer, in simulated time. The pool is
 `workers` identical workers, each processor sharing: every request decoding on a worker advances at
 `tokens_per_s(c) / c` tokens per second when `c` requests are on it (so throughput depends on
-concurrency); a request goes to the worker with the fewest requests (the router's least-outstanding
-choice; its group affinity is left out) and spends a fixed `latency_s` there before its first token. A
-publish occupies the trainer for the weight-sync time and pauses the pool for the last `pause_s` of it
-(keep mode: requests resume afterwards), then serves the new weights; a train step occupies the trainer for
-`overhead + s_per_token * tokens`. Sample lengths come from a seeded per-(prompt, sample, attempt)
-lognormal distribution, or a measured list of lengths, so a run is reproducible and a re-generated
-sample draws a new length. Rewards are modelled only as far as dynamic sampling needs them: a seeded
-fraction `uniform_group_rate` of prompts gets the same reward on every sample (a group with no
-signal, which dynamic sampling drops and replaces), the others a spread of rewards. It reports
-makespan, utilisations, throughput, the staleness histogram, dropped samples and groups and every
-completed request (`SimResult`), rendered as ASCII and as a PNG by report.py; `slipstream simulate`
-is cli.py (a model fitted to a real run: calibrate.py).
+concurrency); a request spends a fixed `latency_s` on its worker before its first token. A sample is an
+episode of one or more turns (`EpisodeModel`), each turn one request: the first goes to the worker with the
+fewest requests (the router's least-outstanding choice; its group affinity is left out), the later ones
+back to that worker (beside their prefix cache; a run records one worker per episode), and between two
+turns the episode waits for a tool call (the environment's step), holding no place on its worker but still
+in flight at the controller. A publish occupies the trainer for the weight-sync time and
+pauses the pool for the last `pause_s` of it (keep mode: requests resume afterwards; tool calls go on),
+then serves the new weights; a train step occupies the trainer for `overhead + s_per_token * tokens`.
+Sample lengths come from a seeded per-(prompt, sample, attempt) lognormal distribution, or a measured
+list of lengths, and an episode's turns and tool-call times from a seeded draw of the same key, so a run
+is reproducible and a re-generated sample draws anew. Rewards are modelled only as far as dynamic
+sampling needs them: a seeded fraction `uniform_group_rate` of prompts gets the same reward on every
+sample (a group with no signal, which dynamic sampling drops and replaces), the others a spread of
+rewards. It reports makespan, utilisations, throughput, the staleness histogram, dropped samples and
+groups and every completed episode (`SimResult`), rendered as ASCII and as a PNG by report.py;
+`slipstream simulate` is cli.py (a model fitted to a real run: calibrate.py).
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ from __future__ import annotations
 import heapq
 import math
 import random
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from rollout.flow.events import Abort, Action, Dispatch, Finish, Publish, SampleDone, SampleKey, Train
 from rollout.flow.policy import FlowPolicy
@@ -121,6 +126,67 @@ class Costs:
         return self.sync_s if self.pause_s is None else min(self.pause_s, self.sync_s)
 
 
+def split_tokens(tokens: int, turns: int) -> list[int]:
+    """An episode's policy tokens over its turns, evenly: every turn gets tokens // turns, the first
+    tokens % turns turns one more. A run records only an episode's sum (gen/output_tokens), so an even split
+    is the per-turn model its calibration can stand behind."""
+    base, extra = divmod(tokens, turns)
+    return [base + (k < extra) for k in range(turns)]
+
+
+@dataclass
+class EpisodeModel:
+    """What a sample is beyond its tokens: how many turns (generation requests) it takes, and the tool calls
+    between them. `turns` is a histogram, turns per episode -> episodes seen, which each episode draws from;
+    empty (or only 1), every episode is a single turn. A tool call takes `tool_s` seconds on average with
+    standard deviation `tool_sd` (lognormal with that mean and spread; exactly `tool_s` when `tool_sd` is 0)
+    and appends `env_tokens` tokens on average, which the next turn reads as prompt and which count in the
+    train step's tokens with the episode's own. The policy's tokens are split evenly over the turns
+    (`split_tokens`)."""
+
+    turns: dict[int, int] = field(default_factory=dict)
+    tool_s: float = 0.0
+    tool_sd: float = 0.0
+    env_tokens: float = 0.0
+
+    def __post_init__(self) -> None:
+        if any(not isinstance(n, int) or n < 1 for n in self.turns):
+            raise ValueError(f"episode turns {sorted(self.turns)}: turns per episode are whole numbers >= 1")
+        if any(c < 0 for c in self.turns.values()) or (self.turns and sum(self.turns.values()) <= 0):
+            raise ValueError(f"episode turns {self.turns}: give each turn count a weight >= 0, not all 0")
+        for name in ("tool_s", "tool_sd", "env_tokens"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"episode {name} = {getattr(self, name)}: it must be >= 0")
+
+    @property
+    def multi_turn(self) -> bool:
+        return any(n > 1 and c > 0 for n, c in self.turns.items())
+
+    @property
+    def mean_turns(self) -> float:
+        """Turns per episode on average (1 for a single-turn model)."""
+        total = sum(self.turns.values())
+        return sum(n * c for n, c in self.turns.items()) / total if total else 1.0
+
+    def tool_calls(self, seed: int, prompt_id: int, index: int, attempt: int) -> tuple[float, ...]:
+        """The seconds of each tool call of one episode, so it has one turn more than calls; () for a single
+        turn. Seeded per (prompt, sample, attempt), as its length is."""
+        if not self.multi_turn:
+            return ()
+        rng = random.Random(f"{seed}:turns:{prompt_id}:{index}:{attempt}")
+        counts = sorted(self.turns)
+        turns = rng.choices(counts, weights=[self.turns[n] for n in counts])[0]
+        if self.tool_sd <= 0 or self.tool_s <= 0:
+            return (self.tool_s,) * (turns - 1)
+        sigma2 = math.log1p((self.tool_sd / self.tool_s) ** 2)  # the lognormal of this mean and spread
+        mu = math.log(self.tool_s) - sigma2 / 2
+        return tuple(rng.lognormvariate(mu, math.sqrt(sigma2)) for _ in range(turns - 1))
+
+    def env_tokens_of(self, calls: int) -> int:
+        """Tokens the environment appends over `calls` tool calls."""
+        return round(self.env_tokens * calls)
+
+
 # ----------------------------------------------------------------------------------------------
 # The model
 # ----------------------------------------------------------------------------------------------
@@ -128,15 +194,19 @@ class Costs:
 
 @dataclass
 class InFlight:
-    """A request on a worker: its length, the weights step it started on (`oldest`), its sequence number (which
-    tells its heap entries from those of an earlier request of the same key) and, once it decodes, the
-    worker level at which it is done."""
+    """An episode in flight: its worker, the tokens of its current turn, the weights step it started on
+    (`oldest`), the sequence number of its current turn (which tells its heap entries from those of an
+    earlier turn or request of the same key), once the turn decodes the worker level at which it is done,
+    its later turns as (seconds of the tool call before it, tokens) and whether it is in a tool call
+    (`tooling`: no place on its worker)."""
 
     worker: int
     tokens: int
     oldest: int
     seq: int
     finish: float | None = None
+    later: list[tuple[float, int]] = field(default_factory=list)
+    tooling: bool = False
 
 
 class GeneratorPool:
@@ -144,8 +214,9 @@ class GeneratorPool:
     sharing). All requests decoding on a worker advance equally, so one is done when the worker's
     cumulative per-request service `levels[w]` passes its start level plus its length: completions are a
     heap per worker on that finish level, O(log n) per event; requests still in their latency wait in a
-    heap on the time they start decoding. Time is whatever the caller passes to `advance` (simulated seconds
-    here; scaled wall-clock seconds in a fake backend)."""
+    heap on the time they start decoding, episodes in a tool call in a heap on the time it ends. Time is
+    whatever the caller passes to `advance` (simulated seconds here; scaled wall-clock seconds in a fake
+    backend)."""
 
     def __init__(self, model: ThroughputModel) -> None:
         if model.workers < 1:
@@ -157,6 +228,7 @@ class GeneratorPool:
         self.decoding = [0] * model.workers
         self.heaps: list[list[tuple[float, int, SampleKey]]] = [[] for _ in range(model.workers)]
         self.waiting: list[tuple[float, int, SampleKey]] = []  # (decoding starts, seq, key)
+        self.calls: list[tuple[float, int, SampleKey]] = []  # (tool call ends, seq, key)
         self.weights_step = 0
         self.paused = False
         self.active: dict[SampleKey, InFlight] = {}
@@ -165,10 +237,21 @@ class GeneratorPool:
         self.busy_s = 0.0
 
     def advance(self, now: float) -> None:
-        while (top := self._valid(self.waiting)) is not None and top[0] <= now:
-            heapq.heappop(self.waiting)
-            self._run(top[0])
-            self._decode(self.active[top[2]], top[2])
+        while True:
+            wait, tool = self._valid(self.waiting), self._valid(self.calls)
+            if tool is not None and tool[0] <= now and (wait is None or tool[0] < wait[0]):
+                heapq.heappop(self.calls)
+                self._run(tool[0])
+                req = self.active[tool[2]]
+                req.tooling = False
+                self.load[req.worker] += 1
+                self._enter(req, tool[2])
+            elif wait is not None and wait[0] <= now:
+                heapq.heappop(self.waiting)
+                self._run(wait[0])
+                self._decode(self.active[wait[2]], wait[2])
+            else:
+                break
         self._run(now)
 
     def _run(self, now: float) -> None:
@@ -182,15 +265,32 @@ class GeneratorPool:
             self.busy_s += dt
         self.t = max(self.t, now)
 
-    def add(self, key: SampleKey, tokens: int) -> None:
+    def add(self, key: SampleKey, tokens: int, tool_calls: Sequence[float] = ()) -> None:
+        """Start an episode of `tokens` policy tokens and the given tool calls (seconds each) between its
+        turns, one turn more than calls, the tokens split evenly over them; no calls: a single request."""
         worker = min(range(self.model.workers), key=self.load.__getitem__)
+        per_turn = split_tokens(tokens, len(tool_calls) + 1)
         self.seq += 1
         self.load[worker] += 1
-        req = self.active[key] = InFlight(worker, tokens, self.weights_step, self.seq)
+        later = list(zip(tool_calls, per_turn[1:], strict=True))
+        req = self.active[key] = InFlight(worker, per_turn[0], self.weights_step, self.seq, later=later)
+        self._enter(req, key)
+
+    def _enter(self, req: InFlight, key: SampleKey) -> None:
+        """A turn arrives on its worker: it decodes after the request latency."""
         if self.model.latency_s > 0:
-            heapq.heappush(self.waiting, (self.t + self.model.latency_s, self.seq, key))
+            heapq.heappush(self.waiting, (self.t + self.model.latency_s, req.seq, key))
         else:
             self._decode(req, key)
+
+    def _to_tool(self, req: InFlight, key: SampleKey) -> None:
+        """A turn that is not the episode's last ended: the episode leaves its worker for the tool call."""
+        seconds, req.tokens = req.later.pop(0)
+        self.load[req.worker] -= 1
+        self.decoding[req.worker] -= 1
+        self.seq += 1
+        req.seq, req.finish, req.tooling = self.seq, None, True
+        heapq.heappush(self.calls, (self.t + seconds, req.seq, key))
 
     def _decode(self, req: InFlight, key: SampleKey) -> None:
         req.finish = self.levels[req.worker] + req.tokens
@@ -199,6 +299,8 @@ class GeneratorPool:
 
     def remove(self, key: SampleKey) -> None:
         req = self.active.pop(key)  # its heap entries are skipped lazily
+        if req.tooling:
+            return
         self.load[req.worker] -= 1
         if req.finish is not None:
             self.decoding[req.worker] -= 1
@@ -214,6 +316,8 @@ class GeneratorPool:
     def next_time(self) -> float:
         top = self._valid(self.waiting)
         t = top[0] if top is not None else math.inf
+        if (top := self._valid(self.calls)) is not None:
+            t = min(t, top[0])
         if self.paused:
             return t
         for w, heap in enumerate(self.heaps):
@@ -222,15 +326,20 @@ class GeneratorPool:
         return t
 
     def pop_finished(self) -> list[tuple[SampleKey, int]]:
-        """(key, oldest weights step) of every request whose finish level is reached, in finish order per worker."""
+        """(key, oldest weights step) of every episode whose last turn's finish level is reached, in finish
+        order per worker; an episode whose earlier turn ended goes to its tool call."""
         out = []
         for w, heap in enumerate(self.heaps):
             eps = 1e-9 * max(1.0, self.levels[w])
             while (top := self._valid(heap)) is not None and top[0] <= self.levels[w] + eps:
                 heapq.heappop(heap)
                 key = top[2]
-                out.append((key, self.active[key].oldest))
-                self.remove(key)
+                req = self.active[key]
+                if req.later:
+                    self._to_tool(req, key)
+                else:
+                    out.append((key, req.oldest))
+                    self.remove(key)
         return out
 
 
@@ -240,9 +349,12 @@ def simulate(
     throughput: ThroughputModel,
     costs: Costs,
     *,
+    episodes: EpisodeModel | None = None,
     max_events: int = 50_000_000,
 ) -> SimResult:
-    """Run `policy` to its Finish against the model; deterministic for given inputs."""
+    """Run `policy` to its Finish against the model; deterministic for given inputs. `episodes` (default:
+    every sample a single turn) gives the samples' turns and tool calls."""
+    episodes = episodes if episodes is not None else EpisodeModel()
     pool = GeneratorPool(throughput)
     spp = policy.flow.samples_per_prompt
     attempts: dict[SampleKey, int] = {}
@@ -277,15 +389,20 @@ def simulate(
                     n = attempts.get(key, 0)
                     attempts[key] = n + 1
                     tokens = workload.tokens(a.prompt_id, s, n)
-                    pool.add(key, tokens)
+                    calls = episodes.tool_calls(workload.seed, a.prompt_id, s, n)
+                    pool.add(key, tokens, calls)
                     worker = pool.active[key].worker
-                    requests[key] = SampleRecord(a.prompt_id, s, n, pool.t, math.nan, tokens, worker, len(pool.active))
+                    record = SampleRecord(a.prompt_id, s, n, pool.t, math.nan, tokens, worker, len(pool.active))
+                    record.turns, record.tool_s = len(calls) + 1, math.fsum(calls)
+                    record.env_tokens = episodes.env_tokens_of(len(calls))
+                    requests[key] = record
             elif isinstance(a, Abort):
                 for key in a.keys:
                     pool.remove(key)
             elif isinstance(a, Train):
                 completion = sum(requests[(p, s)].tokens for p in a.prompt_ids for s in range(spp))
-                tokens = completion + workload.prompt_tokens * spp * len(a.prompt_ids)
+                env = sum(requests[(p, s)].env_tokens for p in a.prompt_ids for s in range(spp))
+                tokens = completion + env + workload.prompt_tokens * spp * len(a.prompt_ids)
                 trained_completion_tokens += completion
                 job, job_end = a, pool.t + costs.train_s(tokens)
                 steps.append(StepRecord(a.step, pool.t, job_end, a.prompt_ids, tokens))
@@ -348,10 +465,12 @@ def simulate(
 
 __all__ = [
     "Costs",
+    "EpisodeModel",
     "InFlight",
     "SimulationError",
     "GeneratorPool",
     "ThroughputModel",
     "Workload",
     "simulate",
+    "split_tokens",
 ]
