@@ -3,7 +3,11 @@ strategy: on-policy (the calibration run), then fully-async and one-step-off. Th
 is fitted on the on-policy run (`slipstream simulate --calibrate`) and each other run is replayed with it
 (`slipstream simulate --compare`), which prints predicted against measured and draws both timelines.
 
-    python bench/sim_validate.py [--steps 20] [--keep] [--set KEY=VALUE ...] [--fixture DIR]
+    python bench/sim_validate.py [--config configs/demo.toml] [--steps 20] [--keep] [--set KEY=VALUE ...]
+        [--strategies on_policy,fully_async,one_step_off] [--fixture DIR]
+
+`--config configs/tools-demo.toml` does the same with multi-turn tool episodes: the model then also holds the
+turns per episode and the tool calls' seconds the calibration run measured.
 
 `--fixture DIR` also writes what tests/unit/test_sim_real.py checks the simulator against: the calibration
 (DIR/sim_model.json, as --calibrate wrote it) and each run's measured figures and completion lengths
@@ -51,11 +55,11 @@ def overrides(steps: int, extra: list[str]) -> list[str]:
     ]
 
 
-def launch(root: Path, strategy: str, steps: int, extra: list[str]) -> Path:
-    """One real demo run of `strategy`; its run dir."""
+def launch(root: Path, strategy: str, steps: int, extra: list[str], config: str = "configs/demo.toml") -> Path:
+    """One real run of `config` with `strategy`; its run dir."""
     exp = f"sv-{strategy.replace('_', '-')}"
     sets = [f"run.root={root / 'runs'}", f"flow.strategy={strategy}", *overrides(steps, extra)]
-    cmd = [sys.executable, "-m", "common.runs.cli", "launch", "configs/demo.toml"]
+    cmd = [sys.executable, "-m", "common.runs.cli", "launch", config]
     for s in sets:
         cmd += ["--set", s]
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLIPSTREAM")} | {"SLIPSTREAM_EXP": exp}
@@ -110,6 +114,12 @@ def write_fixture(out: Path, runs: dict[str, Path], shared: list[str], command: 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="configs/demo.toml", help="the config every run launches")
+    ap.add_argument(
+        "--strategies",
+        default=",".join(STRATEGIES),
+        help="the runs, comma-separated, the first the calibration run (on_policy, fully_async, one_step_off)",
+    )
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--keep", action="store_true", help="keep the run dirs (printed)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config override of every run")
@@ -119,12 +129,21 @@ def main() -> int:
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="ss-sv-"))
     try:
-        runs = {s: launch(root, s, args.steps, args.set) for s in STRATEGIES}
-        model = runs["on_policy"] / "sim_model.json"
-        print(f"## calibration on the on-policy run ({args.steps} steps)\n")
-        print(simulate("--calibrate", str(runs["on_policy"])))
-        for strategy in STRATEGIES:
-            print(f"## {strategy}: predicted from the on-policy model against measured\n")
+        strategies = args.strategies.split(",")
+        unknown = sorted(set(strategies) - set(STRATEGIES))
+        if unknown or not strategies:
+            raise SystemExit(f"--strategies {args.strategies!r}: choose from {', '.join(STRATEGIES)}")
+        if args.fixture and (args.config != "configs/demo.toml" or strategies != list(STRATEGIES)):
+            raise SystemExit(
+                "--fixture records the demo's three runs: leave --config and --strategies at their defaults"
+            )
+        runs = {s: launch(root, s, args.steps, args.set, args.config) for s in strategies}
+        base = strategies[0]
+        model = runs[base] / "sim_model.json"
+        print(f"## {args.config}: calibration on the {base} run ({args.steps} steps)\n")
+        print(simulate("--calibrate", str(runs[base])))
+        for strategy in strategies:
+            print(f"## {strategy}: predicted from the {base} model against measured\n")
             print(simulate("--compare", str(runs[strategy]), "--model", str(model)))
         if args.fixture:
             command = f"python bench/sim_validate.py {' '.join(sys.argv[1:])} ({time.strftime('%Y-%m-%d')})"

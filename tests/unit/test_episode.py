@@ -237,3 +237,64 @@ async def test_the_token_audit_passes_packed_episodes_and_names_a_sample_whose_i
     packed["targets"][row, col - 1] = 5  # an observation's id made a target
     with pytest.raises(TokenAuditError, match="trained sample 0: the target at position"):
         audit_tokens(packed["tokens"], packed["targets"], owner, rollouts)
+
+
+async def test_a_later_turn_whose_worker_failed_is_sent_again_and_the_episode_goes_on(tok, tmp_path, caplog):
+    """The real SampleGenerator over real Redis, its router a loopback stand-in for the router in front of a worker
+    killed while it held an episode's second turn: that request is answered 503 (what the router answers with no
+    worker left). The generator waits for a worker and sends the same ids again; the episode completes with every
+    id once, as the launched tool demo's killed worker shows at scale (tests/e2e/test_rl_e2e.py)."""
+    import logging
+
+    from aiohttp import web
+
+    from common.config import Config, RendezvousConfig
+    from common.keys import Keys
+    from common.rendezvous import Rendezvous
+    from common.roles import RunContext
+    from rollout.flow.runtime import SampleRequest
+    from rollout.generator import SampleGenerator
+    from tests.support.rl_routes import start_app
+
+    call = call_text("calculator", {"expression": "37*48+19"})
+    answers = [tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for t in (call, "1795")]
+    sent: list[list[int]] = []
+
+    async def handle(request: web.Request) -> web.Response:
+        body = await request.json()
+        sent.append(body["token_ids"])
+        if len(sent) == 2:  # the second turn's first attempt: its worker is gone
+            return web.json_response({"error": {"message": "no healthy worker"}}, status=503)
+        ids = answers[0 if len(sent) == 1 else 1]
+        choice = {
+            "index": 0,
+            "token_ids": ids,
+            "logprobs": {"content": [{"token_id": t, "logprob": -0.25} for t in ids]},
+            "weight_versions": [{"start": 0, "end": len(ids), "version": 2}],
+            "finish_reason": "stop",
+        }
+        return web.json_response({"choices": [choice]})
+
+    runner, url = await start_app(handle)
+    rz = Rendezvous(tmp_path / "meet", RendezvousConfig())
+    rz.connect(timeout_s=10)
+    try:
+        cfg = Config()
+        cfg.rollout.chat_template = "off"
+        cfg.rollout.max_tokens = 48
+        cfg.rollout.episode = EpisodeConfig(environment="tools")
+        ctx = RunContext(cfg, "trainer", "t-episode", tmp_path / "run", rz.meet, "i0", rz, Keys("t-episode"))
+        rz.connect().set(ctx.keys.router(cfg.router.name), url)
+        generator = SampleGenerator(cfg, ctx, ArithmeticTask(), tok, tools_env(tmp_path))
+        with caplog.at_level(logging.INFO, logger="rollout.generator"):
+            rollout = await generator(SampleRequest(7, 1, PROBLEM, 0, 0))
+        await generator.close()
+    finally:
+        await runner.cleanup()
+        rz.close()
+    prompt = prompt_token_ids(tok, PROBLEM.prompt, "off")
+    observation = turn_ids(tok, "<tool_response>\n1795\n</tool_response>", "off")
+    assert sent == [prompt, prompt + answers[0] + observation, prompt + answers[0] + observation]
+    assert rollout.sample.token_ids == answers[0] + observation + answers[1]
+    assert (rollout.reward, rollout.turns, rollout.tool_calls, rollout.env_tokens) == (1.0, 2, 1, len(observation))
+    assert "episode 7/1: a later turn's worker failed" in caplog.text
