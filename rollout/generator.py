@@ -72,11 +72,14 @@ class Rollout:
     tool_calls: int = 0
     tool_s: float = 0.0
     """Seconds the episode spent in the environment's steps between turns (its tools)."""
-    env_tokens: int = 0
-    """Tokens the environment appended (mask 0 in `sample`)."""
     pieces: list[Turn] | None = None
     """The episode's turns up to its last policy turn, each with the ids recorded when it came (a policy turn's
     as vLLM returned them, an observation's as appended): what trainer.rl.audit_tokens checks the batch against."""
+
+    @property
+    def env_tokens(self) -> int:
+        """Tokens the environment appended (mask 0 in `sample`)."""
+        return 0 if self.sample.mask is None else self.sample.mask.count(0)
 
     @property
     def weight_versions(self) -> list[int]:
@@ -179,7 +182,6 @@ class SampleGenerator:
         )
         assert sent is not None and answered is not None, "an episode sends at least one request"
         timing = GenTiming(req.dispatched, sent, answered, concurrency)
-        mask = episode.sample.mask
         return Rollout(
             episode.sample,
             episode.reward,
@@ -188,7 +190,6 @@ class SampleGenerator:
             turns=episode.policy_turns,
             tool_calls=episode.tool_calls,
             tool_s=episode.tool_s,
-            env_tokens=0 if mask is None else mask.count(0),
             pieces=episode.trained_turns(),
         )
 

@@ -15,7 +15,6 @@ and answer with its result; the rest answer at once.
 from __future__ import annotations
 
 import ast
-import asyncio
 import hashlib
 import json
 import time
@@ -24,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common.config import EpisodeConfig
-from rollout.episode import Environment, EnvStep, Segment
+from rollout.episode import Environment, EnvStep, Segment, TaskEnvironment
 from rollout.tasks import Problem, Task
 from rollout.tools.calls import CLOSE, OPEN, parse_calls, render_response
 from rollout.tools.python_tool import PythonTool, SandboxLimits
@@ -93,30 +92,26 @@ def call_text(tool: str, arguments: dict[str, object]) -> str:
     return f"{OPEN}{json.dumps({'name': tool, 'arguments': arguments}, separators=(',', ':'))}{CLOSE}"
 
 
-class ToolEnvironment:
-    """One episode: the problem's prompt, then tool calls answered until the policy answers (module docstring)."""
+class ToolEnvironment(TaskEnvironment):
+    """One episode: the problem's prompt, then tool calls answered until the policy answers (module docstring); a
+    turn without calls is scored as the one-step task environment scores its completion."""
 
     def __init__(self, task: Task, registry: ToolRegistry, end_on_limit: bool) -> None:
-        self.task, self.registry, self.end_on_limit = task, registry, end_on_limit
-        self.problem: Problem | None = None
-
-    async def reset(self, problem: Problem) -> str:
-        self.problem = problem
-        return problem.prompt
+        super().__init__(task)
+        self.registry, self.end_on_limit = registry, end_on_limit
 
     async def step(self, action: str) -> EnvStep:
-        assert self.problem is not None, "reset() comes first"
         calls = parse_calls(action)
         if not calls:
-            return EnvStep(None, await asyncio.to_thread(self.task.reward, self.problem, action), True)
+            return await super().step(action)
         t0 = time.monotonic()
         results = [await self.registry.call(call) for call in calls]
         seconds = time.monotonic() - t0
         observation = "\n".join(render_response(r.text) for r in results)
         errors = sum(r.is_error for r in results)
         if self.end_on_limit and any(r.limit for r in results):
-            reward = await asyncio.to_thread(self.task.reward, self.problem, "")
-            return EnvStep(observation, reward, True, len(calls), errors, seconds)
+            verdict = await super().step("")  # the task's reward of no answer
+            return EnvStep(observation, verdict.reward, True, len(calls), errors, seconds)
         return EnvStep(observation, 0.0, False, len(calls), errors, seconds)
 
 
