@@ -23,6 +23,11 @@ async def start_app(
     app = web.Application()
     for method in methods:
         app.router.add_route(method, "/{tail:.*}", handle)
+    return await serve_app(app)
+
+
+async def serve_app(app: web.Application) -> tuple[web.AppRunner, str]:
+    """Serve `app` on a free loopback port; the runner (clean it up) and its URL."""
     runner = web.AppRunner(app)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", 0).start()

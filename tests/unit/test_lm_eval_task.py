@@ -27,6 +27,7 @@ from evaluator.benchmarks.lm_eval_task import LmEvalTask, apply_cache_env, cache
 from evaluator.cache import ResultCache
 from evaluator.cli import build_parser, cli_plan
 from evaluator.runner import VersionMoved, WeightInfoProbe, eval_plan, evaluate
+from tests.support.rl_routes import serve_app
 from trainer.tinykit import build_tokenizer
 
 
@@ -166,11 +167,7 @@ class Server:
 
 
 async def evaluate_against(server: Server, tasks: Path, out: Path):
-    runner = web.AppRunner(server.app())
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    runner, url = await serve_app(server.app())
     try:
         # The evaluator's session carries the workers' API key (rollout.api_key): lm-eval's requests must too.
         async with aiohttp.ClientSession(headers={"Authorization": "Bearer worker-key"}) as session:

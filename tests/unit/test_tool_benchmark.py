@@ -32,6 +32,7 @@ from evaluator.benchmarks.tool_arithmetic import ToolArithmetic
 from evaluator.cache import ResultCache
 from evaluator.runner import EvalResult, VersionMoved, WeightInfoProbe, eval_plan, evaluate
 from rollout.tools.env import call_text
+from tests.support.rl_routes import serve_app
 from trainer.tinykit import build_tokenizer
 
 DATA = Path(__file__).resolve().parents[2] / "evaluator" / "data"
@@ -103,11 +104,7 @@ class ScriptedPolicy:
 
 
 async def play(policy: ScriptedPolicy, out: Path, options: EvalOptions, episode: EpisodeConfig | None = None):
-    runner = web.AppRunner(policy.app())
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    runner, url = await serve_app(policy.app())
     try:
         # A pinned eval worker's requests carry the workers' key on the session (rollout.api_key).
         async with aiohttp.ClientSession(headers={"Authorization": "Bearer worker-key"}) as session:
@@ -232,11 +229,7 @@ async def test_sampling_overrides_are_refused_naming_the_flags(tmp_path):
 @pytest.mark.timeout(60)
 async def test_a_tokenizer_not_readable_here_is_an_error_naming_the_fix(tmp_path, tokenizer_dir):
     policy = ScriptedPolicy(tokenizer_dir, calls=set(), root=str(tmp_path / "elsewhere"))
-    runner = web.AppRunner(policy.app())
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    runner, url = await serve_app(policy.app())
     try:
         async with aiohttp.ClientSession() as session:
             backend = Backend(session, url, "policy")
