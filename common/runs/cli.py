@@ -98,7 +98,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
     import uvloop
 
     from common import log
+    from common.pyfix import serialize_ast_parse
     from common.roles import RoleError, context_for, lifecycle, resolve_exp, role_main
+
+    serialize_ast_parse()  # before any thread of the role starts (common/pyfix.py says why)
 
     role = os.environ.get("ROLE", "")
     if not role:

@@ -261,7 +261,7 @@ def test_two_ep_ranks_with_routing_replay_learn_fully_async_through_faults(short
     ), "\n".join(console)
     assert "step 3: reward" in (run.run_dir / "logs" / "trainer-0.log").read_text()
     log = run.log()
-    assert not noise_in(log), "\n".join(noise_in(log)[:40])
+    assert not noise_in(log), noise_report(log)
     assert "1 data-parallel replica(s) x expert-parallel 2" in log
     # Versions went out as deltas of the one before (both ranks' parts), one in four whole.
     deltas = [
@@ -425,7 +425,7 @@ def test_the_tool_demo_learns_to_call_the_calculator_through_a_worker_killed_mid
         run.stop()
     assert not experiment_processes("rl-tools")
     log = run.log()
-    assert not noise_in(log), "\n".join(noise_in(log)[:40])
+    assert not noise_in(log), noise_report(log)
     flow = load_config(REPO / "configs" / "tools-demo.toml").flow
     steps_done = ledger(run.run_dir)
     assert [s["step"] for s in steps_done] == list(range(STEPS))
@@ -642,6 +642,17 @@ def noise_in(log: str) -> list[str]:
     return [line for line in log.splitlines() if not VLLM_LINE.search(line) and any(n in line for n in NOISE)]
 
 
+def noise_report(log: str) -> str:
+    """Each noisy line of `log` with the 5 lines before it and the 25 after (a traceback's frames, the asyncio
+    context of an unclosed session), so that a CI failure says where the noise came from."""
+    lines = log.splitlines()
+    found = [i for i, line in enumerate(lines) if not VLLM_LINE.search(line) and any(n in line for n in NOISE)]
+    parts = []
+    for i in found[:6]:
+        parts.append("\n".join(["----", *lines[max(0, i - 5) : i + 26]]))
+    return f"{len(found)} noisy line(s):\n" + "\n".join(parts)
+
+
 def survivors_text(left: list, log: str) -> str:
     """Processes of a run still alive when none should be: what each is (its command line, its state, which
     threads it has) and the last lines the run printed, so a failure says what did not stop."""
@@ -786,5 +797,5 @@ def test_a_failed_run_tears_down_quietly_and_says_why_once(short_root):
         "trainer/0 failed with exit code 137 after 0 restart(s), the most launch.roles.trainer.max_restarts allows"
     )
     assert log.count(failure) == 1 and log.count("failed with exit code") == 1, log[-3000:]
-    assert not noise_in(log), "\n".join(noise_in(log)[:40])
+    assert not noise_in(log), noise_report(log)
     assert not experiment_processes("rl-fail")
