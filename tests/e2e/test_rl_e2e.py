@@ -262,6 +262,8 @@ def test_two_ep_ranks_with_routing_replay_learn_fully_async_through_faults(short
     assert "step 3: reward" in (run.run_dir / "logs" / "trainer-0.log").read_text()
     log = run.log()
     assert not noise_in(log), noise_report(log)
+    # No fault here is the trainer's: a trainer that failed and was restarted (the run would still finish) is a bug.
+    assert not re.findall(r"trainer/\d exited with code .*", log), re.findall(r"trainer/\d exited with code .*", log)
     assert "1 data-parallel replica(s) x expert-parallel 2" in log
     # Versions went out as deltas of the one before (both ranks' parts), one in four whole.
     deltas = [
