@@ -12,7 +12,7 @@ import torch
 
 from common.config import Config
 from trainer.checkpoint import load_model_weights
-from trainer.experts import select_backend
+from trainer.experts import expert_shape, select_backend
 from trainer.hf import load_hf_state
 from trainer.hf_stream import place_without_experts, stream_hf_state
 from trainer.model import Transformer, build_model
@@ -41,7 +41,7 @@ def starting_model(
     allocates this rank's block only, on `device` (host or accelerator)."""
     tc = cfg.trainer
     dtype = torch.bfloat16 if tc.dtype == "bfloat16" else torch.float32
-    backend = select_backend(tc.experts.backend, device, dtype, tc.experts.precision)
+    backend = select_backend(tc.experts.backend, device, dtype, tc.experts.precision, expert_shape(tc.model))
     init = Path(tc.init) if tc.init else default_init
     if init is not None and (init / "config.json").is_file():
         model = place_without_experts(build_model(tc.model, backend, seed=None), device)

@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 
 from common.config import Config, ModelConfig, RLConfig
 from trainer.core import Batch, LossFn, LossOutput, StepResult, TrainingCore, Update
-from trainer.experts import select_backend
+from trainer.experts import expert_shape, select_backend
 from trainer.model import Transformer
 from trainer.model.moe import refresh_expert_weight_copies
 from trainer.ranks import Ranks
@@ -99,7 +99,7 @@ def build_critic(cfg: Config, ranks: Ranks, policy: Transformer) -> TrainingCore
     same order on every rank), its trunk copied from `policy` (already sharded by its core)."""
     tc = cfg.trainer
     dtype = torch.bfloat16 if tc.dtype == "bfloat16" else torch.float32
-    backend = select_backend(tc.experts.backend, ranks.device, dtype, tc.experts.precision)
+    backend = select_backend(tc.experts.backend, ranks.device, dtype, tc.experts.precision, expert_shape(tc.model))
     # Built on the device; its weights, but the zeroed head's, are overwritten by the policy's below.
     core = TrainingCore(critic_config(cfg), ranks, ValueModel(tc.model, backend).to(ranks.device))
     copy_trunk(policy, value_model(core.model))
