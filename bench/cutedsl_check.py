@@ -39,7 +39,14 @@ from trainer.experts.numerics import relative_errors  # noqa: E402
 
 FP8_CONFIGS = {  # timed per GEMM; the module's FP8_CONFIG first
     "fp8 128x128 s5": grouped.FP8_CONFIG,
-    "fp8 128x128 s4": TileConfig((128, 128), 4),
+    "fp8 128x128 s5 cluster2": TileConfig((128, 128), 5, cluster_n=2),
+    "fp8 128x128 s5 overlap": TileConfig((128, 128), 5, overlap=True),
+    "fp8 128x128 s5 overlap cluster2": TileConfig((128, 128), 5, cluster_n=2, overlap=True),
+    "fp8 128x128 s4 overlap cluster2": TileConfig((128, 128), 4, cluster_n=2, overlap=True),
+}
+BF16_CONFIGS = {  # the row-grouped (m) and the wgrad (k) GEMMs; the module's M_CONFIG / K_CONFIG first
+    "bf16 128x256 s4": grouped.M_CONFIG,
+    "bf16 128x256 s4 cluster2": TileConfig(cluster_n=2),
 }
 FP8_BOUND = 0.10  # trainer/experts/fp8.py
 STEP_S = 150.0  # one step (a numerics pass, a variant's compile + timing) longer than this is declared hung
@@ -163,37 +170,37 @@ def gemm_rows(H: int, inter: int, E: int, rows: int, log: list[str], fp8: bool) 
         "fwd gate_up": (
             2 * rows * H * 2 * inter,
             lambda: torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs),
-            lambda: grouped.m_grouped(x, w1.permute(1, 2, 0), offs, items),
+            lambda cfg: grouped.m_grouped(x, w1.permute(1, 2, 0), offs, items, cfg),
             ("x", x, "w1"),
         ),
         "fwd down": (
             2 * rows * inter * H,
             lambda: torch._grouped_mm(act, w2.transpose(-2, -1), offs=offs),
-            lambda: grouped.m_grouped(act, w2.permute(1, 2, 0), offs, items),
+            lambda cfg: grouped.m_grouped(act, w2.permute(1, 2, 0), offs, items, cfg),
             ("act", act, "w2"),
         ),
         "dgrad act": (
             2 * rows * H * inter,
             lambda: torch._grouped_mm(grad_y, w2, offs=offs),
-            lambda: grouped.m_grouped(grad_y, w2.permute(2, 1, 0), offs, items),
+            lambda cfg: grouped.m_grouped(grad_y, w2.permute(2, 1, 0), offs, items, cfg),
             ("grad_y", grad_y, "w2t"),
         ),
         "dgrad x": (
             2 * rows * 2 * inter * H,
             lambda: torch._grouped_mm(grad_h, w1, offs=offs),
-            lambda: grouped.m_grouped(grad_h, w1.permute(2, 1, 0), offs, items),
+            lambda cfg: grouped.m_grouped(grad_h, w1.permute(2, 1, 0), offs, items, cfg),
             ("grad_h", grad_h, "w1t"),
         ),
         "wgrad down (ours fp32 out)": (
             2 * rows * H * inter,
             lambda: torch._grouped_mm(grad_y.t(), act, offs=offs),
-            lambda: grouped.k_grouped(grad_y, act, offs, torch.float32),
+            lambda cfg: grouped.k_grouped(grad_y, act, offs, torch.float32, cfg),
             None,
         ),
         "wgrad gate_up (ours fp32 out)": (
             2 * rows * 2 * inter * H,
             lambda: torch._grouped_mm(grad_h.t(), x, offs=offs),
-            lambda: grouped.k_grouped(grad_h, x, offs, torch.float32),
+            lambda cfg: grouped.k_grouped(grad_h, x, offs, torch.float32, cfg),
             None,
         ),
     }
@@ -220,7 +227,8 @@ def gemm_rows(H: int, inter: int, E: int, rows: int, log: list[str], fp8: bool) 
     for name, (flops, torch_fn, ours, fp8_ops) in gemms.items():
         ref = torch_fn()
         run(name, "torch._grouped_mm", flops, torch_fn, None)
-        run(name, "cutedsl bf16", flops, ours, ref)
+        for cname, cfg in BF16_CONFIGS.items():
+            run(name, f"cutedsl {cname}", flops, lambda cfg=cfg, ours=ours: ours(cfg), ref)
         if fp8_ops is None or not fp8:
             continue
         qname, raw, wname = fp8_ops
@@ -242,6 +250,42 @@ def gemm_rows(H: int, inter: int, E: int, rows: int, log: list[str], fp8: bool) 
             ref,
         )
     return out
+
+
+M_GEMMS = ("fwd gate_up", "fwd down", "dgrad act", "dgrad x")
+K_GEMMS = ("wgrad down (ours fp32 out)", "wgrad gate_up (ours fp32 out)")
+MAX_REL_DIFF = {"bf16": 0.01, "fp8": 0.08}  # against torch's bf16 result: a config beyond it computes wrong
+
+
+def choose_configs(rows: list[dict]) -> dict:
+    """The fastest config of each kind over the GEMMs it runs (summed milliseconds; every GEMM timed and within
+    MAX_REL_DIFF), set as the module's config for the layer rows; and the expert GEMMs' forward + backward
+    totals: torch._grouped_mm's six, ours in bf16, ours with the four row-grouped GEMMs in FP8."""
+
+    def total(impl: str, gemms: tuple[str, ...], bound: float) -> float | None:
+        got = [r for r in rows if r["impl"] == impl and r["gemm"] in gemms]
+        ok = len(got) == len(gemms) and all("ms" in r and r.get("rel_diff_vs_torch", 0.0) < bound for r in got)
+        return sum(r["ms"] for r in got) if ok else None
+
+    chosen: dict = {}
+    for kind, configs, gemms, bound, attr in (
+        ("m", BF16_CONFIGS, M_GEMMS, MAX_REL_DIFF["bf16"], "M_CONFIG"),
+        ("k", BF16_CONFIGS, K_GEMMS, MAX_REL_DIFF["bf16"], "K_CONFIG"),
+        ("fp8", FP8_CONFIGS, M_GEMMS, MAX_REL_DIFF["fp8"], "FP8_CONFIG"),
+    ):
+        times = {name: t for name in configs if (t := total(f"cutedsl {name}", gemms, bound)) is not None}
+        if times:
+            best = min(times, key=times.__getitem__)
+            setattr(grouped, attr, configs[best])
+            chosen[kind] = {"config": best, "ms": times[best], "all_ms": times}
+    torch_ms = total("torch._grouped_mm", M_GEMMS + K_GEMMS, float("inf"))
+    if torch_ms and "m" in chosen and "k" in chosen:
+        bf16_ms = chosen["m"]["ms"] + chosen["k"]["ms"]
+        chosen["fwd+bwd ms"] = {"torch._grouped_mm": torch_ms, "cutedsl bf16": bf16_ms}
+        if "fp8" in chosen:
+            chosen["fwd+bwd ms"]["cutedsl fp8 (bf16 wgrad)"] = chosen["fp8"]["ms"] + chosen["k"]["ms"]
+        chosen["speedup over torch"] = {k: torch_ms / v for k, v in chosen["fwd+bwd ms"].items()}
+    return chosen
 
 
 def layer_rows(H: int, inter: int, E: int, k: int, tokens: int, fp8: bool) -> list[dict]:
@@ -334,6 +378,8 @@ def main() -> None:
     fp8 = results["numerics_ok"]["fp8"]  # an FP8 kernel that computes wrong is not worth timing
     if not args.skip_gemms:
         results["gemms"] = gemm_rows(H, inter, E, args.tokens * k, log, fp8)
+        results["chosen"] = choose_configs(results["gemms"])
+        print("chosen for the layer rows:", json.dumps(results["chosen"]), flush=True)
         save()
     results["layer"] = layer_rows(H, inter, E, k, args.tokens, fp8)
     save()
@@ -370,6 +416,12 @@ def table(results: dict) -> str:
                 f"| {r['gemm']} | {r['impl']} | {r['ms']:.3f} | {r['tflops']:.0f} | {base[r['gemm']] / r['ms']:.2f}x | "
                 f"{r.get('rel_diff_vs_torch', 0):.1e} |"
             )
+    chosen = results.get("chosen", {})
+    if "fwd+bwd ms" in chosen:
+        lines += ["", "| the six expert GEMMs, fwd+bwd | ms | speedup over torch._grouped_mm |", "| --- | --- | --- |"]
+        for impl, ms in chosen["fwd+bwd ms"].items():
+            lines.append(f"| {impl} | {ms:.3f} | {chosen['speedup over torch'][impl]:.2f}x |")
+        lines.append("chosen configs: " + ", ".join(f"{k} {v['config']}" for k, v in chosen.items() if "config" in v))
     lines += [
         "",
         "| expert SwiGLU | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s | fwd+bwd time / torch compiled |",

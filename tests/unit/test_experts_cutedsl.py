@@ -54,6 +54,24 @@ def test_auto_never_picks_cutedsl_yet_and_says_what_it_picked(caplog):
     assert f"trainer.experts.backend = 'auto' picked {picked} on cpu torch.bfloat16" in caplog.text
 
 
+def test_auto_in_bf16_takes_cutedsl_only_where_it_measured_faster(monkeypatch):
+    """The choice `auto` makes on a CUDA GPU (trainer/experts/measured.py), from the shipped table: its real rows
+    (cutedsl not faster), a GPU or shape it lacks, a row where cutedsl is faster, and a GPU it cannot run on."""
+    from trainer.experts import measured
+
+    assert measured.gpu_family("NVIDIA H200") == "H200" and measured.gpu_family("NVIDIA H100 80GB HBM3") == "H100"
+    picked, why = measured.auto_bf16("NVIDIA H200", (2048, 768, 128, 8), None)
+    assert picked == "grouped_mm" and "cutedsl measured 0.94x grouped_mm's speed there (not faster" in why
+    picked, why = measured.auto_bf16("NVIDIA H100 80GB HBM3", (2048, 768, 128, 8), None)
+    assert picked == "grouped_mm" and "not measured on H100 at H2048 I768 E128 top-8" in why
+    monkeypatch.setitem(measured.SPEEDUPS, ("H100", 4096, 1536, 64, 4), measured.Measured(1.2, "a test row"))
+    picked, why = measured.auto_bf16("NVIDIA H100 80GB HBM3", (4096, 1536, 64, 4), None)
+    assert picked == "cutedsl" and "1.20x" in why and "a test row" in why
+    picked, why = measured.auto_bf16("NVIDIA H100 80GB HBM3", (4096, 1536, 64, 4), "no DSL installed")
+    assert picked == "grouped_mm" and why == "cutedsl cannot run: no DSL installed"
+    assert measured.auto_bf16("NVIDIA H200", None, None)[0] == "grouped_mm"
+
+
 def test_the_backend_package_imports_without_loading_the_dsl():
     code = "import sys, trainer.experts; assert 'cutlass' not in sys.modules, 'cutlass imported eagerly'"
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -295,3 +313,51 @@ def test_both_launch_paths_compute_the_same_bits(monkeypatch, precision):
     monkeypatch.setattr(grouped, "LAUNCH", "pointers")
     with pytest.raises(ValueError, match=r"grouped.LAUNCH = 'pointers' is not one of \('dlpack', 'tvm-ffi'\)"):
         run(x, offsets, gate_up, down)
+
+
+# Schedules that move data differently but add the same products in the same order as the module's configs: a
+# cluster of two CTAs multicasting each A tile, and the FP8 promotion overlapped with the next k-tile's wgmmas.
+SCHEDULES = {
+    "cluster2": {
+        "M_CONFIG": grouped.TileConfig(cluster_n=2),
+        "K_CONFIG": grouped.TileConfig(cluster_n=2),
+        "FP8_CONFIG": grouped.TileConfig((128, 128), 5, cluster_n=2),
+    },
+    "fp8 overlap": {"FP8_CONFIG": grouped.TileConfig((128, 128), 5, overlap=True)},
+    "fp8 overlap cluster2": {"FP8_CONFIG": grouped.TileConfig((128, 128), 5, cluster_n=2, overlap=True)},
+}
+
+
+@needs_gpu
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize(
+    "counts,H,inter",
+    [
+        ([300, 0, 129, 64, 1, 511], 256, 128),  # partial tiles, an empty expert; odd and even n-tile counts
+        ([1024] * 8, 512, 384),  # 3, 4 and 6 n-tiles of 128: a cluster runs where the count is even
+        ([700, 333], 2048, 768),  # the bench's H and I: 16 and 6 k-tiles (even and odd for the overlap)
+    ],
+)
+def test_schedules_compute_the_bits_of_the_default_one(monkeypatch, schedule, counts, H, inter):
+    """Outputs and gradients of both precisions under each schedule equal, bit for bit, those of the module's
+    configs: the schedules change which CTA loads what and when a partial is promoted, not what is added."""
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    x = torch.randn(sum(counts), H, device="cuda", dtype=torch.bfloat16, generator=gen)
+    gate_up = torch.randn(len(counts), 2 * inter, H, device="cuda", generator=gen) * 0.05
+    down = torch.randn(len(counts), H, inter, device="cuda", generator=gen) * 0.05
+    offsets = torch.tensor(counts, device="cuda").cumsum(0).int()
+
+    def grads(run) -> list[torch.Tensor]:
+        leaves = [t.clone().requires_grad_() for t in (x, gate_up, down)]
+        y = run(leaves[0], offsets, *leaves[1:])
+        y.backward(torch.ones_like(y))
+        return [y.detach(), *(t.grad for t in leaves)]
+
+    for run in (cutedsl_experts, cutedsl_fp8_experts):
+        want = grads(run)
+        with monkeypatch.context() as m:
+            for attr, config in SCHEDULES[schedule].items():
+                m.setattr(grouped, attr, config)
+            got = grads(run)
+        for name, a, b in zip(("y", "grad x", "grad gate_up", "grad down"), got, want, strict=True):
+            assert torch.equal(a, b), f"{run.__name__} {name}: max diff {(a.float() - b.float()).abs().max():.3e}"

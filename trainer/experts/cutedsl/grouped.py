@@ -5,6 +5,7 @@ dynamic, so one compile serves every size)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 from dataclasses import dataclass
@@ -14,14 +15,18 @@ import torch
 
 @dataclass(frozen=True)
 class TileConfig:
-    """CTA tile (BM, BN), shared-memory stages, consumer warpgroups (64 rows each) and epilogue store width of
-    one compiled variant (all persistent and warp-specialized: kernel.py)."""
+    """CTA tile (BM, BN), shared-memory stages, consumer warpgroups (64 rows each), epilogue store width, CTAs
+    per cluster along N (sharing each A tile by TMA multicast) and, for FP8, whether the promotion of a k-tile's
+    partial overlaps the next k-tile's wgmmas, of one compiled variant (all persistent and warp-specialized:
+    kernel.py)."""
 
     tile_mn: tuple[int, int] = (128, 256)
     stages: int = 4
     warpgroups: int = 2
     pair_stores: bool = True
     smem_epilogue: bool = True
+    cluster_n: int = 1
+    overlap: bool = False
 
 
 # The fastest that passed the numerics in bench/cutedsl_check.py on the H200 (bench/RESULTS.md): 128x256
@@ -41,9 +46,11 @@ write shows up in the error instead of hiding behind stale data."""
 # and passes torch's current stream (tens of microseconds of host time a launch, more than a GEMM takes at small
 # expert shapes). "tvm-ffi": the function is compiled with TVM-FFI and takes the torch tensors themselves,
 # checked against its compiled layout in C++, on the stream torch reports (apache-tvm-ffi, in the `gpu` extra).
-# dlpack stays the default until tvm-ffi has run on the H200: bench/moe_bench.py --launch both times the two,
-# tests/unit/test_experts_cutedsl.py compares their results bit for bit (issue 16's closing note).
-LAUNCH = "dlpack"
+# tvm-ffi is the default: on the H200 it cut the host time of a launch from 0.15 ms to 0.03 ms and the moonlet-shape
+# FP8 layer from 1.99x to 1.36x the bf16 layer's time (bench/RESULTS.md). dlpack stays for a machine without
+# tvm_ffi (set LAUNCH = "dlpack"; cutedsl_unavailable names the missing package otherwise).
+# bench/moe_bench.py --launch both times the two; tests/unit/test_experts_cutedsl.py compares them bit for bit.
+LAUNCH = "tvm-ffi"
 LAUNCHES = ("dlpack", "tvm-ffi")
 
 
@@ -172,6 +179,8 @@ def _kernel(grouping: str, config: TileConfig, sm_count: int, scaled: bool):
         sm_count,
         config.smem_epilogue,
         scaled,
+        config.cluster_n,
+        config.overlap,
     )
 
 
@@ -181,17 +190,28 @@ _COMPILED: dict[tuple, object] = {}
 def _launch(grouping: str, config: TileConfig, a, b, c, offsets, item_expert, item_row, sfa=None, sfb=None) -> None:
     """One kernel launch (compiled on first use per variant). sfa/sfb given: the FP8 block-scaled kernel."""
     scaled = sfa is not None
+    n_tiles = -(-c.shape[1] // config.tile_mn[1])
+    if n_tiles % config.cluster_n:  # a cluster's CTAs take adjacent n-tiles: the count must split evenly
+        config = dataclasses.replace(config, cluster_n=1)
     if not scaled:  # the kernel ignores them; any tensors of a fixed type keep one compile per variant
         sfa, sfb = offsets, offsets
     tensors = (a, b, c, offsets, item_expert, item_row, sfa, sfb)
     key = (grouping, config, scaled, *((t.dtype, _unit_mode(t)) for t in tensors))
-    sm_count = _sm_count(a.device)
-    call(_COMPILED, key, _kernel(grouping, config, sm_count, scaled), tensors, compact=(2,))
+    ctas = _resident_ctas(a.device, config.cluster_n)
+    call(_COMPILED, key, _kernel(grouping, config, ctas, scaled), tensors, compact=(2,))
 
 
 @functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
+def _resident_ctas(device: torch.device, cluster_n: int) -> int:
+    """How many CTAs of the persistent grid run at once: one per SM, or for clusters of two, twice the clusters
+    the GPU can hold at once (an SM left over in a GPC cannot take a pair), so that no cluster waits for another
+    to finish."""
+    if cluster_n == 1:
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    import cutlass.utils
+
+    with torch.cuda.device(device):
+        return cutlass.utils.HardwareInfo().get_max_active_clusters(cluster_n) * cluster_n
 
 
 def work_items(offsets: torch.Tensor, rows: int, bm: int) -> tuple[torch.Tensor, torch.Tensor]:

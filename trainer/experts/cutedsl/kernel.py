@@ -24,7 +24,10 @@ DeepSeek-V3 sec. 3.3.2, which also keeps the sum out of the tensor cores' limite
 
 One schedule: one CTA per SM walks the work items, with a producer warpgroup (TMA, few registers) and two
 consumer warpgroups of 64 rows each (wgmma), so that the loads of the next tile run under the epilogue of this
-one. A Blackwell variant (tcgen05, tensor memory, MXFP8 scales) would be another kernel class with the same
+one. Two options change where the data comes from and when, not what is added (their results are bitwise those
+of the plain schedule): `cluster_n = 2` pairs the CTAs in clusters that take adjacent n-tiles of the same rows,
+each loading half of every A tile and multicasting it to both (A's reads from L2 halve); `overlap` (FP8) keeps
+two partial accumulators, so that k-tile t + 1's wgmmas run while k-tile t's partial is promoted. A Blackwell variant (tcgen05, tensor memory, MXFP8 scales) would be another kernel class with the same
 work items, operand views and epilogue guard; none is written (it cannot run here).
 
 Imported only on first use (grouped.py), so that the package imports where `cutlass` is missing."""
@@ -59,6 +62,8 @@ class GroupedGemm:
         sm_count: int = 132,
         smem_epilogue: bool = False,
         scaled: bool = False,
+        cluster_n: int = 1,
+        overlap: bool = False,
     ) -> None:
         if grouping not in ("m", "k"):
             raise ValueError(f"grouping must be 'm' or 'k', got {grouping!r}")
@@ -72,8 +77,17 @@ class GroupedGemm:
             # One B scale per k-tile needs BN = the 128-row weight block; the k grouping would need scale
             # blocks along the tokens, cut at every expert's end.
             raise ValueError(f"FP8 block scales run the m grouping with BN = 128, not {grouping} {tile_mn}")
+        if cluster_n not in (1, 2):
+            raise ValueError(f"cluster_n must be 1 or 2, got {cluster_n}")
+        if overlap and not scaled:
+            raise ValueError("overlap (two FP8 partial accumulators) is a schedule of the scaled kernel")
         self.grouping = grouping
         self.scaled = scaled
+        # CTAs per cluster along N: the pair works on the same rows of A (one work item) and adjacent n-tiles,
+        # and each CTA loads half of every A tile and multicasts it to both (half the A reads from L2).
+        self.cluster_n = cluster_n
+        # FP8: the wgmmas of k-tile t + 1 run while k-tile t's partial is promoted (two partials in registers).
+        self.overlap = overlap
         self.tile = (tile_mn[0], tile_mn[1], 128 if scaled else 64)
         self.stages = stages
         self.warpgroups = warpgroups
@@ -118,9 +132,18 @@ class GroupedGemm:
         )
         a_smem = sm90_utils.make_smem_layout_a(a_layout, self.tile, a.element_type, self.stages)
         b_smem = sm90_utils.make_smem_layout_b(b_layout, self.tile, b.element_type, self.stages)
-        tma_a, tma_tensor_a = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), a, cute.slice_(a_smem, (None, None, 0)), (BM, BK)
-        )
+        if cutlass.const_expr(self.cluster_n > 1):
+            tma_a, tma_tensor_a = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileG2SMulticastOp(),
+                a,
+                cute.slice_(a_smem, (None, None, 0)),
+                (BM, BK),
+                num_multicast=self.cluster_n,
+            )
+        else:
+            tma_a, tma_tensor_a = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileG2SOp(), a, cute.slice_(a_smem, (None, None, 0)), (BM, BK)
+            )
         tma_b, tma_tensor_b = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), b, cute.slice_(b_smem, (None, None, 0)), (BN, BK)
         )
@@ -136,12 +159,13 @@ class GroupedGemm:
 
         self.storage = Storage
         self.a_dtype, self.b_dtype = a.element_type, b.element_type
-        n_tiles = (c.shape[1] + BN - 1) // BN
+        n_pairs = (c.shape[1] + BN * self.cluster_n - 1) // (BN * self.cluster_n)
         if cutlass.const_expr(self.grouping == "m"):
             slots = item_expert.shape[0]
         else:
             slots = ((c.shape[0] + BM - 1) // BM) * c.shape[2]
-        grid = (cutlass.min(n_tiles * slots, self.sm_count), 1, 1)
+        clusters = cutlass.min(n_pairs * slots, self.sm_count // self.cluster_n)
+        grid = (clusters * self.cluster_n, 1, 1)
         self.kernel(
             tiled_mma,
             tma_a,
@@ -156,7 +180,7 @@ class GroupedGemm:
             sfb,
             a_smem,
             b_smem,
-        ).launch(grid=grid, block=[self.threads, 1, 1], stream=stream)
+        ).launch(grid=grid, block=[self.threads, 1, 1], cluster=(self.cluster_n, 1, 1), stream=stream)
 
     @cute.jit
     def work_item(self, mA, mB, mC, offsets, item_expert, item_row, n_tile, slot):
@@ -209,10 +233,15 @@ class GroupedGemm:
         return gA, gB, gC, k_tiles, k_rem, rows, cols, expert, row0
 
     @cute.jit
-    def load_tile(self, ring, load, tma_a, tma_b, sA, sB, gA, gB, k_tiles, first_kt):
-        """Issue the TMA loads of k-tiles [first_kt, k_tiles) of one work item (the calling warp)."""
+    def load_tile(self, ring, load, tma_a, tma_b, sA, sB, gA, gB, k_tiles, first_kt, rank, a_mask):
+        """Issue the TMA loads of k-tiles [first_kt, k_tiles) of one work item (the calling warp). In a cluster,
+        this CTA (`rank`) loads its share of each A tile for every CTA of `a_mask`."""
         tAsA, tAgA = cpasync.tma_partition(
-            tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2)
+            tma_a,
+            rank,
+            cute.make_layout(self.cluster_n),
+            cute.group_modes(sA, 0, 2),
+            cute.group_modes(gA, 0, 2),
         )
         tBsB, tBgB = cpasync.tma_partition(
             tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2)
@@ -220,7 +249,10 @@ class GroupedGemm:
         for kt in cutlass.range(first_kt, k_tiles, 1, unroll=1):
             ring.producer_acquire(load)
             bar = ring.producer_get_barrier(load)
-            cute.copy(tma_a, tAgA[(None, kt)], tAsA[(None, load.index)], tma_bar_ptr=bar)
+            if cutlass.const_expr(self.cluster_n > 1):
+                cute.copy(tma_a, tAgA[(None, kt)], tAsA[(None, load.index)], tma_bar_ptr=bar, mcast_mask=a_mask)
+            else:
+                cute.copy(tma_a, tAgA[(None, kt)], tAsA[(None, load.index)], tma_bar_ptr=bar)
             cute.copy(tma_b, tBgB[(None, kt)], tBsB[(None, load.index)], tma_bar_ptr=bar)
             ring.producer_commit(load)
             load.advance()
@@ -353,6 +385,68 @@ class GroupedGemm:
             read.advance()
         return read, release
 
+    @cute.jit
+    def issue_scaled(self, tiled_mma, tCrA, tCrB, part, stage):
+        """The wgmmas of one FP8 k-tile (one scale block), accumulating into `part` (zero: `promote` clears it;
+        the MMA's ACCUMULATE field stays set, since a field set inside a branch cannot be read after it),
+        committed as one group."""
+        k_blocks = cute.size(tCrA, mode=[2])
+        warpgroup.fence()
+        for kb in cutlass.range_constexpr(k_blocks):
+            cute.gemm(tiled_mma, part, tCrA[(None, None, kb, stage)], tCrB[(None, None, kb, stage)], part)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def promote(self, acc, part, sfa, sfb, kt, n_tile, expert, rows_ab):
+        """acc += part * (A scale of the row) * (B scale of the block), for k-tile kt; part = 0 for its next use."""
+        sb = sfb[n_tile, kt, expert]
+        lo = sfa[kt, rows_ab[0]] * sb
+        hi = sfa[kt, rows_ab[1]] * sb
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            if cutlass.const_expr((i // 2) % 2 == 0):
+                acc[i] = acc[i] + part[i] * lo
+            else:
+                acc[i] = acc[i] + part[i] * hi
+            part[i] = cutlass.Float32(0.0)
+
+    @cute.jit
+    def mma_item_overlapped(
+        self, ring, read, release, tiled_mma, tCrA, tCrB, acc, parts, k_tiles, sfa, sfb, n_tile, expert, rows_ab
+    ):
+        """mma_item_scaled with the promotion off the tensor cores' path: k-tile t's wgmmas write parts[t % 2]
+        and run while parts[(t - 1) % 2] is promoted (one wgmma group kept in flight). Two k-tiles a turn of
+        the loop, so that each partial is a register tensor named at compile time."""
+        p0, p1 = parts
+        acc.fill(0.0)
+        p0.fill(0.0)
+        p1.fill(0.0)
+        for kt in cutlass.range(0, k_tiles, 2, unroll=1):
+            ring.consumer_wait(read)
+            self.issue_scaled(tiled_mma, tCrA, tCrB, p0, read.index)
+            read.advance()
+            if kt > 0:  # k-tile kt - 1 (in p1) is done once at most kt's group is in flight
+                warpgroup.wait_group(1)
+                ring.consumer_release(release)
+                release.advance()
+                self.promote(acc, p1, sfa, sfb, kt - 1, n_tile, expert, rows_ab)
+            if kt + 1 < k_tiles:
+                ring.consumer_wait(read)
+                self.issue_scaled(tiled_mma, tCrA, tCrB, p1, read.index)
+                read.advance()
+                warpgroup.wait_group(1)
+                ring.consumer_release(release)
+                release.advance()
+                self.promote(acc, p0, sfa, sfb, kt, n_tile, expert, rows_ab)
+        warpgroup.wait_group(0)
+        if k_tiles > 0:
+            ring.consumer_release(release)
+            release.advance()
+            if k_tiles % 2 == 1:
+                self.promote(acc, p0, sfa, sfb, k_tiles - 1, n_tile, expert, rows_ab)
+            else:
+                self.promote(acc, p1, sfa, sfb, k_tiles - 1, n_tile, expert, rows_ab)
+        return read, release
+
     @cute.kernel
     def kernel(
         self,
@@ -388,31 +482,46 @@ class GroupedGemm:
             self.b_dtype, cute.slice_(b_smem, (None, None, 0))
         )
         # Full barriers: the TMA-issuing warp arrives with the byte count; empty: one arrive per consumer warp.
+        # A cluster of cluster_n CTAs along N: each CTA's stage is filled by the A loads of all of them (and its
+        # own B), so each of its consumer warps releases the stage in every CTA of the cluster.
+        cta_layout = cute.make_layout((1, self.cluster_n, 1))
+        rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        a_mask = cute.make_layout_image_mask(cta_layout, cta_layout.get_flat_coord(rank), mode=1)
         ring = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.barriers.data_ptr(),
             num_stages=self.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.mma_threads // 32),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.cluster_n * self.mma_threads // 32),
             tx_count=stage_bytes,
-            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+            cta_layout_vmnk=cute.make_layout((1, 1, self.cluster_n, 1)),
+            defer_sync=True,
         )
+        pipeline.pipeline_init_arrive(cluster_shape_mn=(1, self.cluster_n), is_relaxed=True)
         load = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-        n_tiles = (mC.shape[1] + BN - 1) // BN
-        items = n_tiles * item_expert.shape[0]
+        # Work item w of this cluster: n-tile (w % n_pairs) * cluster_n + rank, slot w // n_pairs (both CTAs of a
+        # cluster walk the same items, so they share every item's rows of A). The host keeps cluster_n a divisor
+        # of the n-tile count.
+        n_pairs = (mC.shape[1] + BN * self.cluster_n - 1) // (BN * self.cluster_n)
+        items = n_pairs * item_expert.shape[0]
         if cutlass.const_expr(self.grouping == "k"):
-            items = n_tiles * ((mC.shape[0] + BM - 1) // BM) * mC.shape[2]
+            items = n_pairs * ((mC.shape[0] + BM - 1) // BM) * mC.shape[2]
+        cluster = bx // self.cluster_n
+        clusters = gdx // self.cluster_n
+        pipeline.pipeline_init_wait(cluster_shape_mn=(1, self.cluster_n))
         # Consumer thread index (0 .. mma_threads): the producer warpgroup comes first.
         mma_tidx = cutlass.max(tidx - WARPGROUP, 0)
         if warp < 4:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             if warp == 0:
-                for w in cutlass.range(bx, items, gdx, unroll=1):
+                for w in cutlass.range(cluster, items, clusters, unroll=1):
                     gA, gB, gC, k_tiles, k_rem, rows, cols, expert, row0 = self.work_item(
-                        mA, mB, mC, offsets, item_expert, item_row, w % n_tiles, w // n_tiles
+                        mA, mB, mC, offsets, item_expert, item_row, (w % n_pairs) * self.cluster_n + rank, w // n_pairs
                     )
-                    load = self.load_tile(ring, load, tma_a, tma_b, sA, sB, gA, gB, k_tiles, cutlass.Int32(0))
+                    load = self.load_tile(
+                        ring, load, tma_a, tma_b, sA, sB, gA, gB, k_tiles, cutlass.Int32(0), rank, a_mask
+                    )
                 ring.producer_tail(load)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
@@ -424,13 +533,18 @@ class GroupedGemm:
             tCcC = tiled_mma.get_slice(mma_tidx).partition_C(cute.make_identity_tensor((BM, BN)))
             acc = cute.make_rmem_tensor(tCcC.shape, self.acc_dtype)
             part = acc
+            part2 = acc
             if cutlass.const_expr(self.scaled):
                 part = cute.make_rmem_tensor(tCcC.shape, self.acc_dtype)
+                if cutlass.const_expr(self.overlap):
+                    part2 = cute.make_rmem_tensor(tCcC.shape, self.acc_dtype)
+                    tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
             else:
                 tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
-            for w in cutlass.range(bx, items, gdx, unroll=1):
+            for w in cutlass.range(cluster, items, clusters, unroll=1):
+                n_tile = (w % n_pairs) * self.cluster_n + rank
                 gA, gB, gC, k_tiles, k_rem, rows, cols, expert, row0 = self.work_item(
-                    mA, mB, mC, offsets, item_expert, item_row, w % n_tiles, w // n_tiles
+                    mA, mB, mC, offsets, item_expert, item_row, n_tile, w // n_pairs
                 )
                 if cutlass.const_expr(self.scaled):
                     # Rows past A's end (an item's last tile) read row M - 1's scale; they are never stored.
@@ -438,22 +552,40 @@ class GroupedGemm:
                     r_lo, _ = tCcC[0]
                     r_hi, _ = tCcC[2]
                     rows_ab = (cutlass.min(row0 + r_lo, last), cutlass.min(row0 + r_hi, last))
-                    read, release = self.mma_item_scaled(
-                        ring,
-                        read,
-                        release,
-                        tiled_mma,
-                        tCrA,
-                        tCrB,
-                        acc,
-                        part,
-                        k_tiles,
-                        sfa,
-                        sfb,
-                        w % n_tiles,
-                        expert,
-                        rows_ab,
-                    )
+                    if cutlass.const_expr(self.overlap):
+                        read, release = self.mma_item_overlapped(
+                            ring,
+                            read,
+                            release,
+                            tiled_mma,
+                            tCrA,
+                            tCrB,
+                            acc,
+                            (part, part2),
+                            k_tiles,
+                            sfa,
+                            sfb,
+                            n_tile,
+                            expert,
+                            rows_ab,
+                        )
+                    else:
+                        read, release = self.mma_item_scaled(
+                            ring,
+                            read,
+                            release,
+                            tiled_mma,
+                            tCrA,
+                            tCrB,
+                            acc,
+                            part,
+                            k_tiles,
+                            sfa,
+                            sfb,
+                            n_tile,
+                            expert,
+                            rows_ab,
+                        )
                 else:
                     read, release = self.mma_item(
                         ring, read, release, tiled_mma, tCrA, tCrB, acc, k_tiles, k_rem, sA, sB, mma_tidx, tail
