@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The cutedsl experts' two launch paths (dlpack and TVM-FFI) on the H200 in one device call (about 9 minutes):
 #
-#   run(command="bash bench/h200_cutedsl_launches.sh", carry=[".cutedsl"], timeout_s=600)
+#   run(command="bash bench/h200_cutedsl_fp8.sh half", carry=[".cutedsl/cutedsl.tar.xz.aa"], timeout_s=60)
+#   run(command="bash bench/h200_cutedsl_launches.sh", carry=[".cutedsl/cutedsl.tar.xz.ab"], timeout_s=600)
 #
-# with only .cutedsl/cutedsl-tvmffi.tar.xz in .cutedsl (bench/cutedsl_tvmffi_bundle.sh; the bundle and the
-# tree must fit in the 64 MiB a call carries). In order, each step with its own time limit, its output in
+# back to back (bench/cutedsl_tvmffi_bundle.sh writes the two halves of the bundle; the first command leaves
+# half A in /tmp while the machine stays warm). In order, each step with its own time limit, its output in
 # $OUT/<step>.log, a failed step not stopping the next:
 #   1. launch_paths: the dlpack and TVM-FFI launches compute the same bits (tests/unit/test_experts_cutedsl.py);
 #   2. layer: moe_bench's raw and compiled layer rows at moonlet's expert shape and the 128-expert one, every
@@ -13,9 +14,9 @@
 #      headed by the GPU's busy share of a step (far below 100%: the host's launches set the pace).
 set -uo pipefail
 out=${OUT:?run this on the device machine, which sets OUT}
-bundle=.cutedsl/cutedsl-tvmffi.tar.xz
-[ -f "$bundle" ] || { echo "no $bundle: build it with bash bench/cutedsl_tvmffi_bundle.sh and carry .cutedsl" >&2; exit 2; }
-site=$(mktemp -d) && tar -C "$site" -xJf "$bundle" || exit 2
+[ -f /tmp/cutedsl.tar.xz.aa ] || { echo "no /tmp/cutedsl.tar.xz.aa: send half A first (bench/h200_cutedsl_fp8.sh half)" >&2; exit 2; }
+[ -f .cutedsl/cutedsl.tar.xz.ab ] || { echo "no .cutedsl/cutedsl.tar.xz.ab: carry it" >&2; exit 2; }
+site=$(mktemp -d) && cat /tmp/cutedsl.tar.xz.aa .cutedsl/cutedsl.tar.xz.ab | tar -C "$site" -xJ || exit 2
 export PYTHONPATH="$site:$site/nvidia_cutlass_dsl/dsl_packages:$PWD:${PYTHONPATH:-}"
 mkdir -p "$out/profile"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv,noheader
