@@ -34,5 +34,5 @@ step() {
   echo "== $name: exit code $rc"
 }
 
-step check 380 env PYTHONUNBUFFERED=1 python3 bench/cutedsl_check.py --deadline-s 370 --out "$out/cutedsl_check.json"
-step tests 190 python3 -m pytest -q --noconftest -x tests/unit/test_experts_cutedsl.py tests/unit/test_cutedsl_quant.py
+step check 320 env PYTHONUNBUFFERED=1 python3 bench/cutedsl_check.py --deadline-s 310 --out "$out/cutedsl_check.json"
+step tests 150 python3 -m pytest -q --noconftest -x tests/unit/test_experts_cutedsl.py tests/unit/test_cutedsl_quant.py
