@@ -209,6 +209,7 @@ def gemm_rows(H: int, inter: int, E: int, rows: int, log: list[str], fp8: bool) 
     def run(name: str, impl: str, flops: float, fn: Callable[[], torch.Tensor], ref: torch.Tensor | None) -> None:
         row: dict = {"gemm": name, "impl": impl}
         guard(60.0)  # one compile and a 200 ms timing: a schedule that deadlocks is named within a minute
+        print(f"{name}: {impl} ...", flush=True)
         try:
             row["first_call_s"] = first_call_s(fn)
             if ref is not None:
