@@ -30,7 +30,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from trainer.experts import cutedsl_experts, cutedsl_fp8_experts, grouped_mm_experts  # noqa: E402
+from trainer.experts import (  # noqa: E402
+    cutedsl,
+    cutedsl_experts,
+    cutedsl_fp8_experts,
+    grouped_mm_experts,
+)
 from trainer.experts.cutedsl import cutedsl_unavailable, grouped  # noqa: E402
 from trainer.experts.cutedsl.grouped import TileConfig  # noqa: E402
 from trainer.experts.cutedsl.quant import quantize_rows_kernel  # noqa: E402
@@ -38,15 +43,15 @@ from trainer.experts.fp8 import quantize_blocks, quantize_expert_weights, quanti
 from trainer.experts.numerics import relative_errors  # noqa: E402
 
 FP8_CONFIGS = {  # timed per GEMM; the module's FP8_CONFIG first
-    "fp8 128x128 s5": grouped.FP8_CONFIG,
-    "fp8 128x128 s5 cluster2": TileConfig((128, 128), 5, cluster_n=2),
+    "fp8 128x128 s5 cluster2": grouped.FP8_CONFIG,
+    "fp8 128x128 s5": TileConfig((128, 128), 5),
     "fp8 128x128 s5 overlap": TileConfig((128, 128), 5, overlap=True),
     "fp8 128x128 s5 overlap cluster2": TileConfig((128, 128), 5, cluster_n=2, overlap=True),
     "fp8 128x128 s4 overlap cluster2": TileConfig((128, 128), 4, cluster_n=2, overlap=True),
 }
-BF16_CONFIGS = {  # the row-grouped (m) and the wgrad (k) GEMMs; the module's M_CONFIG / K_CONFIG first
-    "bf16 128x256 s4": grouped.M_CONFIG,
-    "bf16 128x256 s4 cluster2": TileConfig(cluster_n=2),
+BF16_CONFIGS = {  # the row-grouped (m) and the wgrad (k) GEMMs; the module's M_CONFIG first
+    "bf16 128x256 s4 cluster2": grouped.M_CONFIG,
+    "bf16 128x256 s4": TileConfig(),
 }
 FP8_BOUND = 0.10  # trainer/experts/fp8.py
 STEP_S = 150.0  # one step (a numerics pass, a variant's compile + timing) longer than this is declared hung
@@ -280,11 +285,15 @@ def choose_configs(rows: list[dict]) -> dict:
             setattr(grouped, attr, configs[best])
             chosen[kind] = {"config": best, "ms": times[best], "all_ms": times}
     torch_ms = total("torch._grouped_mm", M_GEMMS + K_GEMMS, float("inf"))
-    if torch_ms and "m" in chosen and "k" in chosen:
-        bf16_ms = chosen["m"]["ms"] + chosen["k"]["ms"]
+    torch_wgrad_ms = total("torch._grouped_mm", K_GEMMS, float("inf"))
+    if torch_ms and torch_wgrad_ms and "m" in chosen and "k" in chosen:
+        # The weight gradients as the backend computes them (cutedsl.WGRAD): torch's kernel or ours.
+        wgrad_ms = torch_wgrad_ms if cutedsl.WGRAD == "grouped_mm" else chosen["k"]["ms"]
+        chosen["wgrad"] = {"by": cutedsl.WGRAD, "ms": wgrad_ms}
+        bf16_ms = chosen["m"]["ms"] + wgrad_ms
         chosen["fwd+bwd ms"] = {"torch._grouped_mm": torch_ms, "cutedsl bf16": bf16_ms}
         if "fp8" in chosen:
-            chosen["fwd+bwd ms"]["cutedsl fp8 (bf16 wgrad)"] = chosen["fp8"]["ms"] + chosen["k"]["ms"]
+            chosen["fwd+bwd ms"]["cutedsl fp8 (bf16 wgrad)"] = chosen["fp8"]["ms"] + wgrad_ms
         chosen["speedup over torch"] = {k: torch_ms / v for k, v in chosen["fwd+bwd ms"].items()}
     return chosen
 
@@ -423,6 +432,7 @@ def table(results: dict) -> str:
         for impl, ms in chosen["fwd+bwd ms"].items():
             lines.append(f"| {impl} | {ms:.3f} | {chosen['speedup over torch'][impl]:.2f}x |")
         lines.append("chosen configs: " + ", ".join(f"{k} {v['config']}" for k, v in chosen.items() if "config" in v))
+        lines.append(f"weight gradients by {chosen['wgrad']['by']} (cutedsl.WGRAD)")
     lines += [
         "",
         "| expert SwiGLU | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s | fwd+bwd time / torch compiled |",

@@ -14,6 +14,7 @@ import torch
 import trainer.experts as experts
 from common.config import ModelConfig
 from trainer.experts import BackendUnavailable, grouped_mm_experts, select_backend
+from trainer.experts import cutedsl as cutedsl_module
 from trainer.experts.cutedsl import cutedsl_experts, cutedsl_fp8_experts, cutedsl_unavailable, grouped
 from trainer.experts.fp8 import (
     dequantize_blocks,
@@ -268,7 +269,9 @@ def test_cutedsl_matches_float64_like_grouped_mm(counts, H, inter):
 
 
 @needs_gpu
-def test_an_empty_expert_gets_zero_weight_gradients():
+@pytest.mark.parametrize("wgrad", cutedsl_module.WGRADS)
+def test_an_empty_expert_gets_zero_weight_gradients(monkeypatch, wgrad):
+    monkeypatch.setattr(cutedsl_module, "WGRAD", wgrad)
     counts = [40, 0, 90]
     x = torch.randn(130, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     gate_up = torch.randn(3, 64, 64, device="cuda", requires_grad=True)
@@ -361,3 +364,33 @@ def test_schedules_compute_the_bits_of_the_default_one(monkeypatch, schedule, co
             got = grads(run)
         for name, a, b in zip(("y", "grad x", "grad gate_up", "grad down"), got, want, strict=True):
             assert torch.equal(a, b), f"{run.__name__} {name}: max diff {(a.float() - b.float()).abs().max():.3e}"
+
+
+@needs_gpu
+@pytest.mark.parametrize("run", [cutedsl_experts, cutedsl_fp8_experts])
+def test_both_weight_gradient_kernels_agree_within_bf16_rounding(monkeypatch, run):
+    """torch._grouped_mm's wgrad (bf16 result, cast) and ours (fp32 straight from the accumulators): the same
+    sums, so they differ by the bf16 rounding of torch's output only; the other gradients are the same bits."""
+    counts = [300, 0, 517, 64]
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    x = torch.randn(sum(counts), 256, device="cuda", dtype=torch.bfloat16, generator=gen)
+    gate_up = torch.randn(4, 2 * 128, 256, device="cuda", generator=gen) * 0.05
+    down = torch.randn(4, 256, 128, device="cuda", generator=gen) * 0.05
+    offsets = torch.tensor(counts, device="cuda").cumsum(0).int()
+
+    def grads(wgrad: str) -> list[torch.Tensor]:
+        monkeypatch.setattr(cutedsl_module, "WGRAD", wgrad)
+        leaves = [t.clone().requires_grad_() for t in (x, gate_up, down)]
+        y = run(leaves[0], offsets, *leaves[1:])
+        y.backward(torch.ones_like(y))
+        return [t.grad for t in leaves]
+
+    (tx, tgu, td), (cx, cgu, cd) = grads("grouped_mm"), grads("cutedsl")
+    assert torch.equal(tx, cx)
+    for name, a, b in (("gate_up", tgu, cgu), ("down", td, cd)):
+        assert a.dtype == b.dtype == torch.float32
+        rel = ((a - b).norm() / b.norm()).item()
+        assert rel < 4e-3, f"grad {name}: {rel:.2e}"
+    monkeypatch.setattr(cutedsl_module, "WGRAD", "ours")
+    with pytest.raises(ValueError, match=r"cutedsl.WGRAD = 'ours' is not one of \('grouped_mm', 'cutedsl'\)"):
+        run(x.clone().requires_grad_(), offsets, gate_up.clone().requires_grad_(), down).sum().backward()

@@ -3,7 +3,8 @@ nvidia-cutlass-dsl, the `gpu` extra), bf16 operands and fp32 accumulation. Forwa
 y = act @ W2[e]^T over tokens sorted by expert (rows grouped); backward: the dgrad GEMMs (rows grouped, the
 weights read transposed) and the wgrad GEMMs (the reduction grouped over each expert's rows, written in
 the masters' dtype straight from the fp32 accumulators). The SwiGLU elementwise part is the same torch code
-as the grouped_mm backend, so the two differ only in the GEMMs.
+as the grouped_mm backend, so the two differ only in the GEMMs. The weight gradients run on torch._grouped_mm by
+default (`WGRAD`: ours is slower so far).
 
 The GEMMs are torch custom ops (grouped.py), so torch.compile keeps them opaque. `cutlass` is imported on
 first use, so this module imports on any machine; `cutedsl_unavailable` says why the backend cannot run
@@ -23,6 +24,23 @@ import torch.nn.functional as F
 
 from trainer.experts.cutedsl import grouped, quant
 from trainer.experts.fp8 import quantize_expert_weights_op
+
+# Which kernel computes the weight gradients (the GEMMs whose reduction runs over each expert's rows), in both
+# precisions. "grouped_mm": torch._grouped_mm, its bf16 result cast to the masters' dtype (what the grouped_mm
+# backend does); "cutedsl": our k-grouped kernel, which writes the masters' dtype straight from fp32. On an H100
+# at H2048 I768 E128 ours ran at 0.58-0.61x torch's speed (bench/RESULTS.md, 2026-12-07), the largest loss of the
+# backward, so torch's is the default until ours is faster.
+WGRAD = "grouped_mm"
+WGRADS = ("grouped_mm", "cutedsl")
+
+
+def _wgrad(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """[E, M, N] = a[rows of e]^T @ b[rows of e] per expert e (a [R, M], b [R, N] token-major), by WGRAD."""
+    if WGRAD == "grouped_mm":
+        return torch._grouped_mm(a.t(), b, offs=offsets).to(out_dtype)
+    if WGRAD == "cutedsl":
+        return grouped.k_grouped_op(a, b, offsets, out_dtype)
+    raise ValueError(f"cutedsl.WGRAD = {WGRAD!r} is not one of {WGRADS}")
 
 
 class _CuteSwiGLU(torch.autograd.Function):
@@ -47,9 +65,9 @@ class _CuteSwiGLU(torch.autograd.Function):
         gate, up = h.chunk(2, dim=-1)
         silu_gate = F.silu(gate)
         grad_act = grouped.m_grouped_op(grad_y, down_c, offsets, *items, True)  # [N, I]: down read transposed
-        grad_down = grouped.k_grouped_op(grad_y, silu_gate * up, offsets, down_dtype) if need_down else None
+        grad_down = _wgrad(grad_y, silu_gate * up, offsets, down_dtype) if need_down else None
         grad_h = torch.cat([torch.ops.aten.silu_backward(grad_act * up, gate), grad_act * silu_gate], dim=-1)
-        grad_gate_up = grouped.k_grouped_op(grad_h, x, offsets, gate_up_dtype) if need_gate_up else None  # [E, 2I, H]
+        grad_gate_up = _wgrad(grad_h, x, offsets, gate_up_dtype) if need_gate_up else None  # [E, 2I, H]
         grad_x = grouped.m_grouped_op(grad_h, gate_up_c, offsets, *items, True) if need_x else None
         return grad_x, None, grad_gate_up, grad_down, None, None
 
@@ -102,9 +120,9 @@ class _CuteFP8SwiGLU(torch.autograd.Function):
         grad_act = grouped.m_grouped_scaled_op(
             *quant.quantize_rows_op(grad_y), dn_t_q, dn_t_s, offsets, *items
         )  # [N, I]
-        grad_down = grouped.k_grouped_op(grad_y, silu_gate * up, offsets, down_dtype) if need_down else None
+        grad_down = _wgrad(grad_y, silu_gate * up, offsets, down_dtype) if need_down else None
         grad_h = torch.cat([torch.ops.aten.silu_backward(grad_act * up, gate), grad_act * silu_gate], dim=-1)
-        grad_gate_up = grouped.k_grouped_op(grad_h, x, offsets, gate_up_dtype) if need_gate_up else None
+        grad_gate_up = _wgrad(grad_h, x, offsets, gate_up_dtype) if need_gate_up else None
         grad_x = None
         if need_x:
             grad_x = grouped.m_grouped_scaled_op(
