@@ -51,7 +51,8 @@ write shows up in the error instead of hiding behind stale data."""
 # expert shapes). "tvm-ffi": the function is compiled with TVM-FFI and takes the torch tensors themselves,
 # checked against its compiled layout in C++, on the stream torch reports (apache-tvm-ffi, in the `gpu` extra).
 # tvm-ffi is the default: on the H200 it cut the host time of a launch from 0.15 ms to 0.03 ms and the moonlet-shape
-# FP8 layer from 1.99x to 1.36x the bf16 layer's time (bench/RESULTS.md). dlpack stays for a machine without
+# FP8 layer from 1.99x to 1.36x the bf16 layer's time (issue 36, 2026-12-04), and the H100 run of bench/RESULTS.md
+# "CuTeDSL schedules" launched through it. dlpack stays for a machine without
 # tvm_ffi (set LAUNCH = "dlpack"; cutedsl_unavailable names the missing package otherwise).
 # bench/moe_bench.py --launch both times the two; tests/unit/test_experts_cutedsl.py compares them bit for bit.
 LAUNCH = "tvm-ffi"
