@@ -33,9 +33,9 @@ class TileConfig:
 # tiles, 4 stages, the 16-byte shared-memory epilogue (4-byte pairs for fp32 wgrads). A one-CTA-per-tile
 # schedule ran at 0.6-0.7x of it and is gone. FP8: BN = 128 (one weight scale block per tile; the fp32 accumulator and its
 # per-k-tile partial would not fit in registers at 256), 128-deep k-tiles of 32 KB, so 5 stages.
-# Clusters of two CTAs sharing each A tile: on an H100 at H2048 I768 E128 (bench/cutedsl_check.py, 2026-12-07) they
-# ran the four row-grouped GEMMs 1-7% faster in bf16 and 1-2% in FP8 than single CTAs; the wgrad (k) GEMMs gained
-# nothing. The FP8 `overlap` schedule ran 0.68-0.75x as fast as without it (three fp32 tiles of accumulators in
+# Clusters of two CTAs sharing each A tile: on an H100 at H2048 I768 E128 (bench/cutedsl_check.py, two runs on
+# 2026-12-07) the four row-grouped GEMMs took 1.6-3.4% less time in bf16 and 0.1-1.4% in FP8 than with single
+# CTAs (a small gain, near the noise); the wgrad (k) GEMMs gained nothing. The FP8 `overlap` schedule ran 0.68-0.75x as fast as without it (three fp32 tiles of accumulators in
 # registers: the third spills), so it stays off.
 M_CONFIG = TileConfig(cluster_n=2)
 K_CONFIG = TileConfig()
