@@ -641,14 +641,18 @@ def noise_in(log: str) -> list[str]:
     are left out: vLLM 0.32's shutdown, started by SIGTERM to its API server alone, can log an EngineDeadError
     traceback from its output handler when its engine stops first (its process manager gives the engine no
     grace: "mode=abort timeout=0s"); seen in CI, a race inside vLLM that a role cannot prevent."""
-    return [line for line in log.splitlines() if not VLLM_LINE.search(line) and any(n in line for n in NOISE)]
+    return [line for line in log.splitlines() if noisy(line)]
+
+
+def noisy(line: str) -> bool:
+    return not VLLM_LINE.search(line) and any(n in line for n in NOISE)
 
 
 def noise_report(log: str) -> str:
     """Each noisy line of `log` with the 5 lines before it and the 25 after (a traceback's frames, the asyncio
     context of an unclosed session), so that a CI failure says where the noise came from."""
     lines = log.splitlines()
-    found = [i for i, line in enumerate(lines) if not VLLM_LINE.search(line) and any(n in line for n in NOISE)]
+    found = [i for i, line in enumerate(lines) if noisy(line)]
     parts = []
     for i in found[:6]:
         parts.append("\n".join(["----", *lines[max(0, i - 5) : i + 26]]))
