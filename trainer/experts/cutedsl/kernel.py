@@ -552,40 +552,25 @@ class GroupedGemm:
                     r_lo, _ = tCcC[0]
                     r_hi, _ = tCcC[2]
                     rows_ab = (cutlass.min(row0 + r_lo, last), cutlass.min(row0 + r_hi, last))
+                    mainloop, parts = self.mma_item_scaled, part
                     if cutlass.const_expr(self.overlap):
-                        read, release = self.mma_item_overlapped(
-                            ring,
-                            read,
-                            release,
-                            tiled_mma,
-                            tCrA,
-                            tCrB,
-                            acc,
-                            (part, part2),
-                            k_tiles,
-                            sfa,
-                            sfb,
-                            n_tile,
-                            expert,
-                            rows_ab,
-                        )
-                    else:
-                        read, release = self.mma_item_scaled(
-                            ring,
-                            read,
-                            release,
-                            tiled_mma,
-                            tCrA,
-                            tCrB,
-                            acc,
-                            part,
-                            k_tiles,
-                            sfa,
-                            sfb,
-                            n_tile,
-                            expert,
-                            rows_ab,
-                        )
+                        mainloop, parts = self.mma_item_overlapped, (part, part2)
+                    read, release = mainloop(
+                        ring,
+                        read,
+                        release,
+                        tiled_mma,
+                        tCrA,
+                        tCrB,
+                        acc,
+                        parts,
+                        k_tiles,
+                        sfa,
+                        sfb,
+                        n_tile,
+                        expert,
+                        rows_ab,
+                    )
                 else:
                     read, release = self.mma_item(
                         ring, read, release, tiled_mma, tCrA, tCrB, acc, k_tiles, k_rem, sA, sB, mma_tidx, tail
