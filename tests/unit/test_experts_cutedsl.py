@@ -288,30 +288,40 @@ def test_an_empty_expert_gets_zero_weight_gradients(monkeypatch, wgrad):
     assert gate_up.grad[0].abs().sum() > 0 and down.grad[2].abs().sum() > 0
 
 
+def expert_inputs(counts: list[int], H: int, inter: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """x [rows, H] bf16, gate_up [E, 2I, H], down [E, H, I] (fp32 masters) and the offsets of `counts`, on the GPU."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(sum(counts), H, device="cuda", dtype=torch.bfloat16, generator=gen)
+    gate_up = torch.randn(len(counts), 2 * inter, H, device="cuda", generator=gen) * 0.05
+    down = torch.randn(len(counts), H, inter, device="cuda", generator=gen) * 0.05
+    return x, gate_up, down, torch.tensor(counts, device="cuda").cumsum(0).int()
+
+
+def output_and_grads(run, x, gate_up, down, offsets) -> list[torch.Tensor]:
+    """y and the gradients of x, gate_up and down of `run` on fresh leaves, with dy = 1."""
+    leaves = [t.clone().requires_grad_() for t in (x, gate_up, down)]
+    y = run(leaves[0], offsets, *leaves[1:])
+    y.backward(torch.ones_like(y))
+    return [y.detach(), *(t.grad for t in leaves)]
+
+
 @needs_gpu
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
 def test_both_launch_paths_compute_the_same_bits(monkeypatch, precision):
     """TVM-FFI (torch tensors handed to the compiled function, torch's current stream) and DLPack (cute tensors
     made per call, the stream passed explicitly) launch the same kernel: outputs and gradients are bitwise equal,
     also on a side stream, where a launch on the wrong stream would race with the side stream's producers."""
-    counts = [300, 0, 517, 64]
-    gen = torch.Generator(device="cuda").manual_seed(3)
-    x = torch.randn(sum(counts), 256, device="cuda", dtype=torch.bfloat16, generator=gen)
-    gate_up = torch.randn(4, 2 * 128, 256, device="cuda", generator=gen) * 0.05
-    down = torch.randn(4, 256, 128, device="cuda", generator=gen) * 0.05
-    offsets = torch.tensor(counts, device="cuda").cumsum(0).int()
+    x, gate_up, down, offsets = expert_inputs([300, 0, 517, 64], 256, 128, seed=3)
     run = cutedsl_experts if precision == "bf16" else cutedsl_fp8_experts
 
     def grads(launch: str) -> list[torch.Tensor]:
         monkeypatch.setattr(grouped, "LAUNCH", launch)
-        leaves = [t.clone().requires_grad_() for t in (x, gate_up, down)]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            y = run(leaves[0], offsets, *leaves[1:])
-            y.backward(torch.ones_like(y))
+            got = output_and_grads(run, x, gate_up, down, offsets)
         torch.cuda.current_stream().wait_stream(side)
-        return [y.detach(), *(t.grad for t in leaves)]
+        return got
 
     for a, b in zip(grads("tvm-ffi"), grads("dlpack"), strict=True):
         assert torch.equal(a, b)
@@ -346,24 +356,13 @@ SCHEDULES = {
 def test_schedules_compute_the_bits_of_the_default_one(monkeypatch, schedule, counts, H, inter):
     """Outputs and gradients of both precisions under each schedule equal, bit for bit, those of the module's
     configs: the schedules change which CTA loads what and when a partial is promoted, not what is added."""
-    gen = torch.Generator(device="cuda").manual_seed(7)
-    x = torch.randn(sum(counts), H, device="cuda", dtype=torch.bfloat16, generator=gen)
-    gate_up = torch.randn(len(counts), 2 * inter, H, device="cuda", generator=gen) * 0.05
-    down = torch.randn(len(counts), H, inter, device="cuda", generator=gen) * 0.05
-    offsets = torch.tensor(counts, device="cuda").cumsum(0).int()
-
-    def grads(run) -> list[torch.Tensor]:
-        leaves = [t.clone().requires_grad_() for t in (x, gate_up, down)]
-        y = run(leaves[0], offsets, *leaves[1:])
-        y.backward(torch.ones_like(y))
-        return [y.detach(), *(t.grad for t in leaves)]
-
+    inputs = expert_inputs(counts, H, inter, seed=7)
     for run in (cutedsl_experts, cutedsl_fp8_experts):
-        want = grads(run)
+        want = output_and_grads(run, *inputs)
         with monkeypatch.context() as m:
             for attr, config in SCHEDULES[schedule].items():
                 m.setattr(grouped, attr, config)
-            got = grads(run)
+            got = output_and_grads(run, *inputs)
         for name, a, b in zip(("y", "grad x", "grad gate_up", "grad down"), got, want, strict=True):
             assert torch.equal(a, b), f"{run.__name__} {name}: max diff {(a.float() - b.float()).abs().max():.3e}"
 
@@ -373,19 +372,11 @@ def test_schedules_compute_the_bits_of_the_default_one(monkeypatch, schedule, co
 def test_both_weight_gradient_kernels_agree_within_bf16_rounding(monkeypatch, run):
     """torch._grouped_mm's wgrad (bf16 result, cast) and ours (fp32 straight from the accumulators): the same
     sums, so they differ by the bf16 rounding of torch's output only; the other gradients are the same bits."""
-    counts = [300, 0, 517, 64]
-    gen = torch.Generator(device="cuda").manual_seed(5)
-    x = torch.randn(sum(counts), 256, device="cuda", dtype=torch.bfloat16, generator=gen)
-    gate_up = torch.randn(4, 2 * 128, 256, device="cuda", generator=gen) * 0.05
-    down = torch.randn(4, 256, 128, device="cuda", generator=gen) * 0.05
-    offsets = torch.tensor(counts, device="cuda").cumsum(0).int()
+    x, gate_up, down, offsets = expert_inputs([300, 0, 517, 64], 256, 128, seed=5)
 
     def grads(wgrad: str) -> list[torch.Tensor]:
         monkeypatch.setattr(cutedsl_module, "WGRAD", wgrad)
-        leaves = [t.clone().requires_grad_() for t in (x, gate_up, down)]
-        y = run(leaves[0], offsets, *leaves[1:])
-        y.backward(torch.ones_like(y))
-        return [t.grad for t in leaves]
+        return output_and_grads(run, x, gate_up, down, offsets)[1:]
 
     (tx, tgu, td), (cx, cgu, cd) = grads("grouped_mm"), grads("cutedsl")
     assert torch.equal(tx, cx)
