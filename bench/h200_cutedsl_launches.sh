@@ -13,23 +13,10 @@
 #   3. profile: kernel tables of the compiled layers at moonlet's shape (grouped_mm, FP8 per launch), each
 #      headed by the GPU's busy share of a step (far below 100%: the host's launches set the pace).
 set -uo pipefail
-out=${OUT:?run this on the device machine, which sets OUT}
-[ -f /tmp/cutedsl.tar.xz.aa ] || { echo "no /tmp/cutedsl.tar.xz.aa: send half A first (bench/h200_cutedsl_fp8.sh half)" >&2; exit 2; }
-[ -f .cutedsl/cutedsl.tar.xz.ab ] || { echo "no .cutedsl/cutedsl.tar.xz.ab: carry it" >&2; exit 2; }
-site=$(mktemp -d) && cat /tmp/cutedsl.tar.xz.aa .cutedsl/cutedsl.tar.xz.ab | tar -C "$site" -xJ || exit 2
-export PYTHONPATH="$site:$site/nvidia_cutlass_dsl/dsl_packages:$PWD:${PYTHONPATH:-}"
+source "$(dirname "$0")/cutedsl_device.sh"
+cutedsl_unpack
 mkdir -p "$out/profile"
-nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv,noheader
-
-step() {
-  local name=$1 limit=$2
-  shift 2
-  echo "== $name ($(date -u +%H:%M:%S), limit ${limit}s): $*"
-  timeout "$limit" "$@" >"$out/$name.log" 2>&1
-  local rc=$?
-  tail -n 60 "$out/$name.log"
-  echo "== $name: exit code $rc"
-}
+STEP_TAIL=60
 
 step launch_paths 150 python3 -m pytest -q --noconftest tests/unit/test_experts_cutedsl.py -k launch_paths
 step layer 270 python3 bench/moe_bench.py --layer-only --shapes "1024,512,64,6;2048,768,128,8" \
