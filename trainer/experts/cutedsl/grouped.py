@@ -197,13 +197,19 @@ def _launch(grouping: str, config: TileConfig, a, b, c, offsets, item_expert, it
     scaled = sfa is not None
     n_tiles = -(-c.shape[1] // config.tile_mn[1])
     if n_tiles % config.cluster_n:  # a cluster's CTAs take adjacent n-tiles: the count must split evenly
-        config = dataclasses.replace(config, cluster_n=1)
+        config = _single_ctas(config)
     if not scaled:  # the kernel ignores them; any tensors of a fixed type keep one compile per variant
         sfa, sfb = offsets, offsets
     tensors = (a, b, c, offsets, item_expert, item_row, sfa, sfb)
     key = (grouping, config, scaled, *((t.dtype, _unit_mode(t)) for t in tensors))
     ctas = _resident_ctas(a.device, config.cluster_n)
     call(_COMPILED, key, _kernel(grouping, config, ctas, scaled), tensors, compact=(2,))
+
+
+@functools.cache
+def _single_ctas(config: TileConfig) -> TileConfig:
+    """`config` without clusters (made once per config: it is on every launch's path)."""
+    return dataclasses.replace(config, cluster_n=1)
 
 
 @functools.cache
