@@ -43,11 +43,10 @@ from trainer.experts.fp8 import quantize_blocks, quantize_expert_weights, quanti
 from trainer.experts.numerics import relative_errors  # noqa: E402
 
 FP8_CONFIGS = {  # timed per GEMM; the module's FP8_CONFIG first
-    "fp8 128x128 s5 cluster2": grouped.FP8_CONFIG,
-    "fp8 128x128 s5": TileConfig((128, 128), 5),
-    "fp8 128x128 s5 overlap": TileConfig((128, 128), 5, overlap=True),
-    "fp8 128x128 s5 overlap cluster2": TileConfig((128, 128), 5, cluster_n=2, overlap=True),
-    "fp8 128x128 s4 overlap cluster2": TileConfig((128, 128), 4, cluster_n=2, overlap=True),
+    "fp8 128x128 s5 cluster2 tma-scales": grouped.FP8_CONFIG,
+    "fp8 128x128 s5 cluster2 global-scales": TileConfig((128, 128), 5, cluster_n=2),
+    "fp8 128x128 s4 cluster2 tma-scales": TileConfig((128, 128), 4, cluster_n=2, tma_scales=True),
+    "fp8 128x128 s5 tma-scales": TileConfig((128, 128), 5, tma_scales=True),
 }
 BF16_CONFIGS = {  # the row-grouped (m) and the wgrad (k) GEMMs; the module's M_CONFIG first
     "bf16 128x256 s4 cluster2": grouped.M_CONFIG,
@@ -356,6 +355,7 @@ def main() -> None:
     ap.add_argument("--shape", default="2048,768,128,8", help="H,I,E,top-k (moe_bench's 128-expert shape)")
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--skip-gemms", action="store_true", help="no per-GEMM timings")
+    ap.add_argument("--skip-layer", action="store_true", help="no expert layer rows")
     ap.add_argument("--deadline-s", type=float, default=540.0, help="exit (with a traceback) after this")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "cutedsl_check.json"))
     args = ap.parse_args()
@@ -391,8 +391,9 @@ def main() -> None:
         results["chosen"] = choose_configs(results["gemms"])
         print("chosen for the layer rows:", json.dumps(results["chosen"]), flush=True)
         save()
-    results["layer"] = layer_rows(H, inter, E, k, args.tokens, fp8)
-    save()
+    if not args.skip_layer:
+        results["layer"] = layer_rows(H, inter, E, k, args.tokens, fp8)
+        save()
     print(table(results))
 
 

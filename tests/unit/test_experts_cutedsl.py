@@ -75,6 +75,17 @@ def test_auto_in_bf16_takes_cutedsl_only_where_it_measured_faster(monkeypatch):
     assert measured.auto_bf16("NVIDIA H200", None, None)[0] == "grouped_mm"
 
 
+@pytest.mark.parametrize("shape", [(16, 131072), (6, 1001), (1, 5), (128, 12, 6), (128, 12, 16), (3, 2, 1)])
+def test_scales_reach_tma_with_rows_of_whole_16_byte_units(shape):
+    """The FP8 kernel's tma_scales reads the scales by TMA, whose strides must be multiples of 16 bytes: a scale
+    tensor whose rows are not gets a copy with padded rows, of the same shape and values; one that is stays."""
+    t = torch.randn(*shape)
+    got = grouped._tma_rows(t)
+    assert got.shape == t.shape and torch.equal(got, t)
+    assert all(st * 4 % 16 == 0 for st in got.stride()[:-1]) and got.stride()[-1] == 1
+    assert (got.data_ptr() == t.data_ptr()) == (shape[-1] % 4 == 0)
+
+
 def test_the_backend_package_imports_without_loading_the_dsl():
     code = "import sys, trainer.experts; assert 'cutlass' not in sys.modules, 'cutlass imported eagerly'"
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -330,14 +341,17 @@ def test_both_launch_paths_compute_the_same_bits(monkeypatch, precision):
         run(x, offsets, gate_up, down)
 
 
-# Schedules that move data differently but add the same products in the same order as the module's configs: a
-# cluster of two CTAs multicasting each A tile, and the FP8 promotion overlapped with the next k-tile's wgmmas.
+# Schedules that move data differently but add the same products in the same order as the module's configs:
+# other CTA counts (single CTAs, or clusters of two multicasting each A tile), the FP8 scales loaded by the
+# consumers from global memory instead of brought by TMA with each stage, and the FP8 promotion overlapped with
+# the next k-tile's wgmmas.
 SCHEDULES = {
-    "cluster2": {
-        "M_CONFIG": grouped.TileConfig(cluster_n=2),
+    "other CTA counts": {
+        "M_CONFIG": grouped.TileConfig(),
         "K_CONFIG": grouped.TileConfig(cluster_n=2),
-        "FP8_CONFIG": grouped.TileConfig((128, 128), 5, cluster_n=2),
+        "FP8_CONFIG": grouped.TileConfig((128, 128), 5, tma_scales=True),
     },
+    "fp8 scales by global loads": {"FP8_CONFIG": grouped.TileConfig((128, 128), 5, cluster_n=2)},
     "fp8 overlap": {"FP8_CONFIG": grouped.TileConfig((128, 128), 5, overlap=True)},
     "fp8 overlap cluster2": {"FP8_CONFIG": grouped.TileConfig((128, 128), 5, cluster_n=2, overlap=True)},
 }

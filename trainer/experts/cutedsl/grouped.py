@@ -17,8 +17,8 @@ import torch
 class TileConfig:
     """CTA tile (BM, BN), shared-memory stages, consumer warpgroups (64 rows each), epilogue store width, CTAs
     per cluster along N (sharing each A tile by TMA multicast) and, for FP8, whether the promotion of a k-tile's
-    partial overlaps the next k-tile's wgmmas, of one compiled variant (all persistent and warp-specialized:
-    kernel.py)."""
+    partial overlaps the next k-tile's wgmmas and whether the scales come with each stage by TMA, of one compiled
+    variant (all persistent and warp-specialized: kernel.py)."""
 
     tile_mn: tuple[int, int] = (128, 256)
     stages: int = 4
@@ -27,19 +27,23 @@ class TileConfig:
     smem_epilogue: bool = True
     cluster_n: int = 1
     overlap: bool = False
+    tma_scales: bool = False
 
 
 # The fastest that passed the numerics in bench/cutedsl_check.py on the H200 (bench/RESULTS.md): 128x256
 # tiles, 4 stages, the 16-byte shared-memory epilogue (4-byte pairs for fp32 wgrads). A one-CTA-per-tile
-# schedule ran at 0.6-0.7x of it and is gone. FP8: BN = 128 (one weight scale block per tile; the fp32 accumulator and its
-# per-k-tile partial would not fit in registers at 256), 128-deep k-tiles of 32 KB, so 5 stages.
+# schedule ran at 0.6-0.7x of it and is gone. FP8: BN = 128 (one weight scale block per tile; the fp32
+# accumulator and its per-k-tile partial would not fit in registers at 256), 128-deep k-tiles of 32 KB, 5 stages.
 # Clusters of two CTAs sharing each A tile: on an H100 at H2048 I768 E128 (bench/cutedsl_check.py, two runs on
 # 2026-12-07) the four row-grouped GEMMs took 1.6-3.4% less time in bf16 and 0.1-1.4% in FP8 than with single
-# CTAs (a small gain, near the noise); the wgrad (k) GEMMs gained nothing. The FP8 `overlap` schedule ran 0.68-0.75x as fast as without it (three fp32 tiles of accumulators in
-# registers: the third spills), so it stays off.
+# CTAs (a small gain, near the noise); the wgrad (k) GEMMs gained nothing. The FP8 `overlap` schedule ran
+# 0.68-0.75x as fast as without it (three fp32 tiles of accumulators in registers: the third spills), so it stays
+# off. The FP8 scales by TMA with each stage (`tma_scales`): the four FP8 GEMMs in 0.78-0.84x the time of the
+# same schedule with the consumers' global loads of the scales, 1.42-1.70x torch._grouped_mm's bf16 per GEMM (H100,
+# two runs, bench/RESULTS.md "FP8 scales by TMA"); 4 and 5 stages tie (2.672 and 2.673 ms summed).
 M_CONFIG = TileConfig(cluster_n=2)
 K_CONFIG = TileConfig()
-FP8_CONFIG = TileConfig((128, 128), 5, cluster_n=2)
+FP8_CONFIG = TileConfig((128, 128), 5, cluster_n=2, tma_scales=True)
 
 POISON_OUTPUTS = False
 """Checks set this: outputs start as NaN instead of uninitialized memory, so an element the kernel fails to
@@ -186,6 +190,7 @@ def _kernel(grouping: str, config: TileConfig, sm_count: int, scaled: bool):
         scaled,
         config.cluster_n,
         config.overlap,
+        config.tma_scales,
     )
 
 
@@ -277,6 +282,8 @@ def m_grouped_scaled(
     config = config or FP8_CONFIG
     M = a.shape[0]
     c = _output(M, b.shape[1], device=a.device, dtype=torch.bfloat16)
+    if config.tma_scales:
+        a_scale, b_scale = _tma_rows(a_scale), _tma_rows(b_scale)
     if M:
         _launch(
             "m",
@@ -290,6 +297,17 @@ def m_grouped_scaled(
             b_scale.permute(1, 2, 0),
         )
     return c
+
+
+def _tma_rows(t: torch.Tensor) -> torch.Tensor:
+    """t (contiguous, fp32) where TMA can read it: every stride but the last a multiple of 16 bytes. Else a copy
+    whose rows are padded to a multiple of 4 elements, as a view of t's shape (the kernel's tma_scales reads the
+    scales by TMA; one row of A's scales spans the M rows, one of B's the K / 128 blocks)."""
+    if t.data_ptr() % 16 == 0 and all(st % 4 == 0 for st in t.stride()[:-1]):
+        return t
+    padded = t.new_zeros(*t.shape[:-1], -(-t.shape[-1] // 4) * 4)
+    padded[..., : t.shape[-1]] = t
+    return padded[..., : t.shape[-1]]
 
 
 def k_grouped(

@@ -24,11 +24,16 @@ DeepSeek-V3 sec. 3.3.2, which also keeps the sum out of the tensor cores' limite
 
 One schedule: one CTA per SM walks the work items, with a producer warpgroup (TMA, few registers) and two
 consumer warpgroups of 64 rows each (wgmma), so that the loads of the next tile run under the epilogue of this
-one. Two options change where the data comes from and when, not what is added (their results are bitwise those
+one. Three options change where the data comes from and when, not what is added (their results are bitwise those
 of the plain schedule): `cluster_n = 2` pairs the CTAs in clusters that take adjacent n-tiles of the same rows,
 each loading half of every A tile and multicasting it to both (A's reads from L2 halve); `overlap` (FP8) keeps
-two partial accumulators, so that k-tile t + 1's wgmmas run while k-tile t's partial is promoted. A Blackwell variant (tcgen05, tensor memory, MXFP8 scales) would be another kernel class with the same
-work items, operand views and epilogue guard; none is written (it cannot run here).
+two partial accumulators, so that k-tile t + 1's wgmmas run while k-tile t's partial is promoted; `tma_scales` (FP8,
+the default) has the producer's TMA bring each k-tile's scales into the stage beside its A and B tiles, so that
+the consumers read them from shared memory instead of waiting on global loads every k-tile (DeepGEMM's design).
+Every warp loads the work-item table entry of its next item one item ahead, under the current one.
+
+A Blackwell variant (tcgen05, tensor memory, MXFP8 scales) would be another kernel class with the same work
+items, operand views and epilogue guard; none is written (it cannot run here).
 
 Imported only on first use (grouped.py), so that the package imports where `cutlass` is missing."""
 
@@ -45,6 +50,13 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 WARPGROUP = 128
 PRODUCER_REGS = 40
 CONSUMER_REGS = 232
+SMEM_BYTES = 232448  # the most dynamic shared memory a CTA may have on sm_90 (227 KB)
+SFB_BOX = 4  # B scales per TMA box: 16 bytes, the least a box may span along the contiguous mode
+SFB_SLOT = 32  # words per stage of the B scales in shared memory (128 bytes, a TMA destination's alignment)
+# A box must start 16 bytes into a row: an item's rows of A scales start at its first row rounded down to a multiple
+# of 4 (up to 3 rows before it), so the box spans BM + SFA_LEAD rows, in a stage slot of SFA_SLOT words.
+SFA_LEAD = 4
+SFA_SLOT = 160
 
 
 class GroupedGemm:
@@ -64,6 +76,7 @@ class GroupedGemm:
         scaled: bool = False,
         cluster_n: int = 1,
         overlap: bool = False,
+        tma_scales: bool = False,
     ) -> None:
         if grouping not in ("m", "k"):
             raise ValueError(f"grouping must be 'm' or 'k', got {grouping!r}")
@@ -81,6 +94,10 @@ class GroupedGemm:
             raise ValueError(f"cluster_n must be 1 or 2, got {cluster_n}")
         if overlap and not scaled:
             raise ValueError("overlap (two FP8 partial accumulators) is a schedule of the scaled kernel")
+        if tma_scales and (not scaled or overlap):
+            raise ValueError(
+                "tma_scales brings the scales with each stage: a schedule of the scaled kernel, not overlap"
+            )
         self.grouping = grouping
         self.scaled = scaled
         # CTAs per cluster along N: the pair works on the same rows of A (one work item) and adjacent n-tiles,
@@ -88,6 +105,10 @@ class GroupedGemm:
         self.cluster_n = cluster_n
         # FP8: the wgmmas of k-tile t + 1 run while k-tile t's partial is promoted (two partials in registers).
         self.overlap = overlap
+        # FP8: the producer's TMA brings each k-tile's scales into the stage with its A and B tiles (the item's rows
+        # of sfa, the 16 bytes of sfb holding the block's scale), so that the consumers read them from shared
+        # memory instead of waiting on global loads.
+        self.tma_scales = tma_scales
         self.tile = (tile_mn[0], tile_mn[1], 128 if scaled else 64)
         self.stages = stages
         self.warpgroups = warpgroups
@@ -147,17 +168,27 @@ class GroupedGemm:
         tma_b, tma_tensor_b = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), b, cute.slice_(b_smem, (None, None, 0)), (BN, BK)
         )
-
-        @cute.struct
-        class Storage:
-            barriers: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
-            sA: cute.struct.Align[cute.struct.MemRange[a.element_type, cute.cosize(a_smem)], 1024]
-            sB: cute.struct.Align[cute.struct.MemRange[b.element_type, cute.cosize(b_smem)], 1024]
-            # Per consumer warpgroup 64 rows x (64 + 4) 32-bit words: 128 bf16 columns, rows padded by 16 bytes
-            # so that the 4-byte pair stores of 8 rows fall in different banks.
-            sC: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, self.epi_words], 128]
-
-        self.storage = Storage
+        # The scales' TMA (tma_scales): per stage BM rows of sfa (one k-tile) and a 16-byte box of sfb along its
+        # contiguous K/128 mode holding the k-tile's scale, each stage in its own 128-byte aligned slot.
+        # Placeholders (A's atom, the global tensors, unit layouts) where the scales come by global loads.
+        sfa_smem = cute.make_layout(1)
+        sfb_smem = cute.make_layout(1)
+        tma_sfa, tma_tensor_sfa, tma_sfb, tma_tensor_sfb = tma_a, sfa, tma_a, sfb
+        if cutlass.const_expr(self.tma_scales):
+            sfa_smem = cute.make_layout((1, BM + SFA_LEAD, self.stages), stride=(SFA_SLOT, 1, SFA_SLOT))
+            sfb_smem = cute.make_layout((1, SFB_BOX, 1, self.stages), stride=(SFB_BOX, 1, SFB_BOX, SFB_SLOT))
+            tma_sfa, tma_tensor_sfa = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileG2SOp(), sfa, cute.slice_(sfa_smem, (None, None, 0)), (1, BM + SFA_LEAD)
+            )
+            tma_sfb, tma_tensor_sfb = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileG2SOp(), sfb, cute.slice_(sfb_smem, (None, None, None, 0)), (1, SFB_BOX, 1)
+            )
+        self.storage = self.shared_storage(a.element_type, b.element_type, a_smem, b_smem)
+        if cutlass.const_expr(self.storage.size_in_bytes() > SMEM_BYTES):
+            raise ValueError(
+                f"tile {self.tile[:2]} with {self.stages} stages needs {self.storage.size_in_bytes()} bytes of shared"
+                f" memory, more than the {SMEM_BYTES} a Hopper CTA may have: fewer stages or a smaller tile"
+            )
         self.a_dtype, self.b_dtype = a.element_type, b.element_type
         n_pairs = (c.shape[1] + BN * self.cluster_n - 1) // (BN * self.cluster_n)
         if cutlass.const_expr(self.grouping == "m"):
@@ -180,14 +211,50 @@ class GroupedGemm:
             sfb,
             a_smem,
             b_smem,
+            tma_sfa,
+            tma_tensor_sfa,
+            tma_sfb,
+            tma_tensor_sfb,
+            sfa_smem,
+            sfb_smem,
         ).launch(grid=grid, block=[self.threads, 1, 1], cluster=(self.cluster_n, 1, 1), stream=stream)
 
+    def shared_storage(self, a_type, b_type, a_smem, b_smem):
+        """The kernel's shared memory as a struct: the stages' barriers and A and B tiles, the epilogue's staging
+        words and, with tma_scales, the stages' scales (left out otherwise: the bf16 128x256 4-stage config fills
+        the 227 KB to the byte). Built from a field dict, since this module's annotations are strings."""
+        MemRange, Align = cute.struct.MemRange, cute.struct.Align
+        fields = {
+            "barriers": MemRange[cutlass.Int64, self.stages * 2],
+            "sA": Align[MemRange[a_type, cute.cosize(a_smem)], 1024],
+            "sB": Align[MemRange[b_type, cute.cosize(b_smem)], 1024],
+            # Per consumer warpgroup 64 rows x (64 + 4) 32-bit words: 128 bf16 columns, rows padded by 16 bytes
+            # so that the 4-byte pair stores of 8 rows fall in different banks.
+            "sC": Align[MemRange[cutlass.Int32, self.epi_words], 128],
+        }
+        if self.tma_scales:
+            fields["sSFA"] = Align[MemRange[cutlass.Float32, SFA_SLOT * self.stages], 128]
+            fields["sSFB"] = Align[MemRange[cutlass.Float32, SFB_SLOT * self.stages], 128]
+        return cute.struct(type("Storage", (), {"__annotations__": fields}))
+
     @cute.jit
-    def work_item(self, mA, mB, mC, offsets, item_expert, item_row, n_tile, slot):
-        """The tiles of work item (n_tile, slot): TMA coordinate tensors gA (BM, BK, restK), gB (BN, BK, restK),
-        the output tile gC (BM, BN), the k-tiles to run, the valid k of the last one, the valid rows and
-        columns of gC, the expert and the item's first row of A (`m`). An idle item has no k-tiles and no
-        valid rows."""
+    def item_entry(self, item_expert, item_row, slot):
+        """Table entry `slot` of the `m` grouping: (expert or -1, first row); (0, 0) for the `k` grouping. Loaded
+        one item ahead of its use (the kernel's loops), so that its latency hides under the item before."""
+        e = cutlass.Int32(0)
+        r = cutlass.Int32(0)
+        if cutlass.const_expr(self.grouping == "m"):
+            e = item_expert[slot]
+            r = item_row[slot]
+        return e, r
+
+    @cute.jit
+    def work_item(self, mA, mB, mC, mSFA, mSFB, offsets, entry, n_tile, slot):
+        """The tiles of work item (n_tile, slot), `entry` its item_entry: TMA coordinate tensors gA (BM, BK, restK),
+        gB (BN, BK, restK), with tma_scales gSFA (1, BM + SFA_LEAD, restK) from row0 rounded down to a multiple of
+        SFA_LEAD and gSFB (1, SFB_BOX, 1, restK / SFB_BOX), the
+        output tile gC (BM, BN), the k-tiles to run, the valid k of the last one, the valid rows and columns of
+        gC, the expert and the item's first row of A (`m`). An idle item has no k-tiles and no valid rows."""
         BM, BN, BK = self.tile
         zero = cutlass.Int32(0)
         k_tiles = zero
@@ -198,10 +265,10 @@ class GroupedGemm:
         row0 = zero  # first row of A/C (`m`) or first k (`k`)
         m_tile = zero
         if cutlass.const_expr(self.grouping == "m"):
-            e = item_expert[slot]
+            e, r = entry
             if e >= 0:
                 expert = e
-                row0 = item_row[slot]
+                row0 = r
                 rows = cutlass.min(offsets[e] - row0, BM)
                 k_tiles = (mA.shape[1] + BK - 1) // BK
         else:
@@ -230,12 +297,17 @@ class GroupedGemm:
                 cute.domain_offset((0, row0, 0), mB), self.tile, (m_tile, n_tile, None, 0), proj=(None, 1, 1)
             )
             gC = cute.local_tile(mC, self.tile, (m_tile, n_tile, None, expert), proj=(1, 1, None))
-        return gA, gB, gC, k_tiles, k_rem, rows, cols, expert, row0
+        gSFA, gSFB = mSFA, mSFB
+        if cutlass.const_expr(self.tma_scales):
+            gSFA = cute.local_tile(cute.domain_offset((0, row0 - row0 % SFA_LEAD), mSFA), (1, BM + SFA_LEAD), (None, 0))
+            gSFB = cute.local_tile(mSFB, (1, SFB_BOX, 1), (n_tile, None, expert))
+        return gA, gB, gC, gSFA, gSFB, k_tiles, k_rem, rows, cols, expert, row0
 
     @cute.jit
-    def load_tile(self, ring, load, tma_a, tma_b, sA, sB, gA, gB, k_tiles, first_kt, rank, a_mask):
+    def load_tile(self, ring, load, tma_a, tma_b, sA, sB, gA, gB, k_tiles, first_kt, rank, a_mask, scale_tiles):
         """Issue the TMA loads of k-tiles [first_kt, k_tiles) of one work item (the calling warp). In a cluster,
-        this CTA (`rank`) loads its share of each A tile for every CTA of `a_mask`."""
+        this CTA (`rank`) loads its share of each A tile for every CTA of `a_mask`. scale_tiles, with
+        tma_scales: (tma_sfa, sSFA, gSFA, tma_sfb, sSFB, gSFB), each k-tile's scales into the same stage."""
         tAsA, tAgA = cpasync.tma_partition(
             tma_a,
             rank,
@@ -246,6 +318,15 @@ class GroupedGemm:
         tBsB, tBgB = cpasync.tma_partition(
             tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2)
         )
+        tma_sfa, sSFA, gSFA, tma_sfb, sSFB, gSFB = scale_tiles
+        tSAs, tSAg, tSBs, tSBg = sSFA, gSFA, sSFB, gSFB
+        if cutlass.const_expr(self.tma_scales):
+            tSAs, tSAg = cpasync.tma_partition(
+                tma_sfa, 0, cute.make_layout(1), cute.group_modes(sSFA, 0, 2), cute.group_modes(gSFA, 0, 2)
+            )
+            tSBs, tSBg = cpasync.tma_partition(
+                tma_sfb, 0, cute.make_layout(1), cute.group_modes(sSFB, 0, 3), cute.group_modes(gSFB, 0, 3)
+            )
         for kt in cutlass.range(first_kt, k_tiles, 1, unroll=1):
             ring.producer_acquire(load)
             bar = ring.producer_get_barrier(load)
@@ -254,6 +335,9 @@ class GroupedGemm:
             else:
                 cute.copy(tma_a, tAgA[(None, kt)], tAsA[(None, load.index)], tma_bar_ptr=bar)
             cute.copy(tma_b, tBgB[(None, kt)], tBsB[(None, load.index)], tma_bar_ptr=bar)
+            if cutlass.const_expr(self.tma_scales):
+                cute.copy(tma_sfa, tSAg[(None, kt)], tSAs[(None, load.index)], tma_bar_ptr=bar)
+                cute.copy(tma_sfb, tSBg[(None, kt // SFB_BOX)], tSBs[(None, load.index)], tma_bar_ptr=bar)
             ring.producer_commit(load)
             load.advance()
         return load
@@ -352,20 +436,32 @@ class GroupedGemm:
         return read, release
 
     @cute.jit
-    def mma_item_scaled(
-        self, ring, read, release, tiled_mma, tCrA, tCrB, acc, part, k_tiles, sfa, sfb, n_tile, expert, rows_ab
-    ):
+    def scales(self, src, kt, stage):
+        """k-tile kt's scales of this thread's two rows: (A scale of row a, of row b, B scale of the block). src:
+        with tma_scales (sSFA, sSFB, row a, row b) in the item's tile, read from the k-tile's stage; else
+        (sfa, sfb, n_tile, expert, row a, row b) in global memory."""
+        if cutlass.const_expr(self.tma_scales):
+            sSFA, sSFB, ra, rb = src
+            return sSFA[0, ra, stage], sSFA[0, rb, stage], sSFB[0, kt % SFB_BOX, 0, stage]
+        else:
+            sfa, sfb, n_tile, expert, ra, rb = src
+            return sfa[kt, ra], sfa[kt, rb], sfb[n_tile, kt, expert]
+
+    @cute.jit
+    def mma_item_scaled(self, ring, read, release, tiled_mma, tCrA, tCrB, acc, part, k_tiles, src):
         """The FP8 main loop of one work item: per k-tile (one scale block) the wgmmas write `part`, which is
-        then added to acc times sfa[k-tile, row] * sfb[n-tile, k-tile, expert]. rows_ab: the two rows of A this
-        thread's accumulators hold (the wgmma C fragment: element i is row rows_ab[(i // 2) % 2])."""
+        then added to acc times the scale of the row (sfa[k-tile, row]) and of the block (sfb[n-tile, k-tile,
+        expert]); `src` says where `scales` reads them. This thread's accumulators hold two rows of A (the wgmma
+        C fragment: element i is the first row where (i // 2) % 2 == 0, else the second).
+
+        With tma_scales the scales come with the stage and are read from shared memory before it is released;
+        else the k-tile's three global loads are issued under its wgmmas and awaited after them (an L2 latency
+        that the MMAs of one k-tile do not cover: bench/RESULTS.md "FP8 scales by TMA")."""
         k_blocks = cute.size(tCrA, mode=[2])
         acc.fill(0.0)
         for kt in cutlass.range(k_tiles, unroll=1):
             ring.consumer_wait(read)
-            # Loaded before the wgmmas, used after them: the MMAs hide the loads' latency.
-            sb = sfb[n_tile, kt, expert]
-            sa_lo = sfa[kt, rows_ab[0]]
-            sa_hi = sfa[kt, rows_ab[1]]
+            sa, sb, sw = self.scales(src, kt, read.index)
             warpgroup.fence()
             tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
             for kb in cutlass.range_constexpr(k_blocks):
@@ -375,8 +471,8 @@ class GroupedGemm:
             warpgroup.wait_group(0)
             ring.consumer_release(release)
             release.advance()
-            lo = sa_lo * sb
-            hi = sa_hi * sb
+            lo = sa * sw
+            hi = sb * sw
             for i in cutlass.range_constexpr(cute.size(acc)):
                 if cutlass.const_expr((i // 2) % 2 == 0):
                     acc[i] = acc[i] + part[i] * lo
@@ -463,6 +559,12 @@ class GroupedGemm:
         sfb: cute.Tensor,
         a_smem: cute.ComposedLayout,
         b_smem: cute.ComposedLayout,
+        tma_sfa: cute.CopyAtom,
+        mSFA: cute.Tensor,
+        tma_sfb: cute.CopyAtom,
+        mSFB: cute.Tensor,
+        sfa_smem: cute.Layout,
+        sfb_smem: cute.Layout,
     ):
         BM, BN, BK = self.tile
         tidx, _, _ = cute.arch.thread_idx()
@@ -472,15 +574,25 @@ class GroupedGemm:
         if warp == 0:
             cpasync.prefetch_descriptor(tma_a)
             cpasync.prefetch_descriptor(tma_b)
+            if cutlass.const_expr(self.tma_scales):
+                cpasync.prefetch_descriptor(tma_sfa)
+                cpasync.prefetch_descriptor(tma_sfb)
 
         smem = utils.SmemAllocator()
         storage = smem.allocate(self.storage)
+        sSFA, sSFB = sfa, sfb  # placeholders where the scales come by global loads
+        if cutlass.const_expr(self.tma_scales):
+            sSFA = storage.sSFA.get_tensor(sfa_smem)
+            sSFB = storage.sSFB.get_tensor(sfb_smem)
         sA = storage.sA.get_tensor(a_smem.outer, swizzle=a_smem.inner)
         sB = storage.sB.get_tensor(b_smem.outer, swizzle=b_smem.inner)
         sC = storage.sC.get_tensor(cute.make_layout(self.epi_words))
         stage_bytes = cute.size_in_bytes(self.a_dtype, cute.slice_(a_smem, (None, None, 0))) + cute.size_in_bytes(
             self.b_dtype, cute.slice_(b_smem, (None, None, 0))
         )
+        if cutlass.const_expr(self.tma_scales):
+            # a box's bytes count in full, also where it reaches past the tensor
+            stage_bytes += (BM + SFA_LEAD + SFB_BOX) * 4
         # Full barriers: the TMA-issuing warp arrives with the byte count; empty: one arrive per consumer warp.
         # A cluster of cluster_n CTAs along N: each CTA's stage is filled by the A loads of all of them (and its
         # own B), so each of its consumer warps releases the stage in every CTA of the cluster.
@@ -515,12 +627,16 @@ class GroupedGemm:
         if warp < 4:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             if warp == 0:
+                ahead = self.item_entry(item_expert, item_row, cutlass.min(cluster, items - 1) // n_pairs)
                 for w in cutlass.range(cluster, items, clusters, unroll=1):
-                    gA, gB, gC, k_tiles, k_rem, rows, cols, expert, row0 = self.work_item(
-                        mA, mB, mC, offsets, item_expert, item_row, (w % n_pairs) * self.cluster_n + rank, w // n_pairs
+                    entry = ahead
+                    ahead = self.item_entry(item_expert, item_row, cutlass.min(w + clusters, items - 1) // n_pairs)
+                    gA, gB, gC, gSFA, gSFB, k_tiles, k_rem, rows, cols, expert, row0 = self.work_item(
+                        mA, mB, mC, mSFA, mSFB, offsets, entry, (w % n_pairs) * self.cluster_n + rank, w // n_pairs
                     )
+                    scale_tiles = (tma_sfa, sSFA, gSFA, tma_sfb, sSFB, gSFB)
                     load = self.load_tile(
-                        ring, load, tma_a, tma_b, sA, sB, gA, gB, k_tiles, cutlass.Int32(0), rank, a_mask
+                        ring, load, tma_a, tma_b, sA, sB, gA, gB, k_tiles, cutlass.Int32(0), rank, a_mask, scale_tiles
                     )
                 ring.producer_tail(load)
         else:
@@ -541,36 +657,37 @@ class GroupedGemm:
                     tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
             else:
                 tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+            ahead = self.item_entry(item_expert, item_row, cutlass.min(cluster, items - 1) // n_pairs)
             for w in cutlass.range(cluster, items, clusters, unroll=1):
+                entry = ahead
+                ahead = self.item_entry(item_expert, item_row, cutlass.min(w + clusters, items - 1) // n_pairs)
                 n_tile = (w % n_pairs) * self.cluster_n + rank
-                gA, gB, gC, k_tiles, k_rem, rows, cols, expert, row0 = self.work_item(
-                    mA, mB, mC, offsets, item_expert, item_row, n_tile, w // n_pairs
+                gA, gB, gC, gSFA, gSFB, k_tiles, k_rem, rows, cols, expert, row0 = self.work_item(
+                    mA, mB, mC, mSFA, mSFB, offsets, entry, n_tile, w // n_pairs
                 )
                 if cutlass.const_expr(self.scaled):
-                    # Rows past A's end (an item's last tile) read row M - 1's scale; they are never stored.
-                    last = mA.shape[0] - 1
                     r_lo, _ = tCcC[0]
                     r_hi, _ = tCcC[2]
-                    rows_ab = (cutlass.min(row0 + r_lo, last), cutlass.min(row0 + r_hi, last))
-                    mainloop, parts = self.mma_item_scaled, part
                     if cutlass.const_expr(self.overlap):
-                        mainloop, parts = self.mma_item_overlapped, (part, part2)
-                    read, release = mainloop(
-                        ring,
-                        read,
-                        release,
-                        tiled_mma,
-                        tCrA,
-                        tCrB,
-                        acc,
-                        parts,
-                        k_tiles,
-                        sfa,
-                        sfb,
-                        n_tile,
-                        expert,
-                        rows_ab,
-                    )
+                        # Rows past A's end (an item's last tile) read row M - 1's scale; they are never stored.
+                        last = mA.shape[0] - 1
+                        rows_ab = (cutlass.min(row0 + r_lo, last), cutlass.min(row0 + r_hi, last))
+                        read, release = self.mma_item_overlapped(
+                            ring, read, release, tiled_mma, tCrA, tCrB, acc, (part, part2), k_tiles, sfa, sfb,
+                            n_tile, expert, rows_ab,
+                        )  # fmt: skip
+                    else:
+                        src: tuple = ()
+                        if cutlass.const_expr(self.tma_scales):  # rows past A's end: TMA fills zeros
+                            lead = row0 % SFA_LEAD  # the rows of the box before the item's first
+                            src = (sSFA, sSFB, r_lo + lead, r_hi + lead)
+                        else:  # rows past A's end read row M - 1's scale; they are never stored
+                            last = mA.shape[0] - 1
+                            rows_ab = (cutlass.min(row0 + r_lo, last), cutlass.min(row0 + r_hi, last))
+                            src = (sfa, sfb, n_tile, expert, *rows_ab)
+                        read, release = self.mma_item_scaled(
+                            ring, read, release, tiled_mma, tCrA, tCrB, acc, part, k_tiles, src
+                        )
                 else:
                     read, release = self.mma_item(
                         ring, read, release, tiled_mma, tCrA, tCrB, acc, k_tiles, k_rem, sA, sB, mma_tidx, tail
