@@ -1,4 +1,4 @@
-"""One launch of the FP8 grouped GEMM per named schedule, for Nsight Compute to read its hardware counters
+"""One launch of the grouped GEMM per named schedule (FP8 or bf16), for Nsight Compute to read its hardware counters
 (warp stall reasons, pipe utilization) at the 128-expert shape of bench/cutedsl_check.py: the forward gate_up
 GEMM, 131,072 rows, K = 2048, N = 1536, from operands quantized beforehand. Each schedule is compiled and run
 once unprofiled, then launched once more, so that ncu's `--launch-skip`/`--launch-count` can pick the second:
@@ -6,7 +6,8 @@ once unprofiled, then launched once more, so that ncu's `--launch-skip`/`--launc
     ncu --clock-control none -k regex:GroupedGemm --launch-skip 1 --launch-count 1 \\
         --section SpeedOfLight --section WarpStateStats python3 bench/cutedsl_ncu.py "<FP8_CONFIGS name>"
 
-(bench/h200_cutedsl_fp8.sh runs it per schedule). Names are those of bench/cutedsl_check.py's FP8_CONFIGS."""
+(bench/h200_cutedsl_fp8.sh runs it per schedule). Names are those of bench/cutedsl_check.py's FP8_CONFIGS and
+BF16_CONFIGS."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from cutedsl_check import FP8_CONFIGS  # noqa: E402
+from cutedsl_check import BF16_CONFIGS, FP8_CONFIGS  # noqa: E402
 
 from trainer.experts.cutedsl import grouped  # noqa: E402
 from trainer.experts.cutedsl.quant import quantize_rows_kernel  # noqa: E402
@@ -27,9 +28,10 @@ from trainer.experts.fp8 import quantize_blocks  # noqa: E402
 
 def main() -> None:
     names = sys.argv[1:]
-    unknown = [n for n in names if n not in FP8_CONFIGS]
+    known = {**FP8_CONFIGS, **BF16_CONFIGS}
+    unknown = [n for n in names if n not in known]
     if not names or unknown:
-        raise SystemExit(f"name schedules of bench/cutedsl_check.py FP8_CONFIGS {sorted(FP8_CONFIGS)}; got {unknown}")
+        raise SystemExit(f"name schedules of bench/cutedsl_check.py {sorted(known)}; got {unknown}")
     rows, H, N, E = 131072, 2048, 1536, 128
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(rows, H, device="cuda", generator=g).bfloat16()
@@ -39,7 +41,10 @@ def main() -> None:
     qx, qw = quantize_rows_kernel(x), quantize_blocks(w)
     for name in names:
         for _ in range(2):  # compile + run, then the launch ncu profiles
-            grouped.m_grouped_scaled(*qx, *qw, offs, items, FP8_CONFIGS[name])
+            if name in FP8_CONFIGS:
+                grouped.m_grouped_scaled(*qx, *qw, offs, items, FP8_CONFIGS[name])
+            else:
+                grouped.m_grouped(x, w.permute(1, 2, 0), offs, items, BF16_CONFIGS[name])
         torch.cuda.synchronize()
         print(f"launched {name}", flush=True)
 
