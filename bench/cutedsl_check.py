@@ -38,7 +38,7 @@ from trainer.experts import (  # noqa: E402
 )
 from trainer.experts.cutedsl import cutedsl_unavailable, grouped  # noqa: E402
 from trainer.experts.cutedsl.grouped import TileConfig  # noqa: E402
-from trainer.experts.cutedsl.quant import quantize_rows_kernel  # noqa: E402
+from trainer.experts.cutedsl.quant import quantize_expert_weights_fast, quantize_rows_kernel  # noqa: E402
 from trainer.experts.fp8 import quantize_blocks, quantize_expert_weights, quantize_rows  # noqa: E402
 from trainer.experts.numerics import relative_errors  # noqa: E402
 
@@ -164,6 +164,21 @@ def gemm_rows(H: int, inter: int, E: int, rows: int, log: list[str], fp8: bool) 
             line += f" (cutedsl bits == torch eager: {same})"
             print(line, flush=True)
             log.append(line)
+    masters = (w1.float(), w2.float())  # the weight pack is made from the fp32 masters once per optimizer step
+    gbytes = sum(m.numel() * (4 + 2) for m in masters) / 1e9  # read fp32, write e4m3 and its transpose
+    for impl, fn in (
+        ("torch", lambda: quantize_expert_weights(*masters)),
+        ("cutedsl", lambda: quantize_expert_weights_fast(*masters)),
+    ):
+        guard()
+        try:
+            ms = bench_ms(fn)
+            line = f"quantize weights (pack) fp32 {tuple(w1.shape)} + {tuple(w2.shape)}: {impl} {ms:.4f} ms, "
+            line += f"{gbytes / ms * 1e3:.0f} GB/s"
+        except Exception as exc:
+            line = f"quantize weights (pack): {impl} error {str(exc)[:200]}"
+        print(line, flush=True)
+        log.append(line)
     w = {
         "w1": quantize_blocks(w1),
         "w2": quantize_blocks(w2),

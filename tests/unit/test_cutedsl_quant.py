@@ -80,3 +80,48 @@ def test_a_nan_poisons_its_own_block_and_no_other():
     assert torch.equal(q.float().isnan(), q_ref.float().isnan()) and q[2, 128:256].float().isnan().all()
     finite = ~q_ref.float().isnan()
     assert torch.equal(q.view(torch.uint8)[finite], q_ref.view(torch.uint8)[finite])
+
+
+def _weights(E: int, N: int, K: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    """[E, N, K] whose 128x128 blocks span 12 decades, with an all-zero block row, a tiny block and a NaN in one
+    expert (its block's scale and values become NaN, as in torch)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    w = torch.randn(E, N, K, device="cuda", generator=g) * torch.logspace(-6, 6, K, device="cuda")
+    w = w[:, :, torch.randperm(K, device="cuda", generator=g)]
+    w[0, : min(N, 128)] = 0
+    w[-1, -1:] *= 1e-20
+    if E > 1:
+        w[1, 0, 0] = float("nan")
+    return w.to(dtype)
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("E,N,K", [(3, 256, 384), (2, 200, 136), (1, 128, 8), (4, 1536, 2048), (5, 70, 300)])
+def test_the_weight_kernel_writes_the_bits_of_the_torch_pack(monkeypatch, dtype, E, N, K):
+    """quantize_expert_weights_fast on the GPU: the 8 tensors of trainer.experts.fp8.quantize_expert_weights (the
+    values, the scales and both transposes), bit for bit, made fresh and rewritten in place, for partial blocks
+    along either side and fp32 or bf16 masters."""
+    from trainer.experts.cutedsl.quant import quantize_expert_weights_fast
+    from trainer.experts.fp8 import quantize_expert_weights
+
+    monkeypatch.setattr(grouped, "POISON_OUTPUTS", True)
+    gate_up, down = _weights(E, N, K, dtype), _weights(E, K, N, dtype, seed=1)
+    want = quantize_expert_weights(gate_up, down)
+    got = quantize_expert_weights_fast(gate_up, down)
+    again = quantize_expert_weights_fast(gate_up * 2, down * 2, out=tuple(t.clone() for t in got))
+    quantize_expert_weights_fast(gate_up, down, out=again)
+    for fresh, rewritten, ref in zip(got, again, want, strict=True):
+        assert fresh.shape == ref.shape and fresh.dtype == ref.dtype
+        bits = torch.int32 if ref.dtype == torch.float32 else torch.uint8
+        for t in (fresh, rewritten):
+            assert torch.equal(t.view(bits), ref.view(bits)), f"{int((t.view(bits) != ref.view(bits)).sum())} differ"
+
+
+def test_the_weight_pack_off_the_gpu_is_the_torch_one():
+    from trainer.experts.cutedsl.quant import quantize_expert_weights_fast
+    from trainer.experts.fp8 import quantize_expert_weights
+
+    gate_up, down = torch.randn(2, 256, 136), torch.randn(2, 136, 256)
+    for a, b in zip(quantize_expert_weights_fast(gate_up, down), quantize_expert_weights(gate_up, down), strict=True):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))

@@ -20,7 +20,7 @@ from torch import nn
 
 from common.config import ModelConfig
 from trainer.experts import BACKENDS
-from trainer.experts.fp8 import quantize_expert_weights
+from trainer.experts.cutedsl.quant import quantize_expert_weights_fast
 from trainer.model.permute import combine, permute, select_permute
 
 
@@ -191,8 +191,9 @@ class ExpertWeights(nn.Module):
         if self.backend == "cutedsl_fp8":
             if self._copy_dtype is None:
                 return
-            # From the masters (one rounding, not two), into the existing pack when there is one.
-            self._cast = quantize_expert_weights(*params, out=self._cast)
+            # From the masters (one rounding, not two), into the existing pack when there is one; on a GPU in one
+            # pass over each weight (the CuTeDSL kernel), elsewhere by the torch function (the same bits).
+            self._cast = quantize_expert_weights_fast(*params, out=self._cast)
         elif self._cast is not None:
             for c, p in zip(self._cast, params, strict=True):
                 c.copy_(p)

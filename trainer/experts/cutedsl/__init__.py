@@ -12,7 +12,8 @@ first use, so this module imports on any machine; `cutedsl_unavailable` says why
 
 `cutedsl_fp8_experts` runs the forward and dgrad GEMMs in FP8 e4m3 with DeepSeek-V3's block scales: the
 tokens quantized 1x128 on the way in by our kernel (quant.py, bit for bit trainer/experts/fp8.py's
-`quantize_rows`), the weights 128x128 once per optimizer step by the caller. The wgrad GEMMs stay bf16, from
+`quantize_rows`), the weights 128x128 once per optimizer step by the caller (the Experts module, through
+quant.py's one-pass kernel). The wgrad GEMMs stay bf16, from
 the bf16 activations the forward keeps: FP8 weight gradients would need the tokens quantized in 128-row blocks
 along each expert's rows, cut at every expert's end. Left out for now: that FP8 wgrad, the permutation gather
 fused into the A load, a Blackwell (sm100) kernel."""
