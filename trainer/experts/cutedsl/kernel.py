@@ -251,10 +251,10 @@ class GroupedGemm:
     @cute.jit
     def work_item(self, mA, mB, mC, mSFA, mSFB, offsets, entry, n_tile, slot):
         """The tiles of work item (n_tile, slot), `entry` its item_entry: TMA coordinate tensors gA (BM, BK, restK),
-        gB (BN, BK, restK), with tma_scales gSFA (1, BM + SFA_LEAD, restK) from row0 rounded down to a multiple of
-        SFA_LEAD and gSFB (1, SFB_BOX, 1, restK / SFB_BOX), the
-        output tile gC (BM, BN), the k-tiles to run, the valid k of the last one, the valid rows and columns of
-        gC, the expert and the item's first row of A (`m`). An idle item has no k-tiles and no valid rows."""
+        gB (BN, BK, restK) and, with tma_scales, gSFA (1, BM + SFA_LEAD, restK) from row0 rounded down to a
+        multiple of SFA_LEAD and gSFB (1, SFB_BOX, 1, restK / SFB_BOX); the output tile gC (BM, BN), the k-tiles
+        to run, the valid k of the last one, the valid rows and columns of gC, the expert and the item's first
+        row of A (`m`). An idle item has no k-tiles and no valid rows."""
         BM, BN, BK = self.tile
         zero = cutlass.Int32(0)
         k_tiles = zero
@@ -461,7 +461,7 @@ class GroupedGemm:
         acc.fill(0.0)
         for kt in cutlass.range(k_tiles, unroll=1):
             ring.consumer_wait(read)
-            sa, sb, sw = self.scales(src, kt, read.index)
+            row_a, row_b, block = self.scales(src, kt, read.index)
             warpgroup.fence()
             tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
             for kb in cutlass.range_constexpr(k_blocks):
@@ -471,8 +471,8 @@ class GroupedGemm:
             warpgroup.wait_group(0)
             ring.consumer_release(release)
             release.advance()
-            lo = sa * sw
-            hi = sb * sw
+            lo = row_a * block
+            hi = row_b * block
             for i in cutlass.range_constexpr(cute.size(acc)):
                 if cutlass.const_expr((i // 2) % 2 == 0):
                     acc[i] = acc[i] + part[i] * lo
