@@ -282,9 +282,9 @@ def m_grouped_scaled(
     config = config or FP8_CONFIG
     M = a.shape[0]
     c = _output(M, b.shape[1], device=a.device, dtype=torch.bfloat16)
-    if config.tma_scales:
-        a_scale, b_scale = _tma_rows(a_scale), _tma_rows(b_scale)
     if M:
+        if config.tma_scales:
+            a_scale, b_scale = _tma_rows(a_scale), _tma_rows(b_scale)
         _launch(
             "m",
             config,
