@@ -43,9 +43,10 @@ import cuda.bindings.driver as cuda_driver
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.memory import SmemAllocator
+from cutlass.tensor_utils import LayoutEnum
 
 WARPGROUP = 128
 PRODUCER_REGS = 40
@@ -140,8 +141,8 @@ class GroupedGemm:
         sfb (N/128, K/128, E) fp32 scales when `scaled` (ignored otherwise)."""
         BM, BN, BK = self.tile
         self.epi_words = self.warpgroups * 64 * 68 if self.smem_epilogue else 4
-        a_layout = utils.LayoutEnum.from_tensor(a)
-        b_layout = utils.LayoutEnum.from_tensor(b)
+        a_layout = LayoutEnum.from_tensor(a)
+        b_layout = LayoutEnum.from_tensor(b)
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
             a.element_type,
             b.element_type,
@@ -578,7 +579,7 @@ class GroupedGemm:
                 cpasync.prefetch_descriptor(tma_sfa)
                 cpasync.prefetch_descriptor(tma_sfb)
 
-        smem = utils.SmemAllocator()
+        smem = SmemAllocator()
         storage = smem.allocate(self.storage)
         sSFA, sSFB = sfa, sfb  # placeholders where the scales come by global loads
         if cutlass.const_expr(self.tma_scales):

@@ -129,7 +129,7 @@ def _blocks_launcher():
     import cuda.bindings.driver as cuda_driver
     import cutlass
     import cutlass.cute as cute
-    from cutlass.utils import SmemAllocator
+    from cutlass.memory import SmemAllocator
 
     rows_per_thread = BLOCK // WARPS
     cols_per_thread = BLOCK // 32
