@@ -1,7 +1,8 @@
 """The CuTeDSL expert backend on the H200 in one command: numerics against float64 (bf16 beside
 torch._grouped_mm's errors, FP8 against the bound of trainer/experts/fp8.py), then each grouped GEMM of the
 SwiGLU experts timed alone (torch._grouped_mm, ours in bf16, ours in FP8 per FP8 tile config, the FP8 one
-also with the 1x128 quantization of its input), then the whole expert forward and forward + backward at the
+also with the 1x128 quantization of its input; the weight gradients also in FP8, k_grouped_scaled, alone and
+with their operands' quantization), then the whole expert forward and forward + backward at the
 128-expert shape of bench/moe_bench.py (H2048 I768 E128 top-8, 16k tokens, pre-sorted balanced rows like its
 `raw` row), eager and compiled. Prints a table last; writes JSON and the log under $OUT.
 
@@ -38,7 +39,11 @@ from trainer.experts import (  # noqa: E402
 )
 from trainer.experts.cutedsl import cutedsl_unavailable, grouped  # noqa: E402
 from trainer.experts.cutedsl.grouped import TileConfig  # noqa: E402
-from trainer.experts.cutedsl.quant import quantize_expert_weights_fast, quantize_rows_kernel  # noqa: E402
+from trainer.experts.cutedsl.quant import (  # noqa: E402
+    quantize_expert_weights_fast,
+    quantize_rows_kernel,
+    quantize_tokens_t_kernel,
+)
 from trainer.experts.fp8 import quantize_blocks, quantize_expert_weights, quantize_rows  # noqa: E402
 from trainer.experts.numerics import relative_errors  # noqa: E402
 
@@ -269,6 +274,36 @@ def gemm_rows(H: int, inter: int, E: int, rows: int, log: list[str], fp8: bool) 
             lambda raw=raw, wname=wname: grouped.m_grouped_scaled(*quantize(raw), *w[wname], offs, items),
             ref,
         )
+    # The FP8 weight gradients (cutedsl.FP8_WGRAD = "fp8"): both operands quantized per feature and 128-token
+    # block of one expert (quantize_tokens_t), then the k-grouped FP8 GEMM; fp32 out, as ours in bf16.
+    for name, a, b in (("wgrad down (ours fp32 out)", grad_y, act), ("wgrad gate_up (ours fp32 out)", grad_h, x)):
+        flops = gemms[name][0]
+        ref = gemms[name][1]()
+        guard()
+        try:
+            (a_t, sa, ends), (b_t, sb, _) = quantize_tokens_t_kernel(a, offs), quantize_tokens_t_kernel(b, offs)
+        except Exception as exc:
+            traceback.print_exc()
+            out.append({"gemm": name, "impl": "cutedsl fp8 wgrad", "error": repr(exc)[:300]})
+            continue
+        run(
+            name,
+            "cutedsl fp8 wgrad",
+            flops,
+            lambda a_t=a_t, sa=sa, b_t=b_t, sb=sb, ends=ends: grouped.k_grouped_scaled(
+                a_t, sa, b_t, sb, ends, torch.float32
+            ),
+            ref,
+        )
+        run(
+            name,
+            "cutedsl fp8 wgrad + quantization",
+            flops,
+            lambda a=a, b=b: grouped.k_grouped_scaled(
+                *quantize_tokens_t_kernel(a, offs)[:2], *quantize_tokens_t_kernel(b, offs), torch.float32
+            ),
+            ref,
+        )
     return out
 
 
@@ -308,6 +343,9 @@ def choose_configs(rows: list[dict]) -> dict:
         chosen["fwd+bwd ms"] = {"torch._grouped_mm": torch_ms, "cutedsl bf16": bf16_ms}
         if "fp8" in chosen:
             chosen["fwd+bwd ms"]["cutedsl fp8 (bf16 wgrad)"] = chosen["fp8"]["ms"] + wgrad_ms
+            fp8_wgrad_ms = total("cutedsl fp8 wgrad", K_GEMMS, MAX_REL_DIFF["fp8"])
+            if fp8_wgrad_ms is not None:
+                chosen["fwd+bwd ms"]["cutedsl fp8 (fp8 wgrad)"] = chosen["fp8"]["ms"] + fp8_wgrad_ms
         chosen["speedup over torch"] = {k: torch_ms / v for k, v in chosen["fwd+bwd ms"].items()}
     return chosen
 

@@ -19,6 +19,7 @@ from trainer.experts.cutedsl import cutedsl_experts, cutedsl_fp8_experts, cuteds
 from trainer.experts.fp8 import (
     dequantize_blocks,
     dequantize_rows,
+    dequantize_tokens_t,
     quantize_blocks,
     quantize_expert_weights,
     quantize_rows,
@@ -117,9 +118,12 @@ def _kernel_contract(grouping, config, a, b, c, offsets, item_expert, item_row, 
     times sfa (K/128, M) and sfb (N/128, K/128, E)."""
     ends = offsets.tolist()
     a, b = a.float(), b.float()
-    if sfa is not None:
+    if sfa is not None and grouping == "m":
         a = dequantize_rows(a[:, :, 0], sfa).unsqueeze(-1)
         b = dequantize_blocks(b.permute(2, 0, 1), sfb.permute(2, 0, 1)).permute(1, 2, 0)
+    elif sfa is not None:  # the FP8 weight gradient: both operands [features, padded tokens], scales per block
+        a = dequantize_tokens_t(a[:, :, 0], sfa).unsqueeze(-1)
+        b = dequantize_tokens_t(b[:, :, 0], sfb).unsqueeze(-1)
     if grouping == "m":
         for e, r0 in zip(item_expert.tolist(), item_row.tolist(), strict=True):
             if e >= 0:
@@ -155,6 +159,52 @@ def test_fp8_host_side_matches_float64_within_the_format_bound(monkeypatch, comp
     errs = relative_errors(fn, [300, 0, 129, 64, 1, 511], 256, 128, seed=3, device=torch.device("cpu"))
     assert all(err < FP8_BOUND for err in errs.values()), errs
     assert errs["out"] > 5e-3, f"FP8 output as close as bf16 ({errs['out']:.1e}): the operands were not quantized"
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_fp8_weight_gradients_host_side_matches_float64_within_the_format_bound(monkeypatch, compiled):
+    """FP8_WGRAD = "fp8" on the CPU: the weight gradients from both operands quantized per feature and 128-token
+    block (quantize_tokens_t, the padded token order, the custom ops, under torch.compile too), the kernel
+    replaced by its contract; within the FP8 bound of float64, and not the bf16 weight gradients."""
+    monkeypatch.setattr(grouped, "_launch", _kernel_contract)
+    monkeypatch.setattr(grouped, "POISON_OUTPUTS", True)
+    inputs = expert_inputs([300, 0, 129, 64, 1, 511], 256, 128, seed=3, device="cpu")
+    want = output_and_grads(cutedsl_fp8_experts, *inputs)
+    monkeypatch.setattr(cutedsl_module, "FP8_WGRAD", "fp8")
+    fn = torch.compile(cutedsl_fp8_experts, backend="aot_eager") if compiled else cutedsl_fp8_experts
+    errs = relative_errors(fn, [300, 0, 129, 64, 1, 511], 256, 128, seed=3, device=torch.device("cpu"))
+    assert all(err < FP8_BOUND for err in errs.values()), errs
+    got = output_and_grads(fn, *inputs)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), "only the weight gradients change"
+    for name, a, b in (("gate_up", got[2], want[2]), ("down", got[3], want[3])):
+        rel = ((a - b).norm() / b.norm()).item()
+        assert 5e-3 < rel < FP8_BOUND, f"grad {name} {rel:.1e} from the bf16 weight gradients"
+    monkeypatch.setattr(cutedsl_module, "FP8_WGRAD", "int8")
+    with pytest.raises(ValueError, match=r"cutedsl.FP8_WGRAD = 'int8' is not one of \('bf16', 'fp8'\)"):
+        output_and_grads(cutedsl_fp8_experts, *inputs)
+
+
+def test_the_padded_token_order_keeps_each_expert_in_whole_blocks_and_round_trips():
+    """quantize_tokens_t: every expert's rows start at a multiple of 128 of the padded order, each block holds
+    one expert's tokens (zeros after them), and dequantized back they are the tokens within half an e4m3 step."""
+    from trainer.experts.fp8 import quantize_tokens_t, token_blocks
+
+    counts = [300, 0, 129, 64, 1, 511, 0]
+    x = torch.randn(sum(counts), 136) * torch.logspace(-3, 3, 136)
+    offsets = torch.tensor(counts).cumsum(0).int()
+    ends, src, n, P = token_blocks(offsets, x.shape[0])
+    assert P == (-(-sum(counts) // 128) + len(counts)) * 128
+    assert ends.tolist() == torch.tensor([-(-c // 128) * 128 for c in counts]).cumsum(0).tolist()
+    q_t, scale, ends_q = quantize_tokens_t(x, offsets)
+    assert q_t.shape == (136, P) and scale.shape == (P // 128, 136) and torch.equal(ends_q, ends)
+    back = dequantize_tokens_t(q_t, scale)  # [F, P]
+    rec = torch.zeros_like(x)
+    for b in range(P // 128):
+        rows = int(n[b])
+        rec[int(src[b]) : int(src[b]) + rows] = back[:, b * 128 : b * 128 + rows].t()
+        assert back[:, b * 128 + rows : (b + 1) * 128].eq(0).all(), "padding tokens are zeros"
+    assert int(n.sum()) == sum(counts)
+    assert ((rec - x).abs() <= x.abs() * 2**-4 + 2**-10 * x.abs().amax()).all()
 
 
 def test_quantizers_round_trip_within_half_an_e4m3_step_and_keep_partial_blocks():
@@ -261,6 +311,38 @@ def test_cutedsl_fp8_gemm_equals_its_dequantized_contract():
 
 
 @needs_gpu
+@pytest.mark.parametrize("config", ["module", "single CTAs"])
+def test_cutedsl_fp8_weight_gradient_equals_its_dequantized_contract(config):
+    """The FP8 weight-gradient GEMM (k_grouped_scaled) against the same products of its dequantized operands in
+    fp32, per expert over its padded tokens: only accumulation order may differ (the row and column scales must
+    land on the right features and token blocks; an empty expert gets zeros)."""
+    from trainer.experts.fp8 import quantize_tokens_t
+
+    g = torch.Generator(device="cuda").manual_seed(2)
+    counts = [200, 0, 77, 300, 129]
+    offsets = torch.tensor(counts, device="cuda").cumsum(0).int()
+    a = torch.randn(sum(counts), 384, device="cuda", generator=g) * torch.logspace(-2, 2, 384, device="cuda")
+    b = torch.randn(sum(counts), 256, device="cuda", generator=g)
+    (a_t, sa, ends), (b_t, sb, _) = quantize_tokens_t(a, offsets), quantize_tokens_t(b, offsets)
+    cfg = grouped.FP8_WGRAD_CONFIG if config == "module" else grouped.TileConfig((128, 128), 5, tma_scales=True)
+    got = grouped.k_grouped_scaled(a_t, sa, b_t, sb, ends, torch.float32, cfg)
+    want = torch.empty_like(got)
+    _kernel_contract("k", cfg, a_t.unsqueeze(-1), b_t.unsqueeze(-1), want.permute(1, 2, 0), ends, ends, ends, sa, sb)
+    assert got[1].eq(0).all(), "the empty expert's gradient is zeros"
+    assert ((got - want).norm() / want.norm()) < 1e-4
+
+
+@needs_gpu
+@pytest.mark.parametrize("counts,H,inter", [([300, 0, 129, 64, 1, 511], 256, 128), ([700, 333], 2048, 768)])
+def test_cutedsl_fp8_weight_gradients_match_float64_within_the_format_bound(monkeypatch, counts, H, inter):
+    """FP8_WGRAD = "fp8" on the GPU: the whole FP8 backend, weight gradients in FP8 too, within the bound."""
+    monkeypatch.setattr(cutedsl_module, "FP8_WGRAD", "fp8")
+    monkeypatch.setattr(grouped, "POISON_OUTPUTS", True)
+    errs = relative_errors(cutedsl_fp8_experts, counts, H, inter, seed=len(counts), device=torch.device("cuda"))
+    assert all(err < FP8_BOUND for err in errs.values()), errs
+
+
+@needs_gpu
 @pytest.mark.parametrize(
     "counts,H,inter",
     [
@@ -299,13 +381,14 @@ def test_an_empty_expert_gets_zero_weight_gradients(monkeypatch, wgrad):
     assert gate_up.grad[0].abs().sum() > 0 and down.grad[2].abs().sum() > 0
 
 
-def expert_inputs(counts: list[int], H: int, inter: int, seed: int) -> tuple[torch.Tensor, ...]:
-    """x [rows, H] bf16, gate_up [E, 2I, H], down [E, H, I] (fp32 masters) and the offsets of `counts`, on the GPU."""
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    x = torch.randn(sum(counts), H, device="cuda", dtype=torch.bfloat16, generator=gen)
-    gate_up = torch.randn(len(counts), 2 * inter, H, device="cuda", generator=gen) * 0.05
-    down = torch.randn(len(counts), H, inter, device="cuda", generator=gen) * 0.05
-    return x, gate_up, down, torch.tensor(counts, device="cuda").cumsum(0).int()
+def expert_inputs(counts: list[int], H: int, inter: int, seed: int, device: str = "cuda") -> tuple[torch.Tensor, ...]:
+    """x [rows, H] bf16, gate_up [E, 2I, H], down [E, H, I] (fp32 masters) and the offsets of `counts`, on the GPU
+    (or `device`)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(sum(counts), H, device=device, dtype=torch.bfloat16, generator=gen)
+    gate_up = torch.randn(len(counts), 2 * inter, H, device=device, generator=gen) * 0.05
+    down = torch.randn(len(counts), H, inter, device=device, generator=gen) * 0.05
+    return x, gate_up, down, torch.tensor(counts, device=device).cumsum(0).int()
 
 
 def output_and_grads(run, x, gate_up, down, offsets) -> list[torch.Tensor]:

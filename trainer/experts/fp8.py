@@ -64,6 +64,53 @@ def quantize_blocks(
     return q, scale
 
 
+def token_blocks(offsets: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """The padded token order of the FP8 weight gradients: each expert's rows (offsets [E], running ends) start
+    at a multiple of 128, zeros between, so that every 128-token block (one scale per feature) holds one
+    expert's tokens. Returns (ends [E] int32: running ends of the experts' padded rows; block_src and block_rows
+    [P / 128] int32: the first source row and the count of real rows of each padded block; P, the padded row
+    count the buffers are sized for without a host sync: 128 x (ceil(rows / 128) + E), the tail past ends[-1]
+    empty blocks). Device ops only."""
+    E = offsets.numel()
+    ends = offsets.long()
+    counts = torch.diff(ends, prepend=ends.new_zeros(1))
+    padded = (counts + BLOCK - 1) // BLOCK * BLOCK
+    pad_ends = padded.cumsum(0)
+    P = (_blocks(rows) + E) * BLOCK
+    first = torch.arange(0, P, BLOCK, device=offsets.device)
+    e = torch.searchsorted(pad_ends, first, right=True)
+    live = e < E
+    e = e.clamp(max=E - 1)
+    into = first - (pad_ends[e] - padded[e])  # the block's offset within its expert's padded rows
+    src = ends[e] - counts[e] + into
+    n = torch.where(live, (counts[e] - into).clamp(min=0, max=BLOCK), 0)
+    return pad_ends.int(), torch.where(live, src, 0).int(), n.int(), P
+
+
+def quantize_tokens_t(x: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The weight-gradient operand of DeepSeek-V3's recipe: x [R, F] token-major, rows grouped by expert
+    (offsets [E]) -> (q_t [F, P] e4m3, scale [P / 128, F] fp32, ends [E] int32) in token_blocks' padded order:
+    q_t[f, t] * scale[t // 128, f] ~= x[row of padded token t, f], one scale per feature and 128-token block of
+    one expert (1x128 tiles along the tokens), the tokens contiguous (the reduction of the wgrad GEMM runs over
+    them, and FP8 wgmma reads both operands K-contiguous). Padding tokens are zeros."""
+    R, Fdim = x.shape
+    ends, src, n, P = token_blocks(offsets, R)
+    nb = P // BLOCK
+    pos = torch.arange(BLOCK, device=x.device)
+    rows = src.long()[:, None] + pos  # [nb, 128] source rows of each padded token
+    real = pos < n.long()[:, None]
+    xf = x.float()[rows.clamp(max=max(R - 1, 0)).view(-1)] if R else x.new_zeros(nb * BLOCK, Fdim, dtype=torch.float)
+    xf = torch.where(real.view(-1, 1), xf, 0.0).view(nb, BLOCK, Fdim)
+    scale = xf.abs().amax(dim=1).clamp(min=TINY) * (1 / E4M3_MAX)  # [nb, F]
+    q = (xf / scale[:, None, :]).view(P, Fdim).to(torch.float8_e4m3fn)
+    return q.t().contiguous(), scale, ends
+
+
+def dequantize_tokens_t(q_t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The fp32 values quantize_tokens_t's output stands for, [F, P]."""
+    return q_t.float() * scale.t().repeat_interleave(BLOCK, dim=1)
+
+
 def dequantize_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """The fp32 values quantize_rows' output stands for."""
     return q.float() * scale.t().repeat_interleave(BLOCK, dim=1)[:, : q.shape[1]]

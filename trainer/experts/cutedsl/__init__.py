@@ -35,6 +35,25 @@ WGRAD = "grouped_mm"
 WGRADS = ("grouped_mm", "cutedsl")
 
 
+# How the FP8 backend computes its weight gradients: "bf16" by WGRAD, from the bf16 activations the forward keeps;
+# "fp8" by grouped.k_grouped_scaled from both operands quantized per feature and 128-token block of one expert
+# (DeepSeek-V3's recipe; quant.quantize_tokens_t_op). "fp8" is written and compiled for sm_90a but not yet run
+# on a GPU, so "bf16" stays the default until it is measured (bench/cutedsl_check.py).
+FP8_WGRAD = "bf16"
+FP8_WGRADS = ("bf16", "fp8")
+
+
+def _wgrad_of_fp8(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """The FP8 backend's [E, M, N] = a[rows of e]^T @ b[rows of e] per expert, by FP8_WGRAD."""
+    if FP8_WGRAD == "bf16":
+        return _wgrad(a, b, offsets, out_dtype)
+    if FP8_WGRAD == "fp8":
+        a_t, a_scale, ends = quant.quantize_tokens_t_op(a, offsets)
+        b_t, b_scale, _ = quant.quantize_tokens_t_op(b, offsets)
+        return grouped.k_grouped_scaled_op(a_t, a_scale, b_t, b_scale, ends, out_dtype)
+    raise ValueError(f"cutedsl.FP8_WGRAD = {FP8_WGRAD!r} is not one of {FP8_WGRADS}")
+
+
 def _wgrad(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """[E, M, N] = a[rows of e]^T @ b[rows of e] per expert e (a [R, M], b [R, N] token-major), by WGRAD."""
     if WGRAD == "grouped_mm":
@@ -121,9 +140,9 @@ class _CuteFP8SwiGLU(torch.autograd.Function):
         grad_act = grouped.m_grouped_scaled_op(
             *quant.quantize_rows_op(grad_y), dn_t_q, dn_t_s, offsets, *items
         )  # [N, I]
-        grad_down = _wgrad(grad_y, silu_gate * up, offsets, down_dtype) if need_down else None
+        grad_down = _wgrad_of_fp8(grad_y, silu_gate * up, offsets, down_dtype) if need_down else None
         grad_h = torch.cat([torch.ops.aten.silu_backward(grad_act * up, gate), grad_act * silu_gate], dim=-1)
-        grad_gate_up = _wgrad(grad_h, x, offsets, gate_up_dtype) if need_gate_up else None
+        grad_gate_up = _wgrad_of_fp8(grad_h, x, offsets, gate_up_dtype) if need_gate_up else None
         grad_x = None
         if need_x:
             grad_x = grouped.m_grouped_scaled_op(

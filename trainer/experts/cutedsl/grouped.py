@@ -44,6 +44,9 @@ class TileConfig:
 M_CONFIG = TileConfig(cluster_n=2)
 K_CONFIG = TileConfig()
 FP8_CONFIG = TileConfig((128, 128), 5, cluster_n=2, tma_scales=True)
+# The FP8 weight gradients (k_grouped_scaled): written and compiled for sm_90a, not yet run on a GPU; the backend
+# keeps torch's bf16 wgrad (cutedsl.WGRAD) until it is measured.
+FP8_WGRAD_CONFIG = TileConfig((128, 128), 5, cluster_n=2, tma_scales=True)
 
 POISON_OUTPUTS = False
 """Checks set this: outputs start as NaN instead of uninitialized memory, so an element the kernel fails to
@@ -330,6 +333,39 @@ def k_grouped(
     return c
 
 
+def k_grouped_scaled(
+    a_t: torch.Tensor,
+    a_scale: torch.Tensor,
+    b_t: torch.Tensor,
+    b_scale: torch.Tensor,
+    ends: torch.Tensor,
+    out_dtype: torch.dtype,
+    config: TileConfig | None = None,
+) -> torch.Tensor:
+    """The FP8 weight gradient: c[e] = (a_t * a_scale)[:, tokens of e] @ (b_t * b_scale)[:, tokens of e]^T for
+    every expert e, from the operands of trainer.experts.fp8.quantize_tokens_t: a_t [M, P] and b_t [N, P] e4m3
+    (tokens contiguous, each expert's starting at a multiple of 128), a_scale [P / 128, M] and b_scale
+    [P / 128, N] fp32, ends [E] int32 (the experts' padded running ends). Returns [E, M, N] in out_dtype (zeros
+    for an empty expert). `config` defaults to FP8_WGRAD_CONFIG as it is at the call."""
+    config = config or FP8_WGRAD_CONFIG
+    M, N, E = a_t.shape[0], b_t.shape[0], ends.numel()
+    c = _output(E, M, N, device=a_t.device, dtype=out_dtype)
+    dummy = ends[:1]
+    _launch(
+        "k",
+        config,
+        _with_batch(a_t),
+        _with_batch(b_t),
+        c.permute(1, 2, 0),
+        ends,
+        dummy,
+        dummy,
+        _tma_rows(a_scale),
+        _tma_rows(b_scale),
+    )
+    return c
+
+
 def _aligned(t: torch.Tensor) -> torch.Tensor:
     """t contiguous and 16-byte aligned (TMA and the DLPack export ask for it); a copy only if it is not."""
     t = t.contiguous()
@@ -390,3 +426,21 @@ def m_grouped_scaled_op(
 @m_grouped_scaled_op.register_fake
 def _(a, a_scale, w, w_scale, offsets, item_expert, item_row):
     return a.new_empty(a.shape[0], w.shape[1], dtype=torch.bfloat16)
+
+
+@torch.library.custom_op("slipstream::cutedsl_k_grouped_scaled", mutates_args=())
+def k_grouped_scaled_op(
+    a_t: torch.Tensor,
+    a_scale: torch.Tensor,
+    b_t: torch.Tensor,
+    b_scale: torch.Tensor,
+    ends: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """k_grouped_scaled with the module config."""
+    return k_grouped_scaled(_aligned(a_t), a_scale.contiguous(), _aligned(b_t), b_scale.contiguous(), ends, out_dtype)
+
+
+@k_grouped_scaled_op.register_fake
+def _(a_t, a_scale, b_t, b_scale, ends, out_dtype):
+    return a_t.new_empty(ends.shape[0], a_t.shape[0], b_t.shape[0], dtype=out_dtype)

@@ -87,10 +87,13 @@ class GroupedGemm:
             raise ValueError(f"tile {tile_mn}: BN must be 64/128/256")
         if smem_epilogue and tile_mn[1] % 128:
             raise ValueError("the shared-memory epilogue needs BN % 128 == 0")
-        if scaled and (grouping != "m" or tile_mn[1] != 128):
-            # One B scale per k-tile needs BN = the 128-row weight block; the k grouping would need scale
-            # blocks along the tokens, cut at every expert's end.
-            raise ValueError(f"FP8 block scales run the m grouping with BN = 128, not {grouping} {tile_mn}")
+        if scaled and tile_mn[1] != 128:
+            # m: one B scale per k-tile needs BN = the 128-row weight block; both: the fp32 accumulator and its
+            # per-k-tile partial would not fit in registers at 256.
+            raise ValueError(f"FP8 block scales run with BN = 128, not {tile_mn}")
+        if scaled and grouping == "k" and not tma_scales:
+            # The k grouping's B scales are per column: TMA brings the tile's 128 with each stage.
+            raise ValueError("the FP8 k grouping (weight gradients) takes its scales by TMA: tma_scales=True")
         if cluster_n not in (1, 2):
             raise ValueError(f"cluster_n must be 1 or 2, got {cluster_n}")
         if overlap and not scaled:
@@ -107,9 +110,11 @@ class GroupedGemm:
         # FP8: the wgmmas of k-tile t + 1 run while k-tile t's partial is promoted (two partials in registers).
         self.overlap = overlap
         # FP8: the producer's TMA brings each k-tile's scales into the stage with its A and B tiles (the item's rows
-        # of sfa, the 16 bytes of sfb holding the block's scale), so that the consumers read them from shared
-        # memory instead of waiting on global loads.
+        # of sfa, and of sfb the 16 bytes holding the block's scale (`m`) or the tile's columns (`k`)), so that
+        # the consumers read them from shared memory instead of waiting on global loads.
         self.tma_scales = tma_scales
+        # Words per stage of the B scales in shared memory.
+        self.sfb_words = SFB_SLOT if grouping == "m" else tile_mn[1]
         self.tile = (tile_mn[0], tile_mn[1], 128 if scaled else 64)
         self.stages = stages
         self.warpgroups = warpgroups
@@ -177,13 +182,22 @@ class GroupedGemm:
         tma_sfa, tma_tensor_sfa, tma_sfb, tma_tensor_sfb = tma_a, sfa, tma_a, sfb
         if cutlass.const_expr(self.tma_scales):
             sfa_smem = cute.make_layout((1, BM + SFA_LEAD, self.stages), stride=(SFA_SLOT, 1, SFA_SLOT))
-            sfb_smem = cute.make_layout((1, SFB_BOX, 1, self.stages), stride=(SFB_BOX, 1, SFB_BOX, SFB_SLOT))
             tma_sfa, tma_tensor_sfa = cpasync.make_tiled_tma_atom(
                 cpasync.CopyBulkTensorTileG2SOp(), sfa, cute.slice_(sfa_smem, (None, None, 0)), (1, BM + SFA_LEAD)
             )
-            tma_sfb, tma_tensor_sfb = cpasync.make_tiled_tma_atom(
-                cpasync.CopyBulkTensorTileG2SOp(), sfb, cute.slice_(sfb_smem, (None, None, None, 0)), (1, SFB_BOX, 1)
-            )
+            if cutlass.const_expr(self.grouping == "m"):
+                sfb_smem = cute.make_layout((1, SFB_BOX, 1, self.stages), stride=(SFB_BOX, 1, SFB_BOX, SFB_SLOT))
+                tma_sfb, tma_tensor_sfb = cpasync.make_tiled_tma_atom(
+                    cpasync.CopyBulkTensorTileG2SOp(),
+                    sfb,
+                    cute.slice_(sfb_smem, (None, None, None, 0)),
+                    (1, SFB_BOX, 1),
+                )
+            else:  # the k-tile's scales of the tile's BN columns: (P / 128, N), N contiguous
+                sfb_smem = cute.make_layout((1, BN, self.stages), stride=(BN, 1, BN))
+                tma_sfb, tma_tensor_sfb = cpasync.make_tiled_tma_atom(
+                    cpasync.CopyBulkTensorTileG2SOp(), sfb, cute.slice_(sfb_smem, (None, None, 0)), (1, BN)
+                )
         self.storage = self.shared_storage(a.element_type, b.element_type, a_smem, b_smem)
         if cutlass.const_expr(self.storage.size_in_bytes() > SMEM_BYTES):
             raise ValueError(
@@ -235,7 +249,7 @@ class GroupedGemm:
         }
         if self.tma_scales:
             fields["sSFA"] = Align[MemRange[cutlass.Float32, SFA_SLOT * self.stages], 128]
-            fields["sSFB"] = Align[MemRange[cutlass.Float32, SFB_SLOT * self.stages], 128]
+            fields["sSFB"] = Align[MemRange[cutlass.Float32, self.sfb_words * self.stages], 128]
         return cute.struct(type("Storage", (), {"__annotations__": fields}))
 
     @cute.jit
@@ -299,9 +313,13 @@ class GroupedGemm:
             )
             gC = cute.local_tile(mC, self.tile, (m_tile, n_tile, None, expert), proj=(1, 1, None))
         gSFA, gSFB = mSFA, mSFB
-        if cutlass.const_expr(self.tma_scales):
+        if cutlass.const_expr(self.tma_scales and self.grouping == "m"):
             gSFA = cute.local_tile(cute.domain_offset((0, row0 - row0 % SFA_LEAD), mSFA), (1, BM + SFA_LEAD), (None, 0))
             gSFB = cute.local_tile(mSFB, (1, SFB_BOX, 1), (n_tile, None, expert))
+        if cutlass.const_expr(self.tma_scales and self.grouping == "k"):
+            # The expert's k-blocks start at its first (padded, 128-aligned) token: row0 / BK.
+            gSFA = cute.local_tile(cute.domain_offset((row0 // BK, m_tile * BM), mSFA), (1, BM + SFA_LEAD), (None, 0))
+            gSFB = cute.local_tile(cute.domain_offset((row0 // BK, n_tile * BN), mSFB), (1, BN), (None, 0))
         return gA, gB, gC, gSFA, gSFB, k_tiles, k_rem, rows, cols, expert, row0
 
     @cute.jit
@@ -325,8 +343,13 @@ class GroupedGemm:
             tSAs, tSAg = cpasync.tma_partition(
                 tma_sfa, 0, cute.make_layout(1), cute.group_modes(sSFA, 0, 2), cute.group_modes(gSFA, 0, 2)
             )
+            sfb_modes = 3 if self.grouping == "m" else 2
             tSBs, tSBg = cpasync.tma_partition(
-                tma_sfb, 0, cute.make_layout(1), cute.group_modes(sSFB, 0, 3), cute.group_modes(gSFB, 0, 3)
+                tma_sfb,
+                0,
+                cute.make_layout(1),
+                cute.group_modes(sSFB, 0, sfb_modes),
+                cute.group_modes(gSFB, 0, sfb_modes),
             )
         for kt in cutlass.range(first_kt, k_tiles, 1, unroll=1):
             ring.producer_acquire(load)
@@ -338,7 +361,8 @@ class GroupedGemm:
             cute.copy(tma_b, tBgB[(None, kt)], tBsB[(None, load.index)], tma_bar_ptr=bar)
             if cutlass.const_expr(self.tma_scales):
                 cute.copy(tma_sfa, tSAg[(None, kt)], tSAs[(None, load.index)], tma_bar_ptr=bar)
-                cute.copy(tma_sfb, tSBg[(None, kt // SFB_BOX)], tSBs[(None, load.index)], tma_bar_ptr=bar)
+                sfb_tile = kt // SFB_BOX if self.grouping == "m" else kt
+                cute.copy(tma_sfb, tSBg[(None, sfb_tile)], tSBs[(None, load.index)], tma_bar_ptr=bar)
             ring.producer_commit(load)
             load.advance()
         return load
@@ -507,6 +531,39 @@ class GroupedGemm:
             part[i] = cutlass.Float32(0.0)
 
     @cute.jit
+    def mma_item_scaled_k(self, ring, read, release, tiled_mma, tCrA, tCrB, acc, part, k_tiles, sSFA, sSFB, tCcC):
+        """The FP8 main loop of one weight-gradient item (`k` grouping, both operands quantized per feature and
+        128-token block): per k-tile the wgmmas write `part`, which is added to acc times the scale of its row
+        (sSFA, the A feature) and of its column (sSFB, the B feature), both from the k-tile's stage. The stage is
+        released after the promotion, which reads its column scales. tCcC: this thread's (row, column) of each
+        accumulator element in the tile."""
+        k_blocks = cute.size(tCrA, mode=[2])
+        r_lo, _ = tCcC[0]
+        r_hi, _ = tCcC[2]
+        acc.fill(0.0)
+        for _ in cutlass.range(k_tiles, unroll=1):
+            ring.consumer_wait(read)
+            row_a = sSFA[0, r_lo, read.index]
+            row_b = sSFA[0, r_hi, read.index]
+            warpgroup.fence()
+            tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
+            for kb in cutlass.range_constexpr(k_blocks):
+                cute.gemm(tiled_mma, part, tCrA[(None, None, kb, read.index)], tCrB[(None, None, kb, read.index)], part)
+                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                _, col = tCcC[i]
+                if cutlass.const_expr((i // 2) % 2 == 0):
+                    acc[i] = acc[i] + part[i] * (row_a * sSFB[0, col, read.index])
+                else:
+                    acc[i] = acc[i] + part[i] * (row_b * sSFB[0, col, read.index])
+            ring.consumer_release(release)
+            release.advance()
+            read.advance()
+        return read, release
+
+    @cute.jit
     def mma_item_overlapped(
         self, ring, read, release, tiled_mma, tCrA, tCrB, acc, parts, k_tiles, sfa, sfb, n_tile, expert, rows_ab
     ):
@@ -593,7 +650,7 @@ class GroupedGemm:
         )
         if cutlass.const_expr(self.tma_scales):
             # a box's bytes count in full, also where it reaches past the tensor
-            stage_bytes += (BM + SFA_LEAD + SFB_BOX) * 4
+            stage_bytes += (BM + SFA_LEAD + (SFB_BOX if self.grouping == "m" else BN)) * 4
         # Full barriers: the TMA-issuing warp arrives with the byte count; empty: one arrive per consumer warp.
         # A cluster of cluster_n CTAs along N: each CTA's stage is filled by the A loads of all of them (and its
         # own B), so each of its consumer warps releases the stage in every CTA of the cluster.
@@ -666,7 +723,11 @@ class GroupedGemm:
                 gA, gB, gC, gSFA, gSFB, k_tiles, k_rem, rows, cols, expert, row0 = self.work_item(
                     mA, mB, mC, mSFA, mSFB, offsets, entry, n_tile, w // n_pairs
                 )
-                if cutlass.const_expr(self.scaled):
+                if cutlass.const_expr(self.scaled and self.grouping == "k"):
+                    read, release = self.mma_item_scaled_k(
+                        ring, read, release, tiled_mma, tCrA, tCrB, acc, part, k_tiles, sSFA, sSFB, tCcC
+                    )
+                elif cutlass.const_expr(self.scaled):
                     r_lo, _ = tCcC[0]
                     r_hi, _ = tCcC[2]
                     if cutlass.const_expr(self.overlap):

@@ -25,7 +25,15 @@ import functools
 import torch
 
 from trainer.experts.cutedsl import grouped
-from trainer.experts.fp8 import BLOCK, E4M3_MAX, TINY, quantize_expert_weights, quantize_rows
+from trainer.experts.fp8 import (
+    BLOCK,
+    E4M3_MAX,
+    TINY,
+    quantize_expert_weights,
+    quantize_rows,
+    quantize_tokens_t,
+    token_blocks,
+)
 
 VEC = 8  # elements per thread: one 16-byte load of bf16
 LANES = BLOCK // VEC  # threads per 128-column block
@@ -250,3 +258,129 @@ def quantize_expert_weights_fast(
     for i, w in enumerate((gate_up, down)):
         quantize_blocks_kernel(w.detach(), out[4 * i : 4 * i + 4])
     return out
+
+
+@functools.cache
+def _tokens_t_launcher():
+    """The @cute.jit launcher of the weight-gradient operand quantizer (quantize_tokens_t), built on first use."""
+    import cuda.bindings.driver as cuda_driver
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.memory import SmemAllocator
+
+    rows_per_thread = BLOCK // WARPS
+    cols_per_thread = BLOCK // 32
+
+    @cute.kernel
+    def kernel(x: cute.Tensor, q_t: cute.Tensor, scale: cute.Tensor, block_src: cute.Tensor, block_rows: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        ft, b, _ = cute.arch.block_idx()
+        _, F = x.shape
+        warp = tidx // 32
+        lane = tidx % 32
+        f0 = ft * BLOCK
+        src = block_src[b]
+        n = block_rows[b]
+        smem = SmemAllocator()
+        # The block's e4m3 bytes transposed (feature, token), rows padded by 4 bytes; each warp's column maxima.
+        tile = smem.allocate_tensor(cutlass.Uint8, cute.make_layout((BLOCK, BLOCK + 4), stride=(BLOCK + 4, 1)), 16)
+        maxima = smem.allocate_tensor(cutlass.Float32, cute.make_layout((WARPS, BLOCK), stride=(BLOCK, 1)), 16)
+        v = cute.make_rmem_tensor((rows_per_thread * cols_per_thread,), cutlass.Float32)
+        v.fill(0.0)
+        # Element (j, i) of this thread: token warp + 8 j of the block, feature lane + 32 i of the tile.
+        for j in cutlass.range_constexpr(rows_per_thread):
+            for i in cutlass.range_constexpr(cols_per_thread):
+                r = warp + WARPS * j
+                c = f0 + lane + 32 * i
+                if r < n and c < F:
+                    v[j * cols_per_thread + i] = cutlass.Float32(x[src + r, c])
+        for i in cutlass.range_constexpr(cols_per_thread):
+            m = cutlass.Float32(0.0)
+            for j in cutlass.range_constexpr(rows_per_thread):
+                m = cute.arch.fmax(m, abs(v[j * cols_per_thread + i]), nan=True)
+            maxima[warp, lane + 32 * i] = m
+        cute.arch.barrier()
+        q = cute.make_rmem_tensor((rows_per_thread * cols_per_thread,), cutlass.Float32)
+        for i in cutlass.range_constexpr(cols_per_thread):
+            amax = maxima[0, lane + 32 * i]
+            for w in cutlass.range_constexpr(1, WARPS):
+                amax = cute.arch.fmax(amax, maxima[w, lane + 32 * i], nan=True)
+            s = cute.arch.fmax(amax, cutlass.Float32(TINY), nan=True) * cutlass.Float32(1.0 / E4M3_MAX)
+            for j in cutlass.range_constexpr(rows_per_thread):
+                q[j * cols_per_thread + i] = v[j * cols_per_thread + i] / s
+            if warp == 0 and f0 + lane + 32 * i < F:
+                scale[b, f0 + lane + 32 * i] = s
+        out = cute.make_rmem_tensor((rows_per_thread * cols_per_thread,), q_t.element_type)
+        out.store(q.load().to(q_t.element_type))
+        bits = cute.recast_tensor(out, cutlass.Uint8)
+        for j in cutlass.range_constexpr(rows_per_thread):
+            for i in cutlass.range_constexpr(cols_per_thread):
+                tile[lane + 32 * i, warp + WARPS * j] = bits[j * cols_per_thread + i]
+        cute.arch.barrier()
+        # Every token of the block is written (padding tokens as zeros); consecutive threads, consecutive bytes.
+        qt_bits = cute.recast_tensor(q_t, cutlass.Uint8)
+        for it in cutlass.range_constexpr(BLOCK * BLOCK // (WARPS * 32)):
+            idx = tidx + it * WARPS * 32
+            c = idx // BLOCK
+            r = idx % BLOCK
+            if f0 + c < F:
+                qt_bits[f0 + c, b * BLOCK + r] = tile[c, r]
+
+    @cute.jit
+    def launch(
+        x: cute.Tensor,
+        q_t: cute.Tensor,
+        scale: cute.Tensor,
+        block_src: cute.Tensor,
+        block_rows: cute.Tensor,
+        stream: cuda_driver.CUstream,
+    ):
+        _, F = x.shape
+        grid = [(F + BLOCK - 1) // BLOCK, block_src.shape[0], 1]
+        kernel(x, q_t, scale, block_src, block_rows).launch(grid=grid, block=[WARPS * 32, 1, 1], stream=stream)
+
+    return launch
+
+
+_COMPILED_TOKENS_T: dict[tuple, object] = {}
+
+
+def quantize_tokens_t_kernel(x: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`trainer.experts.fp8.quantize_tokens_t` on the GPU in one pass over x (bf16, fp16 or fp32 [R, F]): the
+    weight gradient's operand, transposed and quantized per feature and 128-token block of one expert, bit for
+    bit what the torch function computes."""
+    if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"x must be [R, F] bf16, fp16 or fp32, got {tuple(x.shape)} {x.dtype}")
+    R, F = x.shape
+    ends, src, rows, P = token_blocks(offsets, R)
+    q_t = grouped._output(F, P, device=x.device, dtype=torch.float8_e4m3fn)
+    scale = grouped._output(P // BLOCK, F, device=x.device, dtype=torch.float32)
+    if R and F:
+        x = grouped._aligned(x)
+        grouped.call(_COMPILED_TOKENS_T, (x.dtype,), _tokens_t_launcher(), (x, q_t, scale, src, rows))
+    elif F:  # no tokens: every block all zeros, as the torch function gives
+        q_t.zero_()
+        scale.fill_(TINY).mul_(1 / E4M3_MAX)
+    return q_t, scale, ends
+
+
+@torch.library.custom_op("slipstream::cutedsl_quantize_tokens_t", mutates_args=(), device_types="cuda")
+def quantize_tokens_t_op(x: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """quantize_tokens_t_kernel as an op (opaque to torch.compile, as quantize_rows_op)."""
+    return quantize_tokens_t_kernel(x, offsets)
+
+
+@quantize_tokens_t_op.register_kernel("cpu")
+def _(x, offsets):
+    return quantize_tokens_t(x, offsets)
+
+
+@quantize_tokens_t_op.register_fake
+def _(x, offsets):
+    R, F = x.shape
+    P = (-(-R // BLOCK) + offsets.shape[0]) * BLOCK
+    return (
+        x.new_empty(F, P, dtype=torch.float8_e4m3fn),
+        x.new_empty(P // BLOCK, F, dtype=torch.float32),
+        offsets.new_empty(offsets.shape[0], dtype=torch.int32),
+    )
