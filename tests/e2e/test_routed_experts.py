@@ -138,15 +138,23 @@ async def test_across_a_keep_mode_publish_rows_come_from_the_sampling_weights(de
         old = int(await r.get(run.keys.weights_current) or 0)
         new = await next_version(run, r)
         weights = perturb(hf_model(model_dir(run)), seed=new)
-        n, max_tokens = 4, LONG  # about 14 s of decoding here: a publish (0.1-0.4 s) lands mid-request
+        # 8 samples of one request (vLLM adds them to the engine together), about 28 s of decoding here.
+        n, max_tokens = 8, LONG
         timeline: dict[str, float] = {}
         t0 = time.perf_counter()
         task = asyncio.create_task(client.generate(PROMPT, n=n, max_tokens=max_tokens, seed=9, ignore_eos=True))
         task.add_done_callback(lambda _: timeline.setdefault("requests done", time.perf_counter() - t0))
         await until_running(run, url, n, requests=[task])
         timeline["running"] = time.perf_counter() - t0
-        await asyncio.sleep(0.2)  # some tokens on the old weights
-        assert not task.done(), "the requests finished before the publish; raise max_tokens"
+        await asyncio.sleep(0.1)  # a few decode steps on the old weights
+        # Freeze the requests before the publish (as test_rollout_vllm's _in_flight_publish does): the busy engine
+        # slows this process down many times over, and CI once saw the running requests only 12.4 s into 13.1 s
+        # of decoding, so that they finished, all on the old weights, before the publish landed. The publish's
+        # own keep-mode pause then acts on frozen requests, and its resume lets them go on with the new weights.
+        async with run.worker_session() as http, http.post(f"{url}/pause", params={"mode": "keep"}) as resp:
+            assert resp.status == 200, await resp.text()
+        timeline["frozen"] = time.perf_counter() - t0
+        assert not task.done(), f"the requests finished before the pause; raise max_tokens (timeline {timeline})"
         timeline["publish called"] = time.perf_counter() - t0
         result = await pub.publish(new, weights)
         timeline["publish returned"] = time.perf_counter() - t0
@@ -158,7 +166,7 @@ async def test_across_a_keep_mode_publish_rows_come_from_the_sampling_weights(de
             await restore(run, r, pub)
     await r.aclose()
     old_routing, new_routing = trainer_routing(old_model, samples), trainer_routing(new_model, samples)
-    # (Seen in CI, not reproduced: every token of the old version.) The message tells the timing and the publish.
+    # The message tells the timing and the publish.
     said = f"timeline (s): {timeline}; publish: {result}; the requests went to {url}"
     assert url in [w.url for w in result.workers if w.ok], f"the publish did not update the serving worker; {said}"
     for i, s in enumerate(samples):
