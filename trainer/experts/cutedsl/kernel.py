@@ -496,15 +496,19 @@ class GroupedGemm:
             warpgroup.wait_group(0)
             ring.consumer_release(release)
             release.advance()
-            lo = row_a * block
-            hi = row_b * block
-            for i in cutlass.range_constexpr(cute.size(acc)):
-                if cutlass.const_expr((i // 2) % 2 == 0):
-                    acc[i] = acc[i] + part[i] * lo
-                else:
-                    acc[i] = acc[i] + part[i] * hi
+            self.add_scaled(acc, part, row_a * block, row_b * block)
             read.advance()
         return read, release
+
+    @cute.jit
+    def add_scaled(self, acc, part, lo, hi):
+        """acc += part times the scale of its row: `lo` for this thread's first row, `hi` for its second (the
+        wgmma C fragment: element i is the first row where (i // 2) % 2 == 0)."""
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            if cutlass.const_expr((i // 2) % 2 == 0):
+                acc[i] = acc[i] + part[i] * lo
+            else:
+                acc[i] = acc[i] + part[i] * hi
 
     @cute.jit
     def issue_scaled(self, tiled_mma, tCrA, tCrB, part, stage):
@@ -521,14 +525,8 @@ class GroupedGemm:
     def promote(self, acc, part, sfa, sfb, kt, n_tile, expert, rows_ab):
         """acc += part * (A scale of the row) * (B scale of the block), for k-tile kt; part = 0 for its next use."""
         sb = sfb[n_tile, kt, expert]
-        lo = sfa[kt, rows_ab[0]] * sb
-        hi = sfa[kt, rows_ab[1]] * sb
-        for i in cutlass.range_constexpr(cute.size(acc)):
-            if cutlass.const_expr((i // 2) % 2 == 0):
-                acc[i] = acc[i] + part[i] * lo
-            else:
-                acc[i] = acc[i] + part[i] * hi
-            part[i] = cutlass.Float32(0.0)
+        self.add_scaled(acc, part, sfa[kt, rows_ab[0]] * sb, sfa[kt, rows_ab[1]] * sb)
+        part.fill(0.0)
 
     @cute.jit
     def mma_item_scaled_k(self, ring, read, release, tiled_mma, tCrA, tCrB, acc, part, k_tiles, sSFA, sSFB, tCcC):
