@@ -314,8 +314,11 @@ def test_cutedsl_fp8_gemm_equals_its_dequantized_contract():
 @pytest.mark.parametrize("config", ["module", "single CTAs"])
 def test_cutedsl_fp8_weight_gradient_equals_its_dequantized_contract(config):
     """The FP8 weight-gradient GEMM (k_grouped_scaled) against the same products of its dequantized operands in
-    fp32, per expert over its padded tokens: only accumulation order may differ (the row and column scales must
-    land on the right features and token blocks; an empty expert gets zeros)."""
+    fp32, per expert over its padded tokens: only the tensor cores' accumulation may differ (the row and column
+    scales must land on the right features and token blocks; an empty expert gets zeros). Hopper's FP8 wgmma
+    keeps about 14 bits while it sums a k-tile's 128 products (DeepSeek-V3 sec. 3.3.2, the reason for the
+    promotion), so the bound is 1e-3 (measured on an H100: 1.2e-4), not fp32's; a scale on the wrong row, column
+    or token block would be off by tens of percent."""
     from trainer.experts.fp8 import quantize_tokens_t
 
     g = torch.Generator(device="cuda").manual_seed(2)
@@ -329,7 +332,7 @@ def test_cutedsl_fp8_weight_gradient_equals_its_dequantized_contract(config):
     want = torch.empty_like(got)
     _kernel_contract("k", cfg, a_t.unsqueeze(-1), b_t.unsqueeze(-1), want.permute(1, 2, 0), ends, ends, ends, sa, sb)
     assert got[1].eq(0).all(), "the empty expert's gradient is zeros"
-    assert ((got - want).norm() / want.norm()) < 1e-4
+    assert ((got - want).norm() / want.norm()) < 1e-3
 
 
 @needs_gpu
