@@ -11,6 +11,10 @@ computes on a CUDA device:
   shuffles and shared memory, writes the e4m3 bytes and, through a transposed byte tile in shared memory, their
   transpose. torch's function makes a dozen passes over each chunk of 8 experts (12.3 ms for the 128-expert
   pack on an H100).
+- `quantize_tokens_t_kernel` (the weight gradient's operands: one scale per feature and 128-token block of one
+  expert, tokens contiguous) in one pass. A CTA of 256 threads takes 64 features of a block, each thread 4
+  tokens of 8 features (16-byte loads); the maxima go through shuffles and shared memory, the e4m3 bytes through
+  a swizzled transposed tile out to q_t in 16-byte stores.
 
 The arithmetic is torch's on CUDA, op for op: scale = max(amax, 1e-12) * fp32(1/448) (torch divides a CUDA
 tensor by a Python number as a product with the number's fp32 reciprocal) and q = e4m3(x / scale) with an
@@ -260,6 +264,15 @@ def quantize_expert_weights_fast(
     return out
 
 
+# A CTA of the token quantizer: one 128-token block of 64 features, 256 threads, each 4 consecutive tokens of 8
+# consecutive features (one 16-byte load per token of bf16, two of fp32), so that a warp reads 4 token rows of 128
+# bytes at a time. Small CTAs of few registers: 5 of them on an SM keep enough loads in flight while others divide.
+TOK_FEATS = 64
+TOK_ROWS = 4  # tokens a thread: 4 e4m3 bytes, one 32-bit word of the transposed tile
+TOK_LANES = TOK_FEATS // VEC  # threads along a token row
+TOK_THREADS = TOK_LANES * BLOCK // TOK_ROWS
+
+
 @functools.cache
 def _tokens_t_launcher():
     """The @cute.jit launcher of the weight-gradient operand quantizer (quantize_tokens_t), built on first use."""
@@ -268,8 +281,10 @@ def _tokens_t_launcher():
     import cutlass.cute as cute
     from cutlass.memory import SmemAllocator
 
-    rows_per_thread = BLOCK // WARPS
-    cols_per_thread = BLOCK // 32
+    warps = TOK_THREADS // 32
+    words = BLOCK // TOK_ROWS  # 32-bit words of a feature's 128 tokens
+    store = 16 // TOK_ROWS  # words of one 16-byte store of q_t
+    stores = BLOCK // 16  # 16-byte stores of a feature's 128 tokens
 
     @cute.kernel
     def kernel(x: cute.Tensor, q_t: cute.Tensor, scale: cute.Tensor, block_src: cute.Tensor, block_rows: cute.Tensor):
@@ -277,54 +292,74 @@ def _tokens_t_launcher():
         ft, b, _ = cute.arch.block_idx()
         _, F = x.shape
         warp = tidx // 32
-        lane = tidx % 32
-        f0 = ft * BLOCK
+        lane = tidx % TOK_LANES  # this thread's features: 8 lane .. 8 lane + 7 of the tile
+        group = tidx // TOK_LANES  # its tokens: 4 group .. 4 group + 3 of the block
+        f0 = ft * TOK_FEATS
         src = block_src[b]
         n = block_rows[b]
         smem = SmemAllocator()
-        # The block's e4m3 bytes transposed (feature, token), rows padded by 4 bytes; each warp's column maxima.
-        tile = smem.allocate_tensor(cutlass.Uint8, cute.make_layout((BLOCK, BLOCK + 4), stride=(BLOCK + 4, 1)), 16)
-        maxima = smem.allocate_tensor(cutlass.Float32, cute.make_layout((WARPS, BLOCK), stride=(BLOCK, 1)), 16)
-        v = cute.make_rmem_tensor((rows_per_thread * cols_per_thread,), cutlass.Float32)
+        # The tile's e4m3 bytes transposed, a feature's 128 tokens as 32 words, word w of feature f stored at
+        # w ^ (4 (f // 8)): a warp's stores (4 groups, 8 lanes) then fall in 32 banks, and the 4 words of a
+        # 16-byte store of q_t stay consecutive. Then each warp's maxima of the 64 features, and their scales.
+        tile = smem.allocate_tensor(cutlass.Uint32, cute.make_layout((TOK_FEATS, words), stride=(words, 1)), 16)
+        maxima = smem.allocate_tensor(cutlass.Float32, cute.make_layout((warps, TOK_FEATS), stride=(TOK_FEATS, 1)), 16)
+        scales = smem.allocate_tensor(cutlass.Float32, cute.make_layout(TOK_FEATS), 16)
+        # Padding tokens, missing rows and features past F are zeros (F is a multiple of 8: a thread's 8 features
+        # are all in or all out).
+        v = cute.make_rmem_tensor(cute.make_layout((TOK_ROWS, VEC), stride=(VEC, 1)), x.element_type)
         v.fill(0.0)
-        # Element (j, i) of this thread: token warp + 8 j of the block, feature lane + 32 i of the tile.
-        for j in cutlass.range_constexpr(rows_per_thread):
-            for i in cutlass.range_constexpr(cols_per_thread):
-                r = warp + WARPS * j
-                c = f0 + lane + 32 * i
-                if r < n and c < F:
-                    v[j * cols_per_thread + i] = cutlass.Float32(x[src + r, c])
-        for i in cutlass.range_constexpr(cols_per_thread):
+        for j in cutlass.range_constexpr(TOK_ROWS):
+            r = group * TOK_ROWS + j
+            if r < n and f0 + lane * VEC < F:
+                row = cute.zipped_divide(x, (1, VEC))[(0, None), (src + r, ft * TOK_LANES + lane)]
+                cute.autovec_copy(cute.make_tensor(row.iterator.align(16), row.layout), v[j, None])
+        xf = cute.make_rmem_tensor(cute.make_layout((TOK_ROWS, VEC), stride=(VEC, 1)), cutlass.Float32)
+        xf.store(v.load().to(cutlass.Float32))
+        # Each feature's maximum: over the thread's 4 tokens, the warp's 4 groups (shuffles), the warps (shared
+        # memory). NaN-propagating maxima: torch's amax and clamp keep a NaN.
+        for i in cutlass.range_constexpr(VEC):
             m = cutlass.Float32(0.0)
-            for j in cutlass.range_constexpr(rows_per_thread):
-                m = cute.arch.fmax(m, abs(v[j * cols_per_thread + i]), nan=True)
-            maxima[warp, lane + 32 * i] = m
+            for j in cutlass.range_constexpr(TOK_ROWS):
+                m = cute.arch.fmax(m, abs(xf[j, i]), nan=True)
+            for k in cutlass.range_constexpr(2):
+                m = cute.arch.fmax(m, cute.arch.shuffle_sync_bfly(m, offset=TOK_LANES << k), nan=True)
+            if tidx % 32 < TOK_LANES:
+                maxima[warp, lane * VEC + i] = m
         cute.arch.barrier()
-        q = cute.make_rmem_tensor((rows_per_thread * cols_per_thread,), cutlass.Float32)
-        for i in cutlass.range_constexpr(cols_per_thread):
-            amax = maxima[0, lane + 32 * i]
-            for w in cutlass.range_constexpr(1, WARPS):
-                amax = cute.arch.fmax(amax, maxima[w, lane + 32 * i], nan=True)
+        if tidx < TOK_FEATS:
+            amax = maxima[0, tidx]
+            for w in cutlass.range_constexpr(1, warps):
+                amax = cute.arch.fmax(amax, maxima[w, tidx], nan=True)
             s = cute.arch.fmax(amax, cutlass.Float32(TINY), nan=True) * cutlass.Float32(1.0 / E4M3_MAX)
-            for j in cutlass.range_constexpr(rows_per_thread):
-                q[j * cols_per_thread + i] = v[j * cols_per_thread + i] / s
-            if warp == 0 and f0 + lane + 32 * i < F:
-                scale[b, f0 + lane + 32 * i] = s
-        out = cute.make_rmem_tensor((rows_per_thread * cols_per_thread,), q_t.element_type)
-        out.store(q.load().to(q_t.element_type))
-        bits = cute.recast_tensor(out, cutlass.Uint8)
-        for j in cutlass.range_constexpr(rows_per_thread):
-            for i in cutlass.range_constexpr(cols_per_thread):
-                tile[lane + 32 * i, warp + WARPS * j] = bits[j * cols_per_thread + i]
+            scales[tidx] = s
+            if f0 + tidx < F:
+                scale[b, f0 + tidx] = s
         cute.arch.barrier()
-        # Every token of the block is written (padding tokens as zeros); consecutive threads, consecutive bytes.
-        qt_bits = cute.recast_tensor(q_t, cutlass.Uint8)
-        for it in cutlass.range_constexpr(BLOCK * BLOCK // (WARPS * 32)):
-            idx = tidx + it * WARPS * 32
-            c = idx // BLOCK
-            r = idx % BLOCK
-            if f0 + c < F:
-                qt_bits[f0 + c, b * BLOCK + r] = tile[c, r]
+        # Every token of the block, padding too (0 / s, NaN where s is), as torch: 4 tokens of a feature, a word.
+        for i in cutlass.range_constexpr(VEC):
+            s = scales[lane * VEC + i]
+            q = cute.make_rmem_tensor((TOK_ROWS,), cutlass.Float32)
+            for j in cutlass.range_constexpr(TOK_ROWS):
+                q[j] = xf[j, i] / s
+            out = cute.make_rmem_tensor((TOK_ROWS,), q_t.element_type)
+            out.store(q.load().to(q_t.element_type))
+            tile[lane * VEC + i, group ^ (lane * store)] = cute.recast_tensor(out, cutlass.Uint32)[0]
+        cute.arch.barrier()
+        # Out to q_t: 16 consecutive tokens of a feature a thread (one 16-byte store), a feature's 128 tokens by 8
+        # consecutive threads.
+        qt_bytes = cute.zipped_divide(cute.recast_tensor(q_t, cutlass.Uint8), (1, 16))
+        tile_stores = cute.zipped_divide(tile, (1, store))
+        for it in cutlass.range_constexpr(TOK_FEATS * stores // TOK_THREADS):
+            f = (tidx + it * TOK_THREADS) // stores
+            k = (tidx + it * TOK_THREADS) % stores
+            if f0 + f < F:
+                chunk = cute.make_rmem_tensor((store,), cutlass.Uint32)
+                held = tile_stores[(0, None), (f, k ^ (f // VEC))]
+                cute.autovec_copy(cute.make_tensor(held.iterator.align(16), held.layout), chunk)
+                dst = qt_bytes[(0, None), (f0 + f, b * stores + k)]
+                cute.autovec_copy(
+                    cute.recast_tensor(chunk, cutlass.Uint8), cute.make_tensor(dst.iterator.align(16), dst.layout)
+                )
 
     @cute.jit
     def launch(
@@ -336,8 +371,12 @@ def _tokens_t_launcher():
         stream: cuda_driver.CUstream,
     ):
         _, F = x.shape
-        grid = [(F + BLOCK - 1) // BLOCK, block_src.shape[0], 1]
-        kernel(x, q_t, scale, block_src, block_rows).launch(grid=grid, block=[WARPS * 32, 1, 1], stream=stream)
+        grid = [(F + TOK_FEATS - 1) // TOK_FEATS, block_src.shape[0], 1]
+        # 5 CTAs an SM: at most 48 registers a thread (without spills). The carveout (percent of the shared
+        # memory, against L1, which these streaming loads do not reuse) is given so that the compile asks no device.
+        kernel(x, q_t, scale, block_src, block_rows).launch(
+            grid=grid, block=[TOK_THREADS, 1, 1], stream=stream, min_blocks_per_mp=5, preferred_smem_carveout=50
+        )
 
     return launch
 
@@ -352,6 +391,10 @@ def quantize_tokens_t_kernel(x: torch.Tensor, offsets: torch.Tensor) -> tuple[to
     if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"x must be [R, F] bf16, fp16 or fp32, got {tuple(x.shape)} {x.dtype}")
     R, F = x.shape
+    if F % VEC:
+        raise ValueError(
+            f"x must be [R, F] with F a multiple of {VEC} (16-byte rows; pad the features), got {tuple(x.shape)}"
+        )
     ends, src, rows, P = token_blocks(offsets, R)
     q_t = grouped._output(F, P, device=x.device, dtype=torch.float8_e4m3fn)
     scale = grouped._output(P // BLOCK, F, device=x.device, dtype=torch.float32)
