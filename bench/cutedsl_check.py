@@ -56,10 +56,14 @@ FP8_CONFIGS = {  # timed per GEMM; the module's FP8_CONFIG first
 FP8_WGRAD_CONFIGS = {  # the k-grouped FP8 GEMM (cutedsl.FP8_WGRAD = "fp8"); the module's FP8_WGRAD_CONFIG first
     "fp8 wgrad 128x128 s5 cluster2": grouped.FP8_WGRAD_CONFIG,
     "fp8 wgrad 128x128 s4 cluster2": TileConfig((128, 128), 4, cluster_n=2, tma_scales=True),
+    "fp8 wgrad 128x128 s4 cluster2 smem-epilogue": TileConfig(
+        (128, 128), 4, cluster_n=2, tma_scales=True, smem_epilogue_fp32=True
+    ),
 }
 BF16_CONFIGS = {  # the row-grouped (m) and the wgrad (k) GEMMs; the module's M_CONFIG first
     "bf16 128x256 s4 cluster2": grouped.M_CONFIG,
     "bf16 128x256 s4": TileConfig(),
+    "bf16 128x256 s3 smem-epilogue": TileConfig(stages=3, smem_epilogue_fp32=True),  # fp32 wgrads staged too
 }
 FP8_BOUND = 0.10  # trainer/experts/fp8.py
 STEP_S = 150.0  # one step (a numerics pass, a variant's compile + timing) longer than this is declared hung

@@ -333,6 +333,10 @@ def test_cutedsl_fp8_weight_gradient_equals_its_dequantized_contract(config):
     _kernel_contract("k", cfg, a_t.unsqueeze(-1), b_t.unsqueeze(-1), want.permute(1, 2, 0), ends, ends, ends, sa, sb)
     assert got[1].eq(0).all(), "the empty expert's gradient is zeros"
     assert ((got - want).norm() / want.norm()) < 1e-3
+    pairs = grouped.TileConfig((128, 128), 5, cluster_n=2, tma_scales=True)  # fp32 out as 8-byte pair stores
+    assert torch.equal(got, grouped.k_grouped_scaled(a_t, sa, b_t, sb, ends, torch.float32, pairs)), (
+        "the fp32 epilogue through shared memory writes the values of the pair stores"
+    )
 
 
 @needs_gpu
@@ -465,6 +469,21 @@ def test_schedules_compute_the_bits_of_the_default_one(monkeypatch, schedule, co
             got = output_and_grads(run, *inputs)
         for name, a, b in zip(("y", "grad x", "grad gate_up", "grad down"), got, want, strict=True):
             assert torch.equal(a, b), f"{run.__name__} {name}: max diff {(a.float() - b.float()).abs().max():.3e}"
+
+
+@needs_gpu
+def test_the_fp32_epilogue_through_shared_memory_writes_the_pair_stores_values():
+    """Our bf16 weight-gradient GEMM with its fp32 output staged through shared memory (smem_epilogue_fp32, 16-byte
+    row segments) against the default pair stores: the same accumulators, so the same bits, at partial tiles
+    along both output sides (M 200, N 328), an empty expert and a 1-row one, odd k tails."""
+    g = torch.Generator(device="cuda").manual_seed(4)
+    counts = [300, 0, 517, 1, 64]
+    offsets = torch.tensor(counts, device="cuda").cumsum(0).int()
+    a = torch.randn(sum(counts), 200, device="cuda", generator=g).bfloat16()
+    b = torch.randn(sum(counts), 328, device="cuda", generator=g).bfloat16()
+    want = grouped.k_grouped(a, b, offsets, torch.float32, grouped.TileConfig())  # 8-byte pair stores
+    staged = grouped.TileConfig(stages=3, smem_epilogue_fp32=True)
+    assert torch.equal(grouped.k_grouped(a, b, offsets, torch.float32, staged), want)
 
 
 @needs_gpu

@@ -13,10 +13,10 @@ first use, so this module imports on any machine; `cutedsl_unavailable` says why
 `cutedsl_fp8_experts` runs the forward and dgrad GEMMs in FP8 e4m3 with DeepSeek-V3's block scales: the
 tokens quantized 1x128 on the way in by our kernel (quant.py, bit for bit trainer/experts/fp8.py's
 `quantize_rows`), the weights 128x128 once per optimizer step by the caller (the Experts module, through
-quant.py's one-pass kernel). The wgrad GEMMs stay bf16, from
-the bf16 activations the forward keeps: FP8 weight gradients would need the tokens quantized in 128-row blocks
-along each expert's rows, cut at every expert's end. Left out for now: that FP8 wgrad, the permutation gather
-fused into the A load, a Blackwell (sm100) kernel."""
+quant.py's one-pass kernel). The wgrad GEMMs stay bf16 by default, from the bf16 activations the forward
+keeps; `FP8_WGRAD = "fp8"` runs them in FP8 from both operands quantized per feature and 128-token block of one
+expert (each expert's tokens from a multiple of 128). Left out for now: quantization fused into the producers,
+the permutation gather fused into the A load, a Blackwell (sm100) kernel."""
 
 from __future__ import annotations
 
@@ -29,16 +29,18 @@ from trainer.experts.fp8 import quantize_expert_weights_op
 # Which kernel computes the weight gradients (the GEMMs whose reduction runs over each expert's rows), in both
 # precisions. "grouped_mm": torch._grouped_mm, its bf16 result cast to the masters' dtype (what the grouped_mm
 # backend does); "cutedsl": our k-grouped kernel, which writes the masters' dtype straight from fp32. On an H100
-# at H2048 I768 E128 ours ran at 0.58-0.61x torch's speed (bench/RESULTS.md, 2026-12-07), the largest loss of the
-# backward, so torch's is the default until ours is faster.
+# at H2048 I768 E128 ours ran at 0.81-0.88x torch's speed (0.56-0.59x before its fp32 epilogue went through shared
+# memory; bench/RESULTS.md, 2026-12-07), so torch's is the default until ours is faster.
 WGRAD = "grouped_mm"
 WGRADS = ("grouped_mm", "cutedsl")
 
 
 # How the FP8 backend computes its weight gradients: "bf16" by WGRAD, from the bf16 activations the forward keeps;
 # "fp8" by grouped.k_grouped_scaled from both operands quantized per feature and 128-token block of one expert
-# (DeepSeek-V3's recipe; quant.quantize_tokens_t_op). "fp8" is written and compiled for sm_90a but not yet run
-# on a GPU, so "bf16" stays the default until it is measured (bench/cutedsl_check.py).
+# (DeepSeek-V3's recipe; quant.quantize_tokens_t_op). "bf16" stays the default: on an H100 at H2048 I768 E128
+# the two FP8 GEMMs ran at 1.11-1.19x torch's bf16 speed, but the quantization of their four operands costs more
+# than they save: the expert layer compiled took 1.13x the time of the FP8 layer with bf16 weight gradients
+# (bench/RESULTS.md, 2026-12-07). Quantization fused into the producers would change that.
 FP8_WGRAD = "bf16"
 FP8_WGRADS = ("bf16", "fp8")
 

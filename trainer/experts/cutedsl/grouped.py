@@ -15,10 +15,11 @@ import torch
 
 @dataclass(frozen=True)
 class TileConfig:
-    """CTA tile (BM, BN), shared-memory stages, consumer warpgroups (64 rows each), epilogue store width, CTAs
-    per cluster along N (sharing each A tile by TMA multicast) and, for FP8, whether the promotion of a k-tile's
-    partial overlaps the next k-tile's wgmmas and whether the scales come with each stage by TMA, of one compiled
-    variant (all persistent and warp-specialized: kernel.py)."""
+    """CTA tile (BM, BN), shared-memory stages, consumer warpgroups (64 rows each), epilogue store width and
+    staging through shared memory (16-bit outputs; fp32 ones with smem_epilogue_fp32), CTAs per cluster along N
+    (sharing each A tile by TMA multicast) and, for FP8, whether the promotion of a k-tile's partial overlaps the
+    next k-tile's wgmmas and whether the scales come with each stage by TMA, of one compiled variant (all
+    persistent and warp-specialized: kernel.py)."""
 
     tile_mn: tuple[int, int] = (128, 256)
     stages: int = 4
@@ -28,6 +29,7 @@ class TileConfig:
     cluster_n: int = 1
     overlap: bool = False
     tma_scales: bool = False
+    smem_epilogue_fp32: bool = False
 
 
 # The fastest that passed the numerics in bench/cutedsl_check.py on the H200 (bench/RESULTS.md): 128x256
@@ -41,12 +43,17 @@ class TileConfig:
 # off. The FP8 scales by TMA with each stage (`tma_scales`): the four FP8 GEMMs in 0.78-0.84x the time of the
 # same schedule with the consumers' global loads of the scales, 1.42-1.70x torch._grouped_mm's bf16 per GEMM (H100,
 # two runs, bench/RESULTS.md "FP8 scales by TMA"); 4 and 5 stages tie (2.672 and 2.673 ms summed).
+# The wgrad (k) GEMMs write fp32: staged through shared memory as 16-byte row segments (smem_epilogue_fp32, which
+# leaves room for 3 stages) instead of 8-byte pairs scattered over 8 rows, they ran 1.46x as fast (2.61 against
+# 3.81 ms, H100, bench/RESULTS.md "The fp32 epilogue through shared memory"); still 0.83x torch's.
 M_CONFIG = TileConfig(cluster_n=2)
-K_CONFIG = TileConfig()
+K_CONFIG = TileConfig(stages=3, smem_epilogue_fp32=True)
 FP8_CONFIG = TileConfig((128, 128), 5, cluster_n=2, tma_scales=True)
-# The FP8 weight gradients (k_grouped_scaled): written and compiled for sm_90a, not yet run on a GPU; the backend
-# keeps torch's bf16 wgrad (cutedsl.WGRAD) until it is measured.
-FP8_WGRAD_CONFIG = TileConfig((128, 128), 5, cluster_n=2, tma_scales=True)
+# The FP8 weight gradients (k_grouped_scaled): with the fp32 epilogue through shared memory (4 stages leave the
+# room) 1.11-1.19x torch._grouped_mm's bf16 speed on an H100 at H2048 I768 E128; with the 8-byte pair stores
+# 0.72-0.76x, the consumers stalled on full load/store queues for 37% of their cycles and L2 94% busy
+# (bench/RESULTS.md, 2026-12-07). The backend's wgrad stays bf16 by default (cutedsl.FP8_WGRAD).
+FP8_WGRAD_CONFIG = TileConfig((128, 128), 4, cluster_n=2, tma_scales=True, smem_epilogue_fp32=True)
 
 POISON_OUTPUTS = False
 """Checks set this: outputs start as NaN instead of uninitialized memory, so an element the kernel fails to
@@ -194,6 +201,7 @@ def _kernel(grouping: str, config: TileConfig, sm_count: int, scaled: bool):
         config.cluster_n,
         config.overlap,
         config.tma_scales,
+        config.smem_epilogue_fp32,
     )
 
 

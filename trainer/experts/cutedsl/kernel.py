@@ -2,8 +2,9 @@
 accumulation, in bf16 or in FP8 e4m3 with block scales. TMA brings A and B tiles into a ring of shared-memory
 stages (one mbarrier pair per stage), warpgroup MMAs (wgmma) consume them, and the epilogue writes the
 accumulators to global memory with a row/column guard, so that a tile never writes rows that belong to the
-next expert: from registers (2-byte elements, or 4/8-byte pairs of adjacent columns), or for 16-bit outputs
-staged through shared memory as 16-byte row segments. No TMA store: it cannot stop at an expert's last row.
+next expert: from registers (2-byte elements, or 4/8-byte pairs of adjacent columns), or staged through shared
+memory as 16-byte row segments (16-bit outputs; fp32 ones with `smem_epilogue_fp32`). No TMA store: it cannot
+stop at an expert's last row.
 
 Two groupings cover the expert forward and backward:
 
@@ -78,6 +79,7 @@ class GroupedGemm:
         cluster_n: int = 1,
         overlap: bool = False,
         tma_scales: bool = False,
+        smem_epilogue_fp32: bool = False,
     ) -> None:
         if grouping not in ("m", "k"):
             raise ValueError(f"grouping must be 'm' or 'k', got {grouping!r}")
@@ -85,7 +87,7 @@ class GroupedGemm:
             raise ValueError(f"tile {tile_mn} with {warpgroups} warpgroups: BM must be 64 per warpgroup")
         if tile_mn[1] not in (64, 128, 256):
             raise ValueError(f"tile {tile_mn}: BN must be 64/128/256")
-        if smem_epilogue and tile_mn[1] % 128:
+        if (smem_epilogue or smem_epilogue_fp32) and tile_mn[1] % 128:
             raise ValueError("the shared-memory epilogue needs BN % 128 == 0")
         if scaled and tile_mn[1] != 128:
             # m: one B scale per k-tile needs BN = the 128-row weight block; both: the fp32 accumulator and its
@@ -127,6 +129,10 @@ class GroupedGemm:
         # 16-bit outputs: stage each warpgroup's 64 rows in shared memory, 128 columns at a time, and write
         # them back as 16-byte row segments (coalesced) instead of the 4-byte pairs of the MMA layout.
         self.smem_epilogue = smem_epilogue
+        # The same for fp32 outputs (the weight gradients), in 16-byte segments of 4 columns instead of the 8-byte
+        # pairs, which scatter each warp's store over 8 rows: 70 KB of shared memory, which a tile of 128x128 FP8
+        # with 4 stages leaves free.
+        self.smem_epilogue_fp32 = smem_epilogue_fp32
 
     @cute.jit
     def __call__(
@@ -145,7 +151,13 @@ class GroupedGemm:
         item_expert / item_row [T] the work items of the `m` grouping (ignored by `k`); sfa (K/128, M) and
         sfb (N/128, K/128, E) fp32 scales when `scaled` (ignored otherwise)."""
         BM, BN, BK = self.tile
-        self.epi_words = self.warpgroups * 64 * 68 if self.smem_epilogue else 4
+        # The epilogue's staging rows: 128 columns of 4-byte words (fp32) or pairs (16-bit), padded by 32 or 16
+        # bytes so that the pair stores of 8 rows (or of the 4 rows of a half-warp's 8-byte stores) fall in
+        # different banks.
+        wide = c.element_type.width == 32
+        self.staged = (self.smem_epilogue and c.element_type.width == 16) or (self.smem_epilogue_fp32 and wide)
+        self.epi_pitch = 136 if wide else 68
+        self.epi_words = self.warpgroups * 64 * self.epi_pitch if self.staged else 4
         a_layout = LayoutEnum.from_tensor(a)
         b_layout = LayoutEnum.from_tensor(b)
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
@@ -253,18 +265,27 @@ class GroupedGemm:
         return cute.struct(type("Storage", (), {"__annotations__": fields}))
 
     @cute.jit
-    def item_entry(self, item_expert, item_row, slot):
-        """Table entry `slot` of the `m` grouping: (expert or -1, first row); (0, 0) for the `k` grouping. Loaded
-        one item ahead of its use (the kernel's loops), so that its latency hides under the item before."""
+    def item_entry(self, tables, w):
+        """What work item w (clamped to the last) reads from global memory: (expert, first row, the expert's end
+        row). `m`: its slot's table entry (expert -1: idle, the end then meaningless) and the end of its expert;
+        `k`: the expert of its slot (m_tiles slots an expert) and its rows. Loaded one item ahead of its use (the
+        kernel's loops), so that these dependent loads hide under the item before. tables = (item_expert,
+        item_row, offsets, m_tiles, n_pairs, items)."""
+        item_expert, item_row, offsets, m_tiles, n_pairs, items = tables
+        slot = cutlass.min(w, items - 1) // n_pairs
         e = cutlass.Int32(0)
         r = cutlass.Int32(0)
         if cutlass.const_expr(self.grouping == "m"):
             e = item_expert[slot]
             r = item_row[slot]
-        return e, r
+        else:
+            e = slot // m_tiles
+            if e > 0:
+                r = offsets[e - 1]
+        return e, r, offsets[cutlass.max(e, 0)]
 
     @cute.jit
-    def work_item(self, mA, mB, mC, mSFA, mSFB, offsets, entry, n_tile, slot):
+    def work_item(self, mA, mB, mC, mSFA, mSFB, entry, n_tile, slot):
         """The tiles of work item (n_tile, slot), `entry` its item_entry: TMA coordinate tensors gA (BM, BK, restK),
         gB (BN, BK, restK) and, with tma_scales, gSFA (1, BM + SFA_LEAD, restK) from row0 rounded down to a
         multiple of SFA_LEAD and gSFB (1, SFB_BOX, 1, restK / SFB_BOX); the output tile gC (BM, BN), the k-tiles
@@ -279,20 +300,19 @@ class GroupedGemm:
         expert = zero
         row0 = zero  # first row of A/C (`m`) or first k (`k`)
         m_tile = zero
+        e, r, end = entry
         if cutlass.const_expr(self.grouping == "m"):
-            e, r = entry
             if e >= 0:
                 expert = e
                 row0 = r
-                rows = cutlass.min(offsets[e] - row0, BM)
+                rows = cutlass.min(end - row0, BM)
                 k_tiles = (mA.shape[1] + BK - 1) // BK
         else:
             m_tiles = (mC.shape[0] + BM - 1) // BM
             m_tile = slot % m_tiles
-            expert = slot // m_tiles
-            if expert > 0:
-                row0 = offsets[expert - 1]
-            k_len = offsets[expert] - row0
+            expert = e
+            row0 = r
+            k_len = end - row0
             k_tiles = (k_len + BK - 1) // BK
             k_rem = k_len - (k_tiles - 1) * BK
             rows = cutlass.min(mC.shape[0] - m_tile * BM, BM)
@@ -388,31 +408,35 @@ class GroupedGemm:
         tCcC = thr_mma.partition_C(cute.make_identity_tensor((BM, BN)))
         out = cute.make_rmem_tensor(acc.shape, gC.element_type)
         out.store(acc.load().to(gC.element_type))
-        if cutlass.const_expr(self.smem_epilogue and gC.element_type.width == 16):
+        if cutlass.const_expr(self.staged):
             wg = mma_tidx // WARPGROUP
             lane = mma_tidx % WARPGROUP
-            out_w = cute.recast_tensor(out, cutlass.Int32)
-            gW = cute.recast_tensor(gC, cutlass.Int32)  # (BM, BN / 2) words, rows 16-byte aligned
-            gV = cute.zipped_divide(gW, (1, 4))  # ((1, 4), (BM, BN / 8)): 16-byte segments
-            sW = cute.make_tensor(sC.iterator + wg * (64 * 68), cute.make_layout((64, 68), stride=(68, 1)))
-            sV = cute.zipped_divide(sW, (1, 4))  # ((1, 4), (64, 17))
+            pitch = self.epi_pitch
+            segs = 128 * (gC.element_type.width // 8) // 16  # 16-byte segments of 128 columns: 16 or 32 (fp32)
+            pair = cutlass.Int32 if cutlass.const_expr(gC.element_type.width == 16) else cutlass.Int64
+            out_w = cute.recast_tensor(out, pair)
+            gW = cute.recast_tensor(gC, cutlass.Int32)  # (BM, BN / 2 or BN) words, rows 16-byte aligned
+            gV = cute.zipped_divide(gW, (1, 4))  # ((1, 4), (BM, BN / 8 or BN / 4)): 16-byte segments
+            sW = cute.make_tensor(sC.iterator + wg * (64 * pitch), cute.make_layout((64, pitch), stride=(pitch, 1)))
+            sP = cute.recast_tensor(sW, pair)  # the row's column pairs
+            sV = cute.zipped_divide(sW, (1, 4))  # ((1, 4), (64, pitch / 4))
             bar = pipeline.NamedBarrier(barrier_id=2 + wg, num_threads=WARPGROUP)
             for h in cutlass.range_constexpr(BN // 128):
                 for j in cutlass.range_constexpr(cute.size(out_w)):
                     r, col = tCcC[2 * j]
                     if col // 128 == h:
-                        sW[r - wg * 64, (col % 128) // 2] = out_w[j]
+                        sP[r - wg * 64, (col % 128) // 2] = out_w[j]
                 bar.arrive_and_wait()
-                for it in cutlass.range_constexpr(64 * 16 // WARPGROUP):
+                for it in cutlass.range_constexpr(64 * segs // WARPGROUP):
                     v = lane + it * WARPGROUP
-                    lr = v // 16
-                    seg = v % 16
+                    lr = v // segs
+                    seg = v % segs
                     grow = wg * 64 + lr
-                    if grow < rows and h * 128 + seg * 8 < cols:
+                    if grow < rows and h * 128 + seg * (128 // segs) < cols:
                         # Both ends are 16-byte aligned (rows of C hold a multiple of 8 elements, padded shared
-                        # rows 272 bytes); say so, since the compiler loses it through the dynamic offsets.
+                        # rows 272 or 544 bytes); say so, since the compiler loses it through the dynamic offsets.
                         src = sV[(0, None), (lr, seg)]
-                        dst = gV[(0, None), (grow, h * 16 + seg)]
+                        dst = gV[(0, None), (grow, h * segs + seg)]
                         cute.autovec_copy(
                             cute.make_tensor(src.iterator.align(16), src.layout),
                             cute.make_tensor(dst.iterator.align(16), dst.layout),
@@ -677,18 +701,19 @@ class GroupedGemm:
             items = n_pairs * ((mC.shape[0] + BM - 1) // BM) * mC.shape[2]
         cluster = bx // self.cluster_n
         clusters = gdx // self.cluster_n
+        tables = (item_expert, item_row, offsets, (mC.shape[0] + BM - 1) // BM, n_pairs, items)
         pipeline.pipeline_init_wait(cluster_shape_mn=(1, self.cluster_n))
         # Consumer thread index (0 .. mma_threads): the producer warpgroup comes first.
         mma_tidx = cutlass.max(tidx - WARPGROUP, 0)
         if warp < 4:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             if warp == 0:
-                ahead = self.item_entry(item_expert, item_row, cutlass.min(cluster, items - 1) // n_pairs)
+                ahead = self.item_entry(tables, cluster)
                 for w in cutlass.range(cluster, items, clusters, unroll=1):
                     entry = ahead
-                    ahead = self.item_entry(item_expert, item_row, cutlass.min(w + clusters, items - 1) // n_pairs)
+                    ahead = self.item_entry(tables, w + clusters)
                     gA, gB, gC, gSFA, gSFB, k_tiles, k_rem, rows, cols, expert, row0 = self.work_item(
-                        mA, mB, mC, mSFA, mSFB, offsets, entry, (w % n_pairs) * self.cluster_n + rank, w // n_pairs
+                        mA, mB, mC, mSFA, mSFB, entry, (w % n_pairs) * self.cluster_n + rank, w // n_pairs
                     )
                     scale_tiles = (tma_sfa, sSFA, gSFA, tma_sfb, sSFB, gSFB)
                     load = self.load_tile(
@@ -713,13 +738,13 @@ class GroupedGemm:
                     tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
             else:
                 tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
-            ahead = self.item_entry(item_expert, item_row, cutlass.min(cluster, items - 1) // n_pairs)
+            ahead = self.item_entry(tables, cluster)
             for w in cutlass.range(cluster, items, clusters, unroll=1):
                 entry = ahead
-                ahead = self.item_entry(item_expert, item_row, cutlass.min(w + clusters, items - 1) // n_pairs)
+                ahead = self.item_entry(tables, w + clusters)
                 n_tile = (w % n_pairs) * self.cluster_n + rank
                 gA, gB, gC, gSFA, gSFB, k_tiles, k_rem, rows, cols, expert, row0 = self.work_item(
-                    mA, mB, mC, mSFA, mSFB, offsets, entry, n_tile, w // n_pairs
+                    mA, mB, mC, mSFA, mSFB, entry, n_tile, w // n_pairs
                 )
                 if cutlass.const_expr(self.scaled and self.grouping == "k"):
                     read, release = self.mma_item_scaled_k(
