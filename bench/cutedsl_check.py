@@ -44,7 +44,12 @@ from trainer.experts.cutedsl.quant import (  # noqa: E402
     quantize_rows_kernel,
     quantize_tokens_t_kernel,
 )
-from trainer.experts.fp8 import quantize_blocks, quantize_expert_weights, quantize_rows  # noqa: E402
+from trainer.experts.fp8 import (  # noqa: E402
+    quantize_blocks,
+    quantize_expert_weights,
+    quantize_rows,
+    quantize_tokens_t,
+)
 from trainer.experts.numerics import relative_errors  # noqa: E402
 
 FP8_CONFIGS = {  # timed per GEMM; the module's FP8_CONFIG first
@@ -140,9 +145,10 @@ def numerics_ok(rows: list[dict], precision: str) -> bool:
     )
 
 
-def gemm_rows(H: int, inter: int, E: int, rows: int, log: list[str], fp8: bool) -> list[dict]:
+def gemm_rows(H: int, inter: int, E: int, rows: int, log: list[str], fp8: bool, quant_only: bool = False) -> list[dict]:
     """The GEMMs alone: torch._grouped_mm, ours in bf16, and (the four row-grouped ones) ours in FP8 per config,
-    from operands quantized beforehand, and the module's FP8 config with the input's quantization timed too."""
+    from operands quantized beforehand, and the module's FP8 config with the input's quantization timed too. The
+    quantizers first (into `log`); with quant_only, only they."""
     g = torch.Generator(device="cuda").manual_seed(0)
 
     def rnd(*shape, scale=1.0):
@@ -192,6 +198,24 @@ def gemm_rows(H: int, inter: int, E: int, rows: int, log: list[str], fp8: bool) 
             line = f"quantize weights (pack): {impl} error {str(exc)[:200]}"
         print(line, flush=True)
         log.append(line)
+    # The FP8 weight gradients' operands (quantize_tokens_t): transposed, one scale per feature and 128-token block.
+    for name, t in (("x", x), ("act", act), ("grad_y", grad_y), ("grad_h", grad_h)):
+        gbytes = t.numel() * (t.element_size() + 1) / 1e9
+        guard()
+        try:
+            ours, theirs = quantize_tokens_t_kernel(t, offs), quantize_tokens_t(t, offs)
+            same = torch.equal(ours[0].view(torch.uint8), theirs[0].view(torch.uint8)) and torch.equal(
+                ours[1], theirs[1]
+            )
+            ms = bench_ms(lambda t=t: quantize_tokens_t_kernel(t, offs))
+            line = f"quantize_tokens_t {name} {tuple(t.shape)}: cutedsl {ms:.4f} ms, {gbytes / ms * 1e3:.0f} GB/s"
+            line += f" (bits == torch: {same})"
+        except Exception as exc:
+            line = f"quantize_tokens_t {name}: error {str(exc)[:200]}"
+        print(line, flush=True)
+        log.append(line)
+    if quant_only:
+        return []
     w = {
         "w1": quantize_blocks(w1),
         "w2": quantize_blocks(w2),
@@ -435,6 +459,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--skip-gemms", action="store_true", help="no per-GEMM timings")
     ap.add_argument("--skip-layer", action="store_true", help="no expert layer rows")
+    ap.add_argument("--quant-only", action="store_true", help="only the quantizers' timings, then exit")
     ap.add_argument("--deadline-s", type=float, default=540.0, help="exit (with a traceback) after this")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "cutedsl_check.json"))
     args = ap.parse_args()
@@ -460,6 +485,11 @@ def main() -> None:
         Path(args.out).write_text(json.dumps(results, indent=2))
 
     log: list[str] = []
+    if args.quant_only:  # no numerics pass: the quantizers' bits are checked against torch's in their rows
+        gemm_rows(H, inter, E, args.tokens * k, log, True, quant_only=True)
+        results["quantizers"] = log
+        save()
+        return
     results["numerics"] = numerics(log)
     results["numerics_ok"] = {p: numerics_ok(results["numerics"], p) for p in PRECISIONS}
     print(f"within the bounds: {results['numerics_ok']}", flush=True)
