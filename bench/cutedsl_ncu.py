@@ -1,8 +1,9 @@
 """One launch of the grouped GEMM per named schedule (FP8 or bf16), for Nsight Compute to read its hardware counters
 (warp stall reasons, pipe utilization) at the 128-expert shape of bench/cutedsl_check.py: the forward gate_up
-GEMM, 131,072 rows, K = 2048, N = 1536, or for the FP8 weight-gradient schedules its weight gradient (the k-grouped
-GEMM over each expert's 1,024 tokens, [1536, 2048] per expert, fp32 out), from operands quantized beforehand. Each schedule is compiled and run
-once unprofiled, then launched once more, so that ncu's `--launch-skip`/`--launch-count` can pick the second:
+GEMM, 131,072 rows, K = 2048, N = 1536, or for the FP8 weight-gradient schedules its weight gradient (the
+k-grouped GEMM over each expert's 1,024 tokens, [1536, 2048] per expert, fp32 out), from operands quantized
+beforehand. Each schedule is compiled and run once unprofiled, then launched once more, so that ncu's
+`--launch-skip`/`--launch-count` can pick the second:
 
     ncu --clock-control none -k regex:GroupedGemm --launch-skip 1 --launch-count 1 \\
         --section SpeedOfLight --section WarpStateStats python3 bench/cutedsl_ncu.py "<FP8_CONFIGS name>"

@@ -474,8 +474,8 @@ def test_schedules_compute_the_bits_of_the_default_one(monkeypatch, schedule, co
 @needs_gpu
 def test_the_fp32_epilogue_through_shared_memory_writes_the_pair_stores_values():
     """Our bf16 weight-gradient GEMM with its fp32 output staged through shared memory (smem_epilogue_fp32, 16-byte
-    row segments) against the default pair stores: the same accumulators, so the same bits, at partial tiles
-    along both output sides (M 200, N 328), an empty expert and a 1-row one, odd k tails."""
+    row segments, now K_CONFIG) against the 8-byte pair stores: the same accumulators, so the same bits, at
+    partial tiles along both output sides (M 200, N 328), an empty expert and a 1-row one, odd k tails."""
     g = torch.Generator(device="cuda").manual_seed(4)
     counts = [300, 0, 517, 1, 64]
     offsets = torch.tensor(counts, device="cuda").cumsum(0).int()
