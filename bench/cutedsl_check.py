@@ -98,6 +98,24 @@ def bench_ms(fn: Callable[[], object], rep_ms: int = 200) -> float:
     return float(do_bench(fn, warmup=25, rep=rep_ms, return_mode="median"))
 
 
+def quant_timing(log: list[str], label: str, gbytes: float, fn: Callable[[], object], note=lambda: "") -> None:
+    """One quantizer row: `label`, its time and bandwidth and `note()` (a bit check), or the error; printed and
+    appended to `log`."""
+    guard()
+    try:
+        ms = bench_ms(fn)
+        line = f"{label}: {ms:.4f} ms, {gbytes / ms * 1e3:.0f} GB/s{note()}"
+    except Exception as exc:
+        line = f"{label}: error {str(exc)[:200]}"
+    print(line, flush=True)
+    log.append(line)
+
+
+def same_bits(ours: tuple[torch.Tensor, ...], theirs: tuple[torch.Tensor, ...]) -> bool:
+    """A quantizer's (e4m3 values, scales) equal another's bit for bit."""
+    return torch.equal(ours[0].view(torch.uint8), theirs[0].view(torch.uint8)) and torch.equal(ours[1], theirs[1])
+
+
 def first_call_s(fn: Callable[[], object]) -> float:
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -165,55 +183,30 @@ def gemm_rows(H: int, inter: int, E: int, rows: int, log: list[str], fp8: bool, 
     compiled_quantize = torch.compile(quantize_rows, dynamic=False)
     for name, t in (("x", x), ("act", act), ("grad_h", grad_h)):
         eager = quantize_rows(t)
-        same = torch.equal(q[name][0].view(torch.uint8), eager[0].view(torch.uint8)) and torch.equal(
-            q[name][1], eager[1]
-        )
+        note = f" (cutedsl bits == torch eager: {same_bits(q[name], eager)})"
         gbytes = (t.numel() * (t.element_size() + 1) + eager[1].numel() * 4) / 1e9
         for impl, fn in (
             ("torch eager", lambda t=t: quantize_rows(t)),
             ("torch.compile", lambda t=t: compiled_quantize(t)),
             ("cutedsl", lambda t=t: quantize_rows_kernel(t)),
         ):
-            guard()
-            try:
-                ms = bench_ms(fn)
-                line = f"quantize {name} {tuple(t.shape)}: {impl} {ms:.4f} ms, {gbytes / ms * 1e3:.0f} GB/s"
-            except Exception as exc:
-                line = f"quantize {name} {tuple(t.shape)}: {impl} error {str(exc)[:200]}"
-            line += f" (cutedsl bits == torch eager: {same})"
-            print(line, flush=True)
-            log.append(line)
+            quant_timing(log, f"quantize {name} {tuple(t.shape)}: {impl}", gbytes, fn, lambda note=note: note)
     masters = (w1.float(), w2.float())  # the weight pack is made from the fp32 masters once per optimizer step
     gbytes = sum(m.numel() * (4 + 2) for m in masters) / 1e9  # read fp32, write e4m3 and its transpose
     for impl, fn in (
         ("torch", lambda: quantize_expert_weights(*masters)),
         ("cutedsl", lambda: quantize_expert_weights_fast(*masters)),
     ):
-        guard()
-        try:
-            ms = bench_ms(fn)
-            line = f"quantize weights (pack) fp32 {tuple(w1.shape)} + {tuple(w2.shape)}: {impl} {ms:.4f} ms, "
-            line += f"{gbytes / ms * 1e3:.0f} GB/s"
-        except Exception as exc:
-            line = f"quantize weights (pack): {impl} error {str(exc)[:200]}"
-        print(line, flush=True)
-        log.append(line)
+        quant_timing(log, f"quantize weights (pack) fp32 {tuple(w1.shape)} + {tuple(w2.shape)}: {impl}", gbytes, fn)
     # The FP8 weight gradients' operands (quantize_tokens_t): transposed, one scale per feature and 128-token block.
     for name, t in (("x", x), ("act", act), ("grad_y", grad_y), ("grad_h", grad_h)):
-        gbytes = t.numel() * (t.element_size() + 1) / 1e9
-        guard()
-        try:
-            ours, theirs = quantize_tokens_t_kernel(t, offs), quantize_tokens_t(t, offs)
-            same = torch.equal(ours[0].view(torch.uint8), theirs[0].view(torch.uint8)) and torch.equal(
-                ours[1], theirs[1]
-            )
-            ms = bench_ms(lambda t=t: quantize_tokens_t_kernel(t, offs))
-            line = f"quantize_tokens_t {name} {tuple(t.shape)}: cutedsl {ms:.4f} ms, {gbytes / ms * 1e3:.0f} GB/s"
-            line += f" (bits == torch: {same})"
-        except Exception as exc:
-            line = f"quantize_tokens_t {name}: error {str(exc)[:200]}"
-        print(line, flush=True)
-        log.append(line)
+        quant_timing(
+            log,
+            f"quantize_tokens_t {name} {tuple(t.shape)}: cutedsl",
+            t.numel() * (t.element_size() + 1) / 1e9,
+            lambda t=t: quantize_tokens_t_kernel(t, offs),
+            lambda t=t: f" (bits == torch: {same_bits(quantize_tokens_t_kernel(t, offs), quantize_tokens_t(t, offs))})",
+        )
     if quant_only:
         return []
     w = {
