@@ -150,3 +150,77 @@ def test_the_token_kernel_writes_the_bits_of_the_torch_weight_gradient_operand(m
         f"{int((q.view(torch.uint8) != q_ref.view(torch.uint8)).sum())} values differ"
     )
     assert torch.equal(s.view(torch.int32), s_ref.view(torch.int32)), "scales differ"
+
+
+def _both_references(x: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    from trainer.experts.fp8 import quantize_tokens_t
+
+    return (*quantize_rows(x), *quantize_tokens_t(x, offsets))
+
+
+def _assert_same_five(got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, ...]) -> None:
+    """q and q_t compared as bytes, the scales as int32 words, the ends as they are."""
+    assert len(got) == len(want) == 5
+    bits = {torch.float8_e4m3fn: torch.uint8, torch.float32: torch.int32, torch.int32: torch.int32}
+    for name, a, b in zip(("q", "scale", "q_t", "scale_t", "ends"), got, want, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape, f"{name}: {a.dtype} {tuple(a.shape)} != {tuple(b.shape)}"
+        a_bits, b_bits = a.view(bits[a.dtype]), b.view(bits[b.dtype])
+        assert torch.equal(a_bits, b_bits), f"{name}: {int((a_bits != b_bits).sum())} differ"
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("F", [128, 200, 2048])
+@pytest.mark.parametrize("counts", [[300, 0, 129, 64, 1, 511], [1], [0, 0]])
+def test_the_two_way_kernel_writes_the_bits_of_both_torch_quantizers(monkeypatch, dtype, F, counts):
+    """quantize_both_kernel gives quantize_rows' and quantize_tokens_t's five outputs bit for bit (partial blocks
+    both ways, an empty expert, experts across blocks, one row, no rows)."""
+    from trainer.experts.cutedsl.quant import quantize_both_kernel
+
+    monkeypatch.setattr(grouped, "POISON_OUTPUTS", True)  # an element the kernel skips stays NaN and differs
+    R = sum(counts)
+    x = _tokens(R, F).to(dtype) if R else torch.zeros(0, F, device="cuda", dtype=dtype)
+    offsets = torch.tensor(counts, device="cuda").cumsum(0).int()
+    _assert_same_five(quantize_both_kernel(x, offsets), _both_references(x, offsets))
+
+
+@needs_gpu
+def test_a_nan_poisons_its_row_block_and_its_feature_token_block_and_nothing_else():
+    """A NaN at (row 150, feature 130) makes NaN exactly q's row block, its scale, q_t's 128-token block of that
+    feature (its padding tokens too) and its scale; every other bit is torch's."""
+    from trainer.experts.cutedsl.quant import quantize_both_kernel
+
+    x = _tokens(300, 256, seed=3)
+    x[150, 130] = float("nan")
+    offsets = torch.tensor([200, 300], device="cuda", dtype=torch.int32)
+    got = quantize_both_kernel(x, offsets)
+    want = _both_references(x, offsets)
+    q, scale, q_t, scale_t, _ = got
+    expected = [torch.zeros_like(t, dtype=torch.bool) for t in (q, scale, q_t, scale_t)]
+    expected[0][150, 128:] = True
+    expected[1][1, 150] = True
+    expected[2][130, 128:256] = True  # row 150 is padded token 150: expert 0's second block
+    expected[3][1, 130] = True
+    for t, ref, nan in zip(got[:4], want[:4], expected, strict=True):
+        assert torch.equal(t.float().isnan(), nan) and torch.equal(ref.float().isnan(), nan)
+        bits = torch.uint8 if t.dtype == torch.float8_e4m3fn else torch.int32
+        assert torch.equal(t.view(bits)[~nan], ref.view(bits)[~nan])
+    assert torch.equal(got[4], want[4])
+
+
+def test_the_two_way_op_off_the_gpu_is_the_torch_pair_and_a_bad_width_is_refused():
+    """On the CPU quantize_both_op runs the torch references, its fake gives their shapes, and the kernel refuses
+    a width that is not a multiple of 8, naming the shape."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from trainer.experts.cutedsl.quant import quantize_both_kernel, quantize_both_op
+
+    x = torch.randn(259, 200).bfloat16()
+    offsets = torch.tensor([3, 3, 259], dtype=torch.int32)
+    want = _both_references(x, offsets)
+    _assert_same_five(quantize_both_op(x, offsets), want)
+    with FakeTensorMode() as mode:
+        fake = quantize_both_op(mode.from_tensor(x), mode.from_tensor(offsets))
+    assert [(t.shape, t.dtype) for t in fake] == [(t.shape, t.dtype) for t in want]
+    with pytest.raises(ValueError, match=r"multiple of 8.*\(4, 12\)"):
+        quantize_both_kernel(torch.zeros(4, 12, dtype=torch.bfloat16), torch.tensor([4], dtype=torch.int32))

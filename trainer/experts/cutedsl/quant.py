@@ -15,6 +15,12 @@ computes on a CUDA device:
   expert, tokens contiguous) in one pass. A CTA of 256 threads takes 64 features of a block, each thread 4
   tokens of 8 features (16-byte loads); the maxima go through shuffles and shared memory, the e4m3 bytes through
   a swizzled transposed tile out to q_t in 16-byte stores.
+- `quantize_both_kernel` (a tensor the backward quantizes both ways: x, the activation, grad_y, grad_h) writes
+  what quantize_rows_kernel and quantize_tokens_t_kernel write, reading the tensor once. A CTA of 256 threads
+  takes 128 features of a padded 128-token block, each thread 8 tokens of 8 features (16-byte loads): the row
+  maxima go through shuffles and the rows' e4m3 bytes straight out to q in 8-byte stores; the feature maxima go
+  through shuffles and shared memory, their e4m3 bytes through a swizzled transposed tile out to q_t in 16-byte
+  stores. Every source row lies in exactly one padded block, so each row is quantized once.
 
 The arithmetic is torch's on CUDA, op for op: scale = max(amax, 1e-12) * fp32(1/448) (torch divides a CUDA
 tensor by a Python number as a product with the number's fp32 reciprocal) and q = e4m3(x / scale) with an
@@ -423,6 +429,217 @@ def _(x, offsets):
     R, F = x.shape
     P = (-(-R // BLOCK) + offsets.shape[0]) * BLOCK
     return (
+        x.new_empty(F, P, dtype=torch.float8_e4m3fn),
+        x.new_empty(P // BLOCK, F, dtype=torch.float32),
+        offsets.new_empty(offsets.shape[0], dtype=torch.int32),
+    )
+
+
+# A CTA of the two-way quantizer: one 128-feature block of one padded 128-token block, 256 threads, each 8
+# consecutive tokens of 8 consecutive features (one 16-byte load per token of bf16, two of fp32). Within a warp,
+# bits 0-2 and 4 of the thread index pick the feature lane and bit 3 the token group, so that the half-warp
+# writing a transposed tile's 8-byte words covers all 32 banks (see the tile's swizzle).
+BOTH_WARPS = THREADS // 32
+
+
+@functools.cache
+def _both_launcher():
+    """The @cute.jit launcher of the two-way quantizer (quantize_rows and quantize_tokens_t in one pass over the
+    tokens), built on first use."""
+    import cuda.bindings.driver as cuda_driver
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.memory import SmemAllocator
+
+    units = BLOCK // VEC  # 8-byte words (8 tokens of one feature) of a feature's 128 tokens
+    stores = BLOCK // 16  # 16-byte stores of a feature's 128 tokens, two words each
+
+    @cute.kernel
+    def kernel(
+        x: cute.Tensor,
+        q: cute.Tensor,
+        scale: cute.Tensor,
+        q_t: cute.Tensor,
+        scale_t: cute.Tensor,
+        block_src: cute.Tensor,
+        block_rows: cute.Tensor,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        kb, b, _ = cute.arch.block_idx()
+        _, F = x.shape
+        warp = tidx // 32
+        w32 = tidx % 32
+        lane = w32 % 8 + w32 // 16 * 8  # this thread's features: 8 lane .. 8 lane + 7 of the block
+        group = warp * 2 + w32 // 8 % 2  # its tokens: 8 group .. 8 group + 7 of the block
+        chunk = kb * LANES + lane
+        live = chunk * VEC < F  # F is a multiple of 8: a thread's 8 features are all in or all out
+        src = block_src[b]
+        n = block_rows[b]
+        smem = SmemAllocator()
+        # The block's e4m3 bytes transposed, a feature's 128 tokens as 16 words of 8 tokens, word u of feature f
+        # stored at u ^ (2 ((f // 8) % 8)): a half-warp's stores (2 groups, 8 lanes) fall in 32 banks, and the two
+        # words of a 16-byte store of q_t stay side by side. Then each warp's column maxima, the column scales and
+        # the row scales.
+        tile = smem.allocate_tensor(cutlass.Uint64, cute.make_layout((BLOCK, units), stride=(units, 1)), 16)
+        maxima = smem.allocate_tensor(cutlass.Float32, cute.make_layout((BOTH_WARPS, BLOCK), stride=(BLOCK, 1)), 16)
+        col_scales = smem.allocate_tensor(cutlass.Float32, cute.make_layout(BLOCK), 16)
+        row_scales = smem.allocate_tensor(cutlass.Float32, cute.make_layout(BLOCK), 16)
+        # Padding tokens and features past F are zeros.
+        v = cute.make_rmem_tensor(cute.make_layout((VEC, VEC), stride=(VEC, 1)), x.element_type)
+        v.fill(0.0)
+        for j in cutlass.range_constexpr(VEC):
+            r = group * VEC + j
+            if r < n and live:
+                row = cute.zipped_divide(x, (1, VEC))[(0, None), (src + r, chunk)]
+                cute.autovec_copy(cute.make_tensor(row.iterator.align(16), row.layout), v[j, None])
+        xf = cute.make_rmem_tensor(cute.make_layout((VEC, VEC), stride=(VEC, 1)), cutlass.Float32)
+        xf.store(v.load().to(cutlass.Float32))
+        # The rows: each token's maximum over the thread's 8 features, then the 16 lanes (shuffles), its scale, its
+        # e4m3 bytes straight out to q. Every lane shuffles, so that the full-warp masks hold. NaN-propagating
+        # maxima: torch's amax and clamp keep a NaN.
+        for j in cutlass.range_constexpr(VEC):
+            m = cutlass.Float32(0.0)
+            for i in cutlass.range_constexpr(VEC):
+                m = cute.arch.fmax(m, abs(xf[j, i]), nan=True)
+            for offset in (16, 4, 2, 1):
+                m = cute.arch.fmax(m, cute.arch.shuffle_sync_bfly(m, offset=offset), nan=True)
+            s = cute.arch.fmax(m, cutlass.Float32(TINY), nan=True) * cutlass.Float32(1.0 / E4M3_MAX)
+            qr = cute.make_rmem_tensor((VEC,), cutlass.Float32)
+            for i in cutlass.range_constexpr(VEC):
+                qr[i] = xf[j, i] / s
+            out = cute.make_rmem_tensor((VEC,), q.element_type)
+            out.store(qr.load().to(q.element_type))
+            r = group * VEC + j
+            if r < n and live:
+                dst = cute.zipped_divide(q, (1, VEC))[(0, None), (src + r, chunk)]
+                cute.autovec_copy(out, cute.make_tensor(dst.iterator.align(8), dst.layout))
+            if lane == 0:
+                row_scales[r] = s
+        # The columns: each feature's maximum over the thread's 8 tokens, the warp's 2 groups (a shuffle), the
+        # warps (shared memory).
+        for i in cutlass.range_constexpr(VEC):
+            m = cutlass.Float32(0.0)
+            for j in cutlass.range_constexpr(VEC):
+                m = cute.arch.fmax(m, abs(xf[j, i]), nan=True)
+            m = cute.arch.fmax(m, cute.arch.shuffle_sync_bfly(m, offset=8), nan=True)
+            if w32 // 8 % 2 == 0:
+                maxima[warp, lane * VEC + i] = m
+        cute.arch.barrier()
+        # Half the threads finish the column scales, the other half write the row scales (128 consecutive floats).
+        if tidx < BLOCK:
+            amax = maxima[0, tidx]
+            for w in cutlass.range_constexpr(1, BOTH_WARPS):
+                amax = cute.arch.fmax(amax, maxima[w, tidx], nan=True)
+            s = cute.arch.fmax(amax, cutlass.Float32(TINY), nan=True) * cutlass.Float32(1.0 / E4M3_MAX)
+            col_scales[tidx] = s
+            if kb * BLOCK + tidx < F:
+                scale_t[b, kb * BLOCK + tidx] = s
+        else:
+            r = tidx - BLOCK
+            if r < n:
+                scale[kb, src + r] = row_scales[r]
+        cute.arch.barrier()
+        # Every token of the block, padding too (0 / s, NaN where s is), as torch: 8 tokens of a feature, a word.
+        for i in cutlass.range_constexpr(VEC):
+            s = col_scales[lane * VEC + i]
+            qc = cute.make_rmem_tensor((VEC,), cutlass.Float32)
+            for j in cutlass.range_constexpr(VEC):
+                qc[j] = xf[j, i] / s
+            out = cute.make_rmem_tensor((VEC,), q_t.element_type)
+            out.store(qc.load().to(q_t.element_type))
+            tile[lane * VEC + i, group ^ (lane % 8 * 2)] = cute.recast_tensor(out, cutlass.Uint64)[0]
+        cute.arch.barrier()
+        # Out to q_t: 16 consecutive tokens of a feature a thread (one 16-byte store), a feature's 128 tokens by 8
+        # consecutive threads.
+        qt_bytes = cute.zipped_divide(cute.recast_tensor(q_t, cutlass.Uint8), (1, 16))
+        tile_stores = cute.zipped_divide(tile, (1, 2))
+        for it in cutlass.range_constexpr(BLOCK * stores // THREADS):
+            f = (tidx + it * THREADS) // stores
+            k = (tidx + it * THREADS) % stores
+            if kb * BLOCK + f < F:
+                pair = cute.make_rmem_tensor((2,), cutlass.Uint64)
+                held = tile_stores[(0, None), (f, k ^ (f // VEC % 8))]
+                cute.autovec_copy(cute.make_tensor(held.iterator.align(16), held.layout), pair)
+                dst = qt_bytes[(0, None), (kb * BLOCK + f, b * stores + k)]
+                cute.autovec_copy(
+                    cute.recast_tensor(pair, cutlass.Uint8), cute.make_tensor(dst.iterator.align(16), dst.layout)
+                )
+
+    @cute.jit
+    def launch(
+        x: cute.Tensor,
+        q: cute.Tensor,
+        scale: cute.Tensor,
+        q_t: cute.Tensor,
+        scale_t: cute.Tensor,
+        block_src: cute.Tensor,
+        block_rows: cute.Tensor,
+        stream: cuda_driver.CUstream,
+    ):
+        _, F = x.shape
+        grid = [(F + BLOCK - 1) // BLOCK, block_src.shape[0], 1]
+        # 2 CTAs an SM: at most 128 registers a thread; its 64 values take 108 (sm_90a), and the cap of 3 CTAs
+        # (80) spills them. The carveout as in the token quantizer.
+        kernel(x, q, scale, q_t, scale_t, block_src, block_rows).launch(
+            grid=grid, block=[THREADS, 1, 1], stream=stream, min_blocks_per_mp=2, preferred_smem_carveout=50
+        )
+
+    return launch
+
+
+_COMPILED_BOTH: dict[tuple, object] = {}
+
+
+def quantize_both_kernel(
+    x: torch.Tensor, offsets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`(*quantize_rows(x), *quantize_tokens_t(x, offsets))` of trainer.experts.fp8 on the GPU in one pass over x
+    (bf16, fp16 or fp32 [R, F], F a multiple of 8): (q [R, F], scale [ceil(F/128), R], q_t [F, P], scale_t
+    [P / 128, F], ends [E]), bit for bit what the torch functions compute."""
+    if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"x must be [R, F] bf16, fp16 or fp32, got {tuple(x.shape)} {x.dtype}")
+    R, F = x.shape
+    if F % VEC:
+        raise ValueError(
+            f"x must be [R, F] with F a multiple of {VEC} (16-byte rows; pad the features), got {tuple(x.shape)}"
+        )
+    ends, src, rows, P = token_blocks(offsets, R)
+    q = grouped._output(R, F, device=x.device, dtype=torch.float8_e4m3fn)
+    scale = grouped._output(-(-F // BLOCK), R, device=x.device, dtype=torch.float32)
+    q_t = grouped._output(F, P, device=x.device, dtype=torch.float8_e4m3fn)
+    scale_t = grouped._output(P // BLOCK, F, device=x.device, dtype=torch.float32)
+    if R and F:
+        x = grouped._aligned(x)
+        # A one-row scale [kb, 1] has its stride-1 mode first: another layout, another compile.
+        key = (x.dtype, grouped._unit_mode(scale))
+        tensors = (x, q, scale, q_t, scale_t, src, rows)
+        grouped.call(_COMPILED_BOTH, key, _both_launcher(), tensors, compact=(0, 1, 3, 4))
+    elif F:  # no tokens: every block of q_t all zeros, as the torch function gives
+        q_t.zero_()
+        scale_t.fill_(TINY).mul_(1 / E4M3_MAX)
+    return q, scale, q_t, scale_t, ends
+
+
+@torch.library.custom_op("slipstream::cutedsl_quantize_both", mutates_args=(), device_types="cuda")
+def quantize_both_op(
+    x: torch.Tensor, offsets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """quantize_both_kernel as an op (opaque to torch.compile, as quantize_rows_op)."""
+    return quantize_both_kernel(x, offsets)
+
+
+@quantize_both_op.register_kernel("cpu")
+def _(x, offsets):
+    return (*quantize_rows(x), *quantize_tokens_t(x, offsets))
+
+
+@quantize_both_op.register_fake
+def _(x, offsets):
+    R, F = x.shape
+    P = (-(-R // BLOCK) + offsets.shape[0]) * BLOCK
+    return (
+        x.new_empty(R, F, dtype=torch.float8_e4m3fn),
+        x.new_empty(-(-F // BLOCK), R, dtype=torch.float32),
         x.new_empty(F, P, dtype=torch.float8_e4m3fn),
         x.new_empty(P // BLOCK, F, dtype=torch.float32),
         offsets.new_empty(offsets.shape[0], dtype=torch.int32),
