@@ -40,6 +40,7 @@ from trainer.experts import (  # noqa: E402
 from trainer.experts.cutedsl import cutedsl_unavailable, grouped  # noqa: E402
 from trainer.experts.cutedsl.grouped import TileConfig  # noqa: E402
 from trainer.experts.cutedsl.quant import (  # noqa: E402
+    quantize_both_kernel,
     quantize_expert_weights_fast,
     quantize_rows_kernel,
     quantize_tokens_t_kernel,
@@ -59,11 +60,8 @@ FP8_CONFIGS = {  # timed per GEMM; the module's FP8_CONFIG first
     "fp8 128x128 s5 tma-scales": TileConfig((128, 128), 5, tma_scales=True),
 }
 FP8_WGRAD_CONFIGS = {  # the k-grouped FP8 GEMM (cutedsl.FP8_WGRAD = "fp8"); the module's FP8_WGRAD_CONFIG first
-    "fp8 wgrad 128x128 s5 cluster2": grouped.FP8_WGRAD_CONFIG,
-    "fp8 wgrad 128x128 s4 cluster2": TileConfig((128, 128), 4, cluster_n=2, tma_scales=True),
-    "fp8 wgrad 128x128 s4 cluster2 smem-epilogue": TileConfig(
-        (128, 128), 4, cluster_n=2, tma_scales=True, smem_epilogue_fp32=True
-    ),
+    "fp8 wgrad 128x128 s4 cluster2 smem-epilogue": grouped.FP8_WGRAD_CONFIG,
+    "fp8 wgrad 128x128 s5 cluster2 pair-stores": TileConfig((128, 128), 5, cluster_n=2, tma_scales=True),
 }
 BF16_CONFIGS = {  # the row-grouped (m) and the wgrad (k) GEMMs; the module's M_CONFIG first
     "bf16 128x256 s4 cluster2": grouped.M_CONFIG,
@@ -206,6 +204,20 @@ def gemm_rows(H: int, inter: int, E: int, rows: int, log: list[str], fp8: bool, 
             t.numel() * (t.element_size() + 1) / 1e9,
             lambda t=t: quantize_tokens_t_kernel(t, offs),
             lambda t=t: f" (bits == torch: {same_bits(quantize_tokens_t_kernel(t, offs), quantize_tokens_t(t, offs))})",
+        )
+
+    def both_bits(t: torch.Tensor) -> bool:
+        got, want = quantize_both_kernel(t, offs), (*quantize_rows(t), *quantize_tokens_t(t, offs))
+        return same_bits(got[:2], want[:2]) and same_bits(got[2:4], want[2:4]) and torch.equal(got[4], want[4])
+
+    # Both at once (quantize_both, what the backward needs of each): the tensor read once, both copies written.
+    for name, t in (("x", x), ("act", act), ("grad_y", grad_y), ("grad_h", grad_h)):
+        quant_timing(
+            log,
+            f"quantize_both {name} {tuple(t.shape)}: cutedsl",
+            t.numel() * (t.element_size() + 2) / 1e9,
+            lambda t=t: quantize_both_kernel(t, offs),
+            lambda t=t: f" (bits == torch: {both_bits(t)})",
         )
     if quant_only:
         return []
@@ -373,8 +385,9 @@ def choose_configs(rows: list[dict]) -> dict:
     torch_ms = total("torch._grouped_mm", M_GEMMS + K_GEMMS, float("inf"))
     torch_wgrad_ms = total("torch._grouped_mm", K_GEMMS, float("inf"))
     if torch_ms and torch_wgrad_ms and "m" in chosen and "k" in chosen:
-        # The weight gradients as the backend computes them (cutedsl.WGRAD): torch's kernel or ours.
-        wgrad_ms = torch_wgrad_ms if cutedsl.WGRAD == "grouped_mm" else chosen["k"]["ms"]
+        # The weight gradients as the backend computes them (cutedsl.WGRAD) for bf16 weights, the output these GEMM
+        # rows compare: torch's kernel ("auto" takes it there) or ours.
+        wgrad_ms = torch_wgrad_ms if cutedsl.WGRAD in ("grouped_mm", "auto") else chosen["k"]["ms"]
         chosen["wgrad"] = {"by": cutedsl.WGRAD, "ms": wgrad_ms}
         bf16_ms = chosen["m"]["ms"] + wgrad_ms
         chosen["fwd+bwd ms"] = {"torch._grouped_mm": torch_ms, "cutedsl bf16": bf16_ms}
@@ -386,64 +399,96 @@ def choose_configs(rows: list[dict]) -> dict:
     return chosen
 
 
-def layer_rows(H: int, inter: int, E: int, k: int, tokens: int, fp8: bool) -> list[dict]:
-    """The expert SwiGLU forward and forward + backward, bf16 weights, balanced pre-sorted rows (moe_bench's raw
-    row), each backend eager and under torch.compile (where the FP8 quantization fuses into one kernel)."""
+def layer_rows(H: int, inter: int, E: int, k: int, tokens: int, fp8: bool, eager: bool) -> list[dict]:
+    """The expert SwiGLU forward and forward + backward, balanced pre-sorted rows (moe_bench's raw row), each
+    backend under torch.compile (eager too with `eager`), in two settings: bf16 weights, and fp32 masters with the
+    per-step copy the GEMMs read (bf16, or the FP8 pack), as training runs (trainer.model.moe.ExpertWeights). With
+    fp32 masters torch's weight gradients are cast from its bf16 result (cutedsl.WGRAD "grouped_mm"), ours are
+    written in fp32 (our kernels' "auto" there); rows name which."""
     rows = tokens * k
     x = torch.randn(rows, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    w1 = (torch.randn(E, 2 * inter, H, device="cuda", dtype=torch.bfloat16) * 0.02).requires_grad_()
-    w2 = (torch.randn(E, H, inter, device="cuda", dtype=torch.bfloat16) * 0.02).requires_grad_()
     counts = torch.full((E,), rows // E, device="cuda")
     counts[: rows % E] += 1
     offs = counts.cumsum(0).to(torch.int32)
     grad = torch.randn(rows, H, device="cuda", dtype=torch.bfloat16)
-    pack = quantize_expert_weights(w1, w2)  # once per optimizer step in training
     fwd_flops = 2 * rows * 3 * H * inter
     res = []
-    # torch again at the end: the spread of its two rows says how much of a difference is noise.
-    impls: list[tuple[str, Callable]] = [
-        ("torch._grouped_mm", lambda: grouped_mm_experts(x, offs, w1, w2)),
-        ("cutedsl bf16", lambda: cutedsl_experts(x, offs, w1, w2)),
-    ]
-    if fp8:
-        impls.append(("cutedsl fp8", lambda: cutedsl_fp8_experts(x, offs, w1, w2, pack)))
-        impls.append(("cutedsl fp8, fp8 wgrad", lambda: cutedsl_fp8_experts(x, offs, w1, w2, pack)))
-    impls += [(f"{name} compiled", torch.compile(fn)) for name, fn in impls]
-    impls.append(("torch._grouped_mm again", impls[0][1]))
-    for name, fn in impls:
-        # The backward reads cutedsl.FP8_WGRAD when it runs (eager) or is traced (compiled): set for the whole step.
-        wgrad = "fp8" if "fp8 wgrad" in name else cutedsl.FP8_WGRAD
+    for masters in (torch.float32, torch.bfloat16):  # training's case first
+        w1 = (torch.randn(E, 2 * inter, H, device="cuda", dtype=masters) * 0.02).requires_grad_()
+        w2 = (torch.randn(E, H, inter, device="cuda", dtype=masters) * 0.02).requires_grad_()
+        tag = "" if masters == torch.bfloat16 else ", fp32 masters"
+        impls = layer_impls(x, offs, w1, w2, fp8)
+        compiled = [(f"{name} compiled", torch.compile(fn), sets) for name, fn, sets in impls]
+        impls = (impls if eager else []) + compiled
+        impls.append(("torch._grouped_mm again", compiled[0][1], {}))  # its spread says how much is noise
+        for name, fn, sets in impls:
 
-        def fwd(fn=fn):
-            with torch.no_grad():
-                return fn()
+            def fwd(fn=fn):
+                with torch.no_grad():
+                    return fn()
 
-        def step(fn=fn, wgrad=wgrad):
-            x.grad = w1.grad = w2.grad = None
-            default, cutedsl.FP8_WGRAD = cutedsl.FP8_WGRAD, wgrad
+            def step(fn=fn, sets=sets, w1=w1, w2=w2):
+                x.grad = w1.grad = w2.grad = None
+                defaults = {attr: getattr(cutedsl, attr) for attr in sets}
+                try:
+                    for attr, value in sets.items():
+                        setattr(cutedsl, attr, value)
+                    fn().backward(grad)
+                finally:
+                    for attr, value in defaults.items():
+                        setattr(cutedsl, attr, value)
+
+            guard()
             try:
-                fn().backward(grad)
-            finally:
-                cutedsl.FP8_WGRAD = default
-
-        guard()
-        try:
-            step()
-            f_ms, s_ms = bench_ms(fwd, 1000), bench_ms(step, 1000)
-            res.append(
-                {
-                    "impl": name,
-                    "fwd_ms": f_ms,
-                    "fwd_tflops": fwd_flops / f_ms / 1e9,
-                    "step_ms": s_ms,
-                    "step_tflops": 3 * fwd_flops / s_ms / 1e9,
-                }
-            )
-        except Exception as exc:
-            traceback.print_exc()
-            res.append({"impl": name, "error": repr(exc)[:300]})
-        print("layer", json.dumps(res[-1]), flush=True)
+                step()
+                f_ms, s_ms = bench_ms(fwd, 1000), bench_ms(step, 1000)
+                res.append(
+                    {
+                        "impl": name + tag,
+                        "fwd_ms": f_ms,
+                        "fwd_tflops": fwd_flops / f_ms / 1e9,
+                        "step_ms": s_ms,
+                        "step_tflops": 3 * fwd_flops / s_ms / 1e9,
+                    }
+                )
+            except Exception as exc:
+                traceback.print_exc()
+                res.append({"impl": name + tag, "error": repr(exc)[:300]})
+            print("layer", json.dumps(res[-1]), flush=True)
+        del w1, w2, impls, compiled
     return res
+
+
+def layer_impls(x: torch.Tensor, offs: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, fp8: bool) -> list:
+    """layer_rows' rows for one pair of masters: (name, fn, module settings for the whole step: the backward
+    reads them when it runs or is traced). Each row its own function: torch.compile caches its graph per code
+    object, settings unseen. The weight copy (bf16, or the FP8 pack) is made once, as per optimizer step in
+    training; for bf16 masters the bf16 copy is the weights themselves."""
+    pack = quantize_expert_weights_fast(w1.detach(), w2.detach())
+    copy = (w1.detach().bfloat16(), w2.detach().bfloat16())
+    impls: list[tuple[str, Callable, dict]] = [
+        ("torch._grouped_mm", lambda: grouped_mm_experts(x, offs, w1, w2, copy), {}),
+        ("cutedsl bf16", lambda: cutedsl_experts(x, offs, w1, w2, copy), {}),
+    ]
+    fp32 = w1.dtype == torch.float32
+    if fp32:
+        impls.append(
+            ("cutedsl bf16, torch wgrad", lambda: cutedsl_experts(x, offs, w1, w2, copy), {"WGRAD": "grouped_mm"})
+        )
+    if fp8:
+        impls.append(("cutedsl fp8", lambda: cutedsl_fp8_experts(x, offs, w1, w2, pack), {}))
+        if fp32:
+            impls.append(
+                (
+                    "cutedsl fp8, torch wgrad",
+                    lambda: cutedsl_fp8_experts(x, offs, w1, w2, pack),
+                    {"WGRAD": "grouped_mm"},
+                )
+            )
+        impls.append(
+            ("cutedsl fp8, fp8 wgrad", lambda: cutedsl_fp8_experts(x, offs, w1, w2, pack), {"FP8_WGRAD": "fp8"})
+        )
+    return impls
 
 
 def main() -> None:
@@ -452,6 +497,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--skip-gemms", action="store_true", help="no per-GEMM timings")
     ap.add_argument("--skip-layer", action="store_true", help="no expert layer rows")
+    ap.add_argument("--layer-eager", action="store_true", help="the expert layer eager too, not only compiled")
     ap.add_argument("--quant-only", action="store_true", help="only the quantizers' timings, then exit")
     ap.add_argument("--deadline-s", type=float, default=540.0, help="exit (with a traceback) after this")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "cutedsl_check.json"))
@@ -494,7 +540,7 @@ def main() -> None:
         print("chosen for the layer rows:", json.dumps(results["chosen"]), flush=True)
         save()
     if not args.skip_layer:
-        results["layer"] = layer_rows(H, inter, E, k, args.tokens, fp8)
+        results["layer"] = layer_rows(H, inter, E, k, args.tokens, fp8, args.layer_eager)
         save()
     print(table(results))
 
@@ -535,18 +581,19 @@ def table(results: dict) -> str:
         for impl, ms in chosen["fwd+bwd ms"].items():
             lines.append(f"| {impl} | {ms:.3f} | {chosen['speedup over torch'][impl]:.2f}x |")
         lines.append("chosen configs: " + ", ".join(f"{k} {v['config']}" for k, v in chosen.items() if "config" in v))
-        lines.append(f"weight gradients by {chosen['wgrad']['by']} (cutedsl.WGRAD)")
+        lines.append(f"weight gradients by cutedsl.WGRAD = {chosen['wgrad']['by']!r} for bf16 weights")
     lines += [
         "",
         "| expert SwiGLU | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s | fwd+bwd time / torch compiled |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
     rows = results.get("layer", [])
-    ref = next((r for r in rows if r["impl"] == "torch._grouped_mm compiled" and "error" not in r), None)
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['impl']} | error: {r['error'][:100]} | | | | |")
             continue
+        tag = ", fp32 masters" if r["impl"].endswith(", fp32 masters") else ""
+        ref = next((t for t in rows if t["impl"] == f"torch._grouped_mm compiled{tag}" and "error" not in t), None)
         ratio = f"{r['step_ms'] / ref['step_ms']:.2f}x" if ref else ""
         lines.append(
             f"| {r['impl']} | {r['fwd_ms']:.3f} | {r['fwd_tflops']:.0f} | {r['step_ms']:.3f} | "

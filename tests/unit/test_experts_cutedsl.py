@@ -149,6 +149,23 @@ def test_host_side_matches_float64_when_the_kernel_keeps_its_contract(monkeypatc
 FP8_BOUND = 0.10
 
 
+@pytest.mark.parametrize("run", [cutedsl_experts, cutedsl_fp8_experts])
+def test_auto_weight_gradients_are_ours_for_fp32_masters_and_torchs_for_bf16(monkeypatch, run):
+    """WGRAD "auto" on the CPU (the kernel replaced by its contract): fp32 masters get their gradients from our
+    k-grouped kernel, written in fp32 (no cast of a bf16 result), bf16 weights from torch._grouped_mm."""
+    monkeypatch.setattr(grouped, "_launch", _kernel_contract)
+    monkeypatch.setattr(cutedsl_module, "WGRAD", "auto")
+    ours = grouped.k_grouped_op
+    out_dtypes: list[torch.dtype] = []
+    monkeypatch.setattr(grouped, "k_grouped_op", lambda *args: out_dtypes.append(args[-1]) or ours(*args))
+    x, gate_up, down, offsets = expert_inputs([300, 0, 129], 128, 64, seed=1, device="cpu")
+    for masters, want in ((torch.float32, [torch.float32] * 2), (torch.bfloat16, [])):
+        out_dtypes.clear()
+        grads = output_and_grads(run, x, gate_up.to(masters), down.to(masters), offsets)
+        assert out_dtypes == want, masters
+        assert grads[2].dtype == grads[3].dtype == masters
+
+
 @pytest.mark.parametrize("compiled", [False, True])
 def test_fp8_host_side_matches_float64_within_the_format_bound(monkeypatch, compiled):
     """The FP8 backend's host side on the CPU (quantizers, weight pack, autograd, custom ops, torch.compile), the
@@ -504,5 +521,5 @@ def test_both_weight_gradient_kernels_agree_within_bf16_rounding(monkeypatch, ru
         rel = ((a - b).norm() / b.norm()).item()
         assert rel < 4e-3, f"grad {name}: {rel:.2e}"
     monkeypatch.setattr(cutedsl_module, "WGRAD", "ours")
-    with pytest.raises(ValueError, match=r"cutedsl.WGRAD = 'ours' is not one of \('grouped_mm', 'cutedsl'\)"):
+    with pytest.raises(ValueError, match=r"cutedsl.WGRAD = 'ours' is not one of \('auto', 'grouped_mm', 'cutedsl'\)"):
         run(x.clone().requires_grad_(), offsets, gate_up.clone().requires_grad_(), down).sum().backward()

@@ -28,11 +28,12 @@ from trainer.experts.fp8 import quantize_expert_weights_op
 
 # Which kernel computes the weight gradients (the GEMMs whose reduction runs over each expert's rows), in both
 # precisions. "grouped_mm": torch._grouped_mm, its bf16 result cast to the masters' dtype (what the grouped_mm
-# backend does); "cutedsl": our k-grouped kernel, which writes the masters' dtype straight from fp32. On an H100
-# at H2048 I768 E128 ours ran at 0.81-0.88x torch's speed (0.56-0.59x before its fp32 epilogue went through shared
-# memory; bench/RESULTS.md, 2026-12-07), so torch's is the default until ours is faster.
-WGRAD = "grouped_mm"
-WGRADS = ("grouped_mm", "cutedsl")
+# backend does); "cutedsl": our k-grouped kernel, which writes the masters' dtype straight from fp32; "auto": ours
+# where the masters are fp32 (training's case: torch's bf16 result costs a second pass, its cast, over a gradient
+# as large as the weights), torch's where they are bf16. On an H100 at H2048 I768 E128 ours ran at 0.81-0.88x
+# torch's speed as GEMMs alone (bench/RESULTS.md, 2026-12-07), before the cast torch's result needs.
+WGRAD = "auto"
+WGRADS = ("auto", "grouped_mm", "cutedsl")
 
 
 # How the FP8 backend computes its weight gradients: "bf16" by WGRAD, from the bf16 activations the forward keeps;
@@ -45,24 +46,13 @@ FP8_WGRAD = "bf16"
 FP8_WGRADS = ("bf16", "fp8")
 
 
-def _wgrad_of_fp8(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """The FP8 backend's [E, M, N] = a[rows of e]^T @ b[rows of e] per expert, by FP8_WGRAD."""
-    if FP8_WGRAD == "bf16":
-        return _wgrad(a, b, offsets, out_dtype)
-    if FP8_WGRAD == "fp8":
-        a_t, a_scale, ends = quant.quantize_tokens_t_op(a, offsets)
-        b_t, b_scale, _ = quant.quantize_tokens_t_op(b, offsets)
-        return grouped.k_grouped_scaled_op(a_t, a_scale, b_t, b_scale, ends, out_dtype)
-    raise ValueError(f"cutedsl.FP8_WGRAD = {FP8_WGRAD!r} is not one of {FP8_WGRADS}")
-
-
 def _wgrad(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """[E, M, N] = a[rows of e]^T @ b[rows of e] per expert e (a [R, M], b [R, N] token-major), by WGRAD."""
-    if WGRAD == "grouped_mm":
+    if WGRAD not in WGRADS:
+        raise ValueError(f"cutedsl.WGRAD = {WGRAD!r} is not one of {WGRADS}")
+    if WGRAD == "grouped_mm" or (WGRAD == "auto" and out_dtype == a.dtype):
         return torch._grouped_mm(a.t(), b, offs=offsets).to(out_dtype)
-    if WGRAD == "cutedsl":
-        return grouped.k_grouped_op(a, b, offsets, out_dtype)
-    raise ValueError(f"cutedsl.WGRAD = {WGRAD!r} is not one of {WGRADS}")
+    return grouped.k_grouped_op(a, b, offsets, out_dtype)
 
 
 class _CuteSwiGLU(torch.autograd.Function):
@@ -118,38 +108,72 @@ def cutedsl_experts(
 
 
 class _CuteFP8SwiGLU(torch.autograd.Function):
-    """_CuteSwiGLU with the forward and dgrad GEMMs in FP8: weights as (masters, their FP8 pack)."""
+    """_CuteSwiGLU with the forward and dgrad GEMMs in FP8: weights as (masters, their FP8 pack). With FP8 weight
+    gradients (FP8_WGRAD "fp8", read once per forward) each of the four activations is quantized both ways in one
+    pass (quant.quantize_both_op): 1x128 along its features for its row-grouped GEMM, per feature and 128-token
+    block for the wgrad GEMM; the forward keeps the transposed FP8 copies of x and of the activation instead of
+    x in bf16 and a recompute of the activation."""
 
     @staticmethod
     def forward(ctx, x, offsets, gate_up, down, *pack):
         gu_q, gu_s, gu_t_q, gu_t_s, dn_q, dn_s, dn_t_q, dn_t_s = pack
+        if FP8_WGRAD not in FP8_WGRADS:
+            raise ValueError(f"cutedsl.FP8_WGRAD = {FP8_WGRAD!r} is not one of {FP8_WGRADS}")
+        fp8_wgrad = FP8_WGRAD == "fp8" and any(ctx.needs_input_grad[2:4])
         items = grouped.work_items(offsets, x.shape[0], grouped.FP8_CONFIG.tile_mn[0])
-        h = grouped.m_grouped_scaled_op(*quant.quantize_rows_op(x), gu_q, gu_s, offsets, *items)  # [N, 2I] bf16
+        if fp8_wgrad:
+            x_q, x_s, *x_t = quant.quantize_both_op(x, offsets)  # x_t: (q_t, scale_t, ends)
+        else:
+            x_q, x_s = quant.quantize_rows_op(x)
+        h = grouped.m_grouped_scaled_op(x_q, x_s, gu_q, gu_s, offsets, *items)  # [N, 2I] bf16
         gate, up = h.chunk(2, dim=-1)
-        y = grouped.m_grouped_scaled_op(*quant.quantize_rows_op(F.silu(gate) * up), dn_q, dn_s, offsets, *items)
-        ctx.save_for_backward(x, offsets, h, gu_t_q, gu_t_s, dn_t_q, dn_t_s, *items)
+        act = F.silu(gate) * up
+        if fp8_wgrad:
+            act_q, act_s, act_t, act_t_s, _ = quant.quantize_both_op(act, offsets)
+            y = grouped.m_grouped_scaled_op(act_q, act_s, dn_q, dn_s, offsets, *items)
+            ctx.save_for_backward(offsets, h, gu_t_q, gu_t_s, dn_t_q, dn_t_s, *x_t, act_t, act_t_s, *items)
+        else:
+            y = grouped.m_grouped_scaled_op(*quant.quantize_rows_op(act), dn_q, dn_s, offsets, *items)
+            ctx.save_for_backward(offsets, h, gu_t_q, gu_t_s, dn_t_q, dn_t_s, x, *items)
+        ctx.fp8_wgrad = fp8_wgrad
         ctx.master_dtypes = (gate_up.dtype, down.dtype)
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
-        x, offsets, h, gu_t_q, gu_t_s, dn_t_q, dn_t_s, *items = ctx.saved_tensors
+        offsets, h, gu_t_q, gu_t_s, dn_t_q, dn_t_s, *rest = ctx.saved_tensors
         gate_up_dtype, down_dtype = ctx.master_dtypes
         need_x, _, need_gate_up, need_down = ctx.needs_input_grad[:4]
         grad_y = grad_y.contiguous()
         gate, up = h.chunk(2, dim=-1)
         silu_gate = F.silu(gate)
-        grad_act = grouped.m_grouped_scaled_op(
-            *quant.quantize_rows_op(grad_y), dn_t_q, dn_t_s, offsets, *items
-        )  # [N, I]
-        grad_down = _wgrad_of_fp8(grad_y, silu_gate * up, offsets, down_dtype) if need_down else None
+        if ctx.fp8_wgrad:
+            x_t, x_t_s, ends, act_t, act_t_s, *items = rest
+            grad_y_q, grad_y_s, grad_y_t, grad_y_t_s, _ = quant.quantize_both_op(grad_y, offsets)
+        else:
+            x, *items = rest
+            grad_y_q, grad_y_s = quant.quantize_rows_op(grad_y)
+        grad_act = grouped.m_grouped_scaled_op(grad_y_q, grad_y_s, dn_t_q, dn_t_s, offsets, *items)  # [N, I]
+        grad_down = None
+        if need_down:
+            if ctx.fp8_wgrad:
+                grad_down = grouped.k_grouped_scaled_op(grad_y_t, grad_y_t_s, act_t, act_t_s, ends, down_dtype)
+            else:
+                grad_down = _wgrad(grad_y, silu_gate * up, offsets, down_dtype)
         grad_h = torch.cat([torch.ops.aten.silu_backward(grad_act * up, gate), grad_act * silu_gate], dim=-1)
-        grad_gate_up = _wgrad_of_fp8(grad_h, x, offsets, gate_up_dtype) if need_gate_up else None
+        if ctx.fp8_wgrad:
+            grad_h_q, grad_h_s, grad_h_t, grad_h_t_s, _ = quant.quantize_both_op(grad_h, offsets)
+        elif need_x:
+            grad_h_q, grad_h_s = quant.quantize_rows_op(grad_h)
+        grad_gate_up = None
+        if need_gate_up:
+            if ctx.fp8_wgrad:
+                grad_gate_up = grouped.k_grouped_scaled_op(grad_h_t, grad_h_t_s, x_t, x_t_s, ends, gate_up_dtype)
+            else:
+                grad_gate_up = _wgrad(grad_h, x, offsets, gate_up_dtype)  # [E, 2I, H]
         grad_x = None
         if need_x:
-            grad_x = grouped.m_grouped_scaled_op(
-                *quant.quantize_rows_op(grad_h), gu_t_q, gu_t_s, offsets, *items
-            )  # [N, H]
+            grad_x = grouped.m_grouped_scaled_op(grad_h_q, grad_h_s, gu_t_q, gu_t_s, offsets, *items)  # [N, H]
         return (grad_x, None, grad_gate_up, grad_down) + (None,) * 8
 
 
