@@ -3,8 +3,8 @@ nvidia-cutlass-dsl, the `gpu` extra), bf16 operands and fp32 accumulation. Forwa
 y = act @ W2[e]^T over tokens sorted by expert (rows grouped); backward: the dgrad GEMMs (rows grouped, the
 weights read transposed) and the wgrad GEMMs (the reduction grouped over each expert's rows, written in
 the masters' dtype straight from the fp32 accumulators). The SwiGLU elementwise part is the same torch code
-as the grouped_mm backend, so the two differ only in the GEMMs. The weight gradients run on torch._grouped_mm by
-default (`WGRAD`: ours is slower so far).
+as the grouped_mm backend, so the two differ only in the GEMMs. The weight gradients run on our kernel where the
+masters are fp32 and on torch._grouped_mm where they are bf16 (`WGRAD` "auto").
 
 The GEMMs are torch custom ops (grouped.py), so torch.compile keeps them opaque. `cutlass` is imported on
 first use, so this module imports on any machine; `cutedsl_unavailable` says why the backend cannot run
@@ -15,8 +15,9 @@ tokens quantized 1x128 on the way in by our kernel (quant.py, bit for bit traine
 `quantize_rows`), the weights 128x128 once per optimizer step by the caller (the Experts module, through
 quant.py's one-pass kernel). The wgrad GEMMs stay bf16 by default, from the bf16 activations the forward
 keeps; `FP8_WGRAD = "fp8"` runs them in FP8 from both operands quantized per feature and 128-token block of one
-expert (each expert's tokens from a multiple of 128). Left out for now: quantization fused into the producers,
-the permutation gather fused into the A load, a Blackwell (sm100) kernel."""
+expert (each expert's tokens from a multiple of 128), each activation quantized both ways in one pass. Left out
+for now: quantization fused into the producers (SwiGLU), the permutation gather fused into the A load, a
+Blackwell (sm100) kernel."""
 
 from __future__ import annotations
 
@@ -29,19 +30,21 @@ from trainer.experts.fp8 import quantize_expert_weights_op
 # Which kernel computes the weight gradients (the GEMMs whose reduction runs over each expert's rows), in both
 # precisions. "grouped_mm": torch._grouped_mm, its bf16 result cast to the masters' dtype (what the grouped_mm
 # backend does); "cutedsl": our k-grouped kernel, which writes the masters' dtype straight from fp32; "auto": ours
-# where the masters are fp32 (training's case: torch's bf16 result costs a second pass, its cast, over a gradient
-# as large as the weights), torch's where they are bf16. On an H100 at H2048 I768 E128 ours ran at 0.81-0.88x
-# torch's speed as GEMMs alone (bench/RESULTS.md, 2026-12-07), before the cast torch's result needs.
+# where the masters are fp32 (training's case), torch's where they are bf16. As GEMMs alone ours runs at
+# 0.81-0.88x torch's speed, but torch's bf16 result then costs a cast, a second pass over a gradient as large as
+# the weights: on an H100 at H2048 I768 E128 over fp32 masters the compiled expert layer took 7.72 ms with ours
+# against 8.37 with torch's (bf16), 6.92 against 7.52 (FP8) (bench/RESULTS.md "Weight gradients in the masters'
+# dtype", 2026-12-07).
 WGRAD = "auto"
 WGRADS = ("auto", "grouped_mm", "cutedsl")
 
 
 # How the FP8 backend computes its weight gradients: "bf16" by WGRAD, from the bf16 activations the forward keeps;
 # "fp8" by grouped.k_grouped_scaled from both operands quantized per feature and 128-token block of one expert
-# (DeepSeek-V3's recipe; quant.quantize_tokens_t_op). "bf16" stays the default: on an H100 at H2048 I768 E128
-# the two FP8 GEMMs ran at 1.11-1.19x torch's bf16 speed, but the quantization of their four operands costs more
-# than they save: the expert layer compiled took 1.13x the time of the FP8 layer with bf16 weight gradients
-# (bench/RESULTS.md, 2026-12-07). Quantization fused into the producers would change that.
+# (DeepSeek-V3's recipe), each of the four activations quantized both ways in one pass (quant.quantize_both_op).
+# "bf16" stays the default: on an H100 at H2048 I768 E128 the two FP8 GEMMs ran at 1.11-1.19x torch's bf16 speed,
+# but the second quantization of their operands costs more than they save: the expert layer compiled over fp32
+# masters took 7.44 ms against 6.92 with bf16 weight gradients (bench/RESULTS.md, 2026-12-07).
 FP8_WGRAD = "bf16"
 FP8_WGRADS = ("bf16", "fp8")
 
