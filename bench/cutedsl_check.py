@@ -50,6 +50,7 @@ from trainer.experts.fp8 import (  # noqa: E402
     quantize_expert_weights,
     quantize_rows,
     quantize_tokens_t,
+    token_blocks,
 )
 from trainer.experts.numerics import relative_errors  # noqa: E402
 
@@ -206,17 +207,20 @@ def gemm_rows(H: int, inter: int, E: int, rows: int, log: list[str], fp8: bool, 
             lambda t=t: f" (bits == torch: {same_bits(quantize_tokens_t_kernel(t, offs), quantize_tokens_t(t, offs))})",
         )
 
-    def both_bits(t: torch.Tensor) -> bool:
-        got, want = quantize_both_kernel(t, offs), (*quantize_rows(t), *quantize_tokens_t(t, offs))
-        return same_bits(got[:2], want[:2]) and same_bits(got[2:4], want[2:4]) and torch.equal(got[4], want[4])
+    # Both at once (quantize_both, what the FP8 weight gradients need of each): the tensor read once, both copies
+    # written, over padded blocks made once for all four (as the backend does).
+    ends, src, n, _ = token_blocks(offs, rows)
 
-    # Both at once (quantize_both, what the backward needs of each): the tensor read once, both copies written.
+    def both_bits(t: torch.Tensor) -> bool:
+        got = (*quantize_both_kernel(t, src, n), ends)
+        return same_bits(got[:2], quantize_rows(t)) and same_bits(got[2:], quantize_tokens_t(t, offs))
+
     for name, t in (("x", x), ("act", act), ("grad_y", grad_y), ("grad_h", grad_h)):
         quant_timing(
             log,
             f"quantize_both {name} {tuple(t.shape)}: cutedsl",
             t.numel() * (t.element_size() + 2) / 1e9,
-            lambda t=t: quantize_both_kernel(t, offs),
+            lambda t=t: quantize_both_kernel(t, src, n),
             lambda t=t: f" (bits == torch: {both_bits(t)})",
         )
     if quant_only:
@@ -463,28 +467,27 @@ def layer_impls(x: torch.Tensor, offs: torch.Tensor, w1: torch.Tensor, w2: torch
     """layer_rows' rows for one pair of masters: (name, fn, module settings for the whole step: the backward
     reads them when it runs or is traced). Each row its own function: torch.compile caches its graph per code
     object, settings unseen. The weight copy (bf16, or the FP8 pack) is made once, as per optimizer step in
-    training; for bf16 masters the bf16 copy is the weights themselves."""
+    training; for bf16 masters the bf16 copy is the weights themselves. The unnamed rows take the defaults
+    (WGRAD and FP8_WGRAD "auto"); the others name what they change."""
     pack = quantize_expert_weights_fast(w1.detach(), w2.detach())
     copy = (w1.detach().bfloat16(), w2.detach().bfloat16())
+    torch_wgrad = {"WGRAD": "grouped_mm", "FP8_WGRAD": "bf16"}
     impls: list[tuple[str, Callable, dict]] = [
         ("torch._grouped_mm", lambda: grouped_mm_experts(x, offs, w1, w2, copy), {}),
         ("cutedsl bf16", lambda: cutedsl_experts(x, offs, w1, w2, copy), {}),
     ]
     fp32 = w1.dtype == torch.float32
     if fp32:
-        impls.append(
-            ("cutedsl bf16, torch wgrad", lambda: cutedsl_experts(x, offs, w1, w2, copy), {"WGRAD": "grouped_mm"})
-        )
-    if fp8:
-        impls.append(("cutedsl fp8", lambda: cutedsl_fp8_experts(x, offs, w1, w2, pack), {}))
-        if fp32:
-            impls.append(
-                (
-                    "cutedsl fp8, torch wgrad",
-                    lambda: cutedsl_fp8_experts(x, offs, w1, w2, pack),
-                    {"WGRAD": "grouped_mm"},
-                )
-            )
+        impls.append(("cutedsl bf16, torch wgrad", lambda: cutedsl_experts(x, offs, w1, w2, copy), torch_wgrad))
+    if not fp8:
+        return impls
+    impls.append(("cutedsl fp8", lambda: cutedsl_fp8_experts(x, offs, w1, w2, pack), {}))
+    if fp32:
+        impls += [
+            ("cutedsl fp8, bf16 wgrad", lambda: cutedsl_fp8_experts(x, offs, w1, w2, pack), {"FP8_WGRAD": "bf16"}),
+            ("cutedsl fp8, torch wgrad", lambda: cutedsl_fp8_experts(x, offs, w1, w2, pack), torch_wgrad),
+        ]
+    else:
         impls.append(
             ("cutedsl fp8, fp8 wgrad", lambda: cutedsl_fp8_experts(x, offs, w1, w2, pack), {"FP8_WGRAD": "fp8"})
         )

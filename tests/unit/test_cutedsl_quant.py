@@ -158,6 +158,15 @@ def _both_references(x: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tens
     return (*quantize_rows(x), *quantize_tokens_t(x, offsets))
 
 
+def _both_kernel(x: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """quantize_both_kernel over the padded blocks of `offsets`, with their ends: the references' five outputs."""
+    from trainer.experts.cutedsl.quant import quantize_both_kernel
+    from trainer.experts.fp8 import token_blocks
+
+    ends, src, rows, _ = token_blocks(offsets, x.shape[0])
+    return (*quantize_both_kernel(x, src, rows), ends)
+
+
 def _assert_same_five(got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, ...]) -> None:
     """q and q_t compared as bytes, the scales as int32 words, the ends as they are."""
     assert len(got) == len(want) == 5
@@ -175,25 +184,45 @@ def _assert_same_five(got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, .
 def test_the_two_way_kernel_writes_the_bits_of_both_torch_quantizers(monkeypatch, dtype, F, counts):
     """quantize_both_kernel gives quantize_rows' and quantize_tokens_t's five outputs bit for bit (partial blocks
     both ways, an empty expert, experts across blocks, one row, no rows)."""
-    from trainer.experts.cutedsl.quant import quantize_both_kernel
-
     monkeypatch.setattr(grouped, "POISON_OUTPUTS", True)  # an element the kernel skips stays NaN and differs
     R = sum(counts)
     x = _tokens(R, F).to(dtype) if R else torch.zeros(0, F, device="cuda", dtype=dtype)
     offsets = torch.tensor(counts, device="cuda").cumsum(0).int()
-    _assert_same_five(quantize_both_kernel(x, offsets), _both_references(x, offsets))
+    _assert_same_five(_both_kernel(x, offsets), _both_references(x, offsets))
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_two_way_kernel_divides_as_ieee_division_at_the_edges(dtype):
+    """The kernel's quotients (a reciprocal per scale and two residual steps instead of a division per element)
+    give torch's bits where rounding is hardest: values spread over 2^-126 .. 2^120 within one block, subnormals,
+    signed zeros (-0 / s stays -0), an infinity (x / inf = 0, inf / inf = NaN), an all-zero block; a million
+    quotients in all."""
+    g = torch.Generator(device="cuda").manual_seed(11)
+    R, F = 1024, 1024
+    mantissa = torch.rand(R, F, device="cuda", generator=g) + 1.0
+    exponent = torch.randint(-126, 121, (R, F), device="cuda", generator=g).float()
+    sign = torch.where(torch.rand(R, F, device="cuda", generator=g) < 0.5, -1.0, 1.0)
+    x = (sign * mantissa * torch.exp2(exponent)).to(dtype)
+    x[:256] = torch.randn(256, F, device="cuda", generator=g).to(dtype)  # ordinary blocks, ordinary scales
+    x[300, :128] = 0.0
+    x[301, :] = -0.0
+    x[302, 5] = 1e-40  # subnormal in both dtypes
+    x[303, 7] = float("inf")
+    x[304, 9] = float("-inf")
+    x[400:528, 256:384] = 0.0  # an all-zero 128x128 block: both scales are the floor
+    offsets = torch.tensor([300, 700, 1024], device="cuda", dtype=torch.int32)
+    _assert_same_five(_both_kernel(x, offsets), _both_references(x, offsets))
 
 
 @needs_gpu
 def test_a_nan_poisons_its_row_block_and_its_feature_token_block_and_nothing_else():
     """A NaN at (row 150, feature 130) makes NaN exactly q's row block, its scale, q_t's 128-token block of that
     feature (its padding tokens too) and its scale; every other bit is torch's."""
-    from trainer.experts.cutedsl.quant import quantize_both_kernel
-
     x = _tokens(300, 256, seed=3)
     x[150, 130] = float("nan")
     offsets = torch.tensor([200, 300], device="cuda", dtype=torch.int32)
-    got = quantize_both_kernel(x, offsets)
+    got = _both_kernel(x, offsets)
     want = _both_references(x, offsets)
     q, scale, q_t, scale_t, _ = got
     expected = [torch.zeros_like(t, dtype=torch.bool) for t in (q, scale, q_t, scale_t)]
@@ -214,13 +243,16 @@ def test_the_two_way_op_off_the_gpu_is_the_torch_pair_and_a_bad_width_is_refused
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from trainer.experts.cutedsl.quant import quantize_both_kernel, quantize_both_op
+    from trainer.experts.fp8 import token_blocks
 
     x = torch.randn(259, 200).bfloat16()
     offsets = torch.tensor([3, 3, 259], dtype=torch.int32)
-    want = _both_references(x, offsets)
-    _assert_same_five(quantize_both_op(x, offsets), want)
+    want = _both_references(x, offsets)[:4]
+    _, src, rows, _ = token_blocks(offsets, x.shape[0])
+    got = quantize_both_op(x, src, rows)
+    _assert_same_five((*got, offsets), (*want, offsets))
     with FakeTensorMode() as mode:
-        fake = quantize_both_op(mode.from_tensor(x), mode.from_tensor(offsets))
+        fake = quantize_both_op(*(mode.from_tensor(t) for t in (x, src, rows)))
     assert [(t.shape, t.dtype) for t in fake] == [(t.shape, t.dtype) for t in want]
     with pytest.raises(ValueError, match=r"multiple of 8.*\(4, 12\)"):
-        quantize_both_kernel(torch.zeros(4, 12, dtype=torch.bfloat16), torch.tensor([4], dtype=torch.int32))
+        quantize_both_kernel(torch.zeros(4, 12, dtype=torch.bfloat16), src, rows)

@@ -156,6 +156,7 @@ def test_auto_weight_gradients_are_ours_for_fp32_masters_and_torchs_for_bf16(mon
     k-grouped kernel, written in fp32 (no cast of a bf16 result), bf16 weights from torch._grouped_mm."""
     monkeypatch.setattr(grouped, "_launch", _kernel_contract)
     monkeypatch.setattr(cutedsl_module, "WGRAD", "auto")
+    monkeypatch.setattr(cutedsl_module, "FP8_WGRAD", "bf16")  # the FP8 backend's weight gradients by WGRAD
     ours = grouped.k_grouped_op
     out_dtypes: list[torch.dtype] = []
     monkeypatch.setattr(grouped, "k_grouped_op", lambda *args: out_dtypes.append(args[-1]) or ours(*args))
@@ -163,6 +164,22 @@ def test_auto_weight_gradients_are_ours_for_fp32_masters_and_torchs_for_bf16(mon
     for masters, want in ((torch.float32, [torch.float32] * 2), (torch.bfloat16, [])):
         out_dtypes.clear()
         grads = output_and_grads(run, x, gate_up.to(masters), down.to(masters), offsets)
+        assert out_dtypes == want, masters
+        assert grads[2].dtype == grads[3].dtype == masters
+
+
+def test_auto_fp8_weight_gradients_for_fp32_masters_and_bf16_ones_for_bf16_weights(monkeypatch):
+    """FP8_WGRAD "auto" on the CPU (the kernel replaced by its contract): fp32 masters get FP8 weight gradients
+    (the k-grouped scaled GEMM, written in fp32), bf16 weights the bf16 ones (torch._grouped_mm, no cast)."""
+    monkeypatch.setattr(grouped, "_launch", _kernel_contract)
+    monkeypatch.setattr(cutedsl_module, "FP8_WGRAD", "auto")
+    scaled = grouped.k_grouped_scaled_op
+    out_dtypes: list[torch.dtype] = []
+    monkeypatch.setattr(grouped, "k_grouped_scaled_op", lambda *args: out_dtypes.append(args[-1]) or scaled(*args))
+    x, gate_up, down, offsets = expert_inputs([300, 0, 129], 128, 64, seed=1, device="cpu")
+    for masters, want in ((torch.float32, [torch.float32] * 2), (torch.bfloat16, [])):
+        out_dtypes.clear()
+        grads = output_and_grads(cutedsl_fp8_experts, x, gate_up.to(masters), down.to(masters), offsets)
         assert out_dtypes == want, masters
         assert grads[2].dtype == grads[3].dtype == masters
 
@@ -187,6 +204,7 @@ def test_fp8_weight_gradients_host_side_matches_float64_within_the_format_bound(
     monkeypatch.setattr(grouped, "_launch", _kernel_contract)
     monkeypatch.setattr(grouped, "POISON_OUTPUTS", True)
     inputs = expert_inputs([300, 0, 129, 64, 1, 511], 256, 128, seed=3, device="cpu")
+    monkeypatch.setattr(cutedsl_module, "FP8_WGRAD", "bf16")
     want = output_and_grads(cutedsl_fp8_experts, *inputs)
     monkeypatch.setattr(cutedsl_module, "FP8_WGRAD", "fp8")
     fn = torch.compile(cutedsl_fp8_experts, backend="aot_eager") if compiled else cutedsl_fp8_experts
@@ -198,7 +216,7 @@ def test_fp8_weight_gradients_host_side_matches_float64_within_the_format_bound(
         rel = ((a - b).norm() / b.norm()).item()
         assert 5e-3 < rel < FP8_BOUND, f"grad {name} {rel:.1e} from the bf16 weight gradients"
     monkeypatch.setattr(cutedsl_module, "FP8_WGRAD", "int8")
-    with pytest.raises(ValueError, match=r"cutedsl.FP8_WGRAD = 'int8' is not one of \('bf16', 'fp8'\)"):
+    with pytest.raises(ValueError, match=r"cutedsl.FP8_WGRAD = 'int8' is not one of \('auto', 'bf16', 'fp8'\)"):
         output_and_grads(cutedsl_fp8_experts, *inputs)
 
 
@@ -510,6 +528,7 @@ def test_both_weight_gradient_kernels_agree_within_bf16_rounding(monkeypatch, ru
     """torch._grouped_mm's wgrad (bf16 result, cast) and ours (fp32 straight from the accumulators): the same
     sums, so they differ by the bf16 rounding of torch's output only; the other gradients are the same bits."""
     x, gate_up, down, offsets = expert_inputs([300, 0, 517, 64], 256, 128, seed=5)
+    monkeypatch.setattr(cutedsl_module, "FP8_WGRAD", "bf16")  # the FP8 backend's weight gradients by WGRAD
 
     def grads(wgrad: str) -> list[torch.Tensor]:
         monkeypatch.setattr(cutedsl_module, "WGRAD", wgrad)

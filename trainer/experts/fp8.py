@@ -93,17 +93,25 @@ def quantize_tokens_t(x: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Ten
     q_t[f, t] * scale[t // 128, f] ~= x[row of padded token t, f], one scale per feature and 128-token block of
     one expert (1x128 tiles along the tokens), the tokens contiguous (the reduction of the wgrad GEMM runs over
     them, and FP8 wgmma reads both operands K-contiguous). Padding tokens are zeros."""
+    ends, src, n, _ = token_blocks(offsets, x.shape[0])
+    return (*quantize_token_blocks(x, src, n), ends)
+
+
+def quantize_token_blocks(
+    x: torch.Tensor, block_src: torch.Tensor, block_rows: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_tokens_t's (q_t, scale) from the padded blocks token_blocks gives (their first source rows and
+    real row counts), for callers that quantize several tensors over the same rows."""
     R, Fdim = x.shape
-    ends, src, n, P = token_blocks(offsets, R)
-    nb = P // BLOCK
+    nb = block_src.shape[0]
     pos = torch.arange(BLOCK, device=x.device)
-    rows = src.long()[:, None] + pos  # [nb, 128] source rows of each padded token
-    real = pos < n.long()[:, None]
+    rows = block_src.long()[:, None] + pos  # [nb, 128] source rows of each padded token
+    real = pos < block_rows.long()[:, None]
     xf = x.float()[rows.clamp(max=max(R - 1, 0)).view(-1)] if R else x.new_zeros(nb * BLOCK, Fdim, dtype=torch.float)
     xf = torch.where(real.view(-1, 1), xf, 0.0).view(nb, BLOCK, Fdim)
     scale = xf.abs().amax(dim=1).clamp(min=TINY) * (1 / E4M3_MAX)  # [nb, F]
-    q = (xf / scale[:, None, :]).view(P, Fdim).to(torch.float8_e4m3fn)
-    return q.t().contiguous(), scale, ends
+    q = (xf / scale[:, None, :]).view(nb * BLOCK, Fdim).to(torch.float8_e4m3fn)
+    return q.t().contiguous(), scale
 
 
 def dequantize_tokens_t(q_t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -13,9 +13,9 @@ first use, so this module imports on any machine; `cutedsl_unavailable` says why
 `cutedsl_fp8_experts` runs the forward and dgrad GEMMs in FP8 e4m3 with DeepSeek-V3's block scales: the
 tokens quantized 1x128 on the way in by our kernel (quant.py, bit for bit trainer/experts/fp8.py's
 `quantize_rows`), the weights 128x128 once per optimizer step by the caller (the Experts module, through
-quant.py's one-pass kernel). The wgrad GEMMs stay bf16 by default, from the bf16 activations the forward
-keeps; `FP8_WGRAD = "fp8"` runs them in FP8 from both operands quantized per feature and 128-token block of one
-expert (each expert's tokens from a multiple of 128), each activation quantized both ways in one pass. Left out
+quant.py's one-pass kernel). The wgrad GEMMs run in FP8 where the masters are fp32 (`FP8_WGRAD` "auto"), from
+both operands quantized per feature and 128-token block of one expert (each expert's tokens from a multiple of
+128), each activation quantized both ways in one pass; in bf16 from the bf16 activations otherwise. Left out
 for now: quantization fused into the producers (SwiGLU), the permutation gather fused into the A load, a
 Blackwell (sm100) kernel."""
 
@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from trainer.experts.cutedsl import grouped, quant
-from trainer.experts.fp8 import quantize_expert_weights_op
+from trainer.experts.fp8 import quantize_expert_weights_op, token_blocks
 
 # Which kernel computes the weight gradients (the GEMMs whose reduction runs over each expert's rows), in both
 # precisions. "grouped_mm": torch._grouped_mm, its bf16 result cast to the masters' dtype (what the grouped_mm
@@ -41,12 +41,13 @@ WGRADS = ("auto", "grouped_mm", "cutedsl")
 
 # How the FP8 backend computes its weight gradients: "bf16" by WGRAD, from the bf16 activations the forward keeps;
 # "fp8" by grouped.k_grouped_scaled from both operands quantized per feature and 128-token block of one expert
-# (DeepSeek-V3's recipe), each of the four activations quantized both ways in one pass (quant.quantize_both_op).
-# "bf16" stays the default: on an H100 at H2048 I768 E128 the two FP8 GEMMs ran at 1.11-1.19x torch's bf16 speed,
-# but the second quantization of their operands costs more than they save: the expert layer compiled over fp32
-# masters took 7.44 ms against 6.92 with bf16 weight gradients (bench/RESULTS.md, 2026-12-07).
-FP8_WGRAD = "bf16"
-FP8_WGRADS = ("bf16", "fp8")
+# (DeepSeek-V3's recipe), each of the four activations quantized both ways in one pass (quant.quantize_both_op);
+# "auto": "fp8" where the masters are fp32 (training's case), "bf16" where they are bf16. On an H100 at H2048 I768
+# E128 the compiled expert layer took 6.70 ms with FP8 weight gradients against 6.91 with ours in bf16 over fp32
+# masters, 6.53 against 6.40 (torch's, no cast) over bf16 weights; moonlet trained 300 steps with them to within
+# 0.03% of the bf16 experts' loss (bench/RESULTS.md "FP8 weight gradients that pay", 2026-12-07).
+FP8_WGRAD = "auto"
+FP8_WGRADS = ("auto", "bf16", "fp8")
 
 
 def _wgrad(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -112,7 +113,7 @@ def cutedsl_experts(
 
 class _CuteFP8SwiGLU(torch.autograd.Function):
     """_CuteSwiGLU with the forward and dgrad GEMMs in FP8: weights as (masters, their FP8 pack). With FP8 weight
-    gradients (FP8_WGRAD "fp8", read once per forward) each of the four activations is quantized both ways in one
+    gradients (FP8_WGRAD, read once per forward) each of the four activations is quantized both ways in one
     pass (quant.quantize_both_op): 1x128 along its features for its row-grouped GEMM, per feature and 128-token
     block for the wgrad GEMM; the forward keeps the transposed FP8 copies of x and of the activation instead of
     x in bf16 and a recompute of the activation."""
@@ -122,19 +123,23 @@ class _CuteFP8SwiGLU(torch.autograd.Function):
         gu_q, gu_s, gu_t_q, gu_t_s, dn_q, dn_s, dn_t_q, dn_t_s = pack
         if FP8_WGRAD not in FP8_WGRADS:
             raise ValueError(f"cutedsl.FP8_WGRAD = {FP8_WGRAD!r} is not one of {FP8_WGRADS}")
-        fp8_wgrad = FP8_WGRAD == "fp8" and any(ctx.needs_input_grad[2:4])
+        fp32_masters = gate_up.dtype == down.dtype == torch.float32
+        fp8_wgrad = (FP8_WGRAD == "fp8" or (FP8_WGRAD == "auto" and fp32_masters)) and any(ctx.needs_input_grad[2:4])
         items = grouped.work_items(offsets, x.shape[0], grouped.FP8_CONFIG.tile_mn[0])
         if fp8_wgrad:
-            x_q, x_s, *x_t = quant.quantize_both_op(x, offsets)  # x_t: (q_t, scale_t, ends)
+            # The padded 128-token blocks of the four tensors' transposed copies: their rows are the same.
+            ends, *blocks, _ = token_blocks(offsets, x.shape[0])
+            x_q, x_s, *x_t = quant.quantize_both_op(x, *blocks)  # x_t: (q_t, scale_t)
         else:
             x_q, x_s = quant.quantize_rows_op(x)
         h = grouped.m_grouped_scaled_op(x_q, x_s, gu_q, gu_s, offsets, *items)  # [N, 2I] bf16
         gate, up = h.chunk(2, dim=-1)
         act = F.silu(gate) * up
         if fp8_wgrad:
-            act_q, act_s, act_t, act_t_s, _ = quant.quantize_both_op(act, offsets)
+            act_q, act_s, act_t, act_t_s = quant.quantize_both_op(act, *blocks)
             y = grouped.m_grouped_scaled_op(act_q, act_s, dn_q, dn_s, offsets, *items)
-            ctx.save_for_backward(offsets, h, gu_t_q, gu_t_s, dn_t_q, dn_t_s, *x_t, act_t, act_t_s, *items)
+            saved = (*x_t, act_t, act_t_s, ends, *blocks)
+            ctx.save_for_backward(offsets, h, gu_t_q, gu_t_s, dn_t_q, dn_t_s, *saved, *items)
         else:
             y = grouped.m_grouped_scaled_op(*quant.quantize_rows_op(act), dn_q, dn_s, offsets, *items)
             ctx.save_for_backward(offsets, h, gu_t_q, gu_t_s, dn_t_q, dn_t_s, x, *items)
@@ -151,8 +156,9 @@ class _CuteFP8SwiGLU(torch.autograd.Function):
         gate, up = h.chunk(2, dim=-1)
         silu_gate = F.silu(gate)
         if ctx.fp8_wgrad:
-            x_t, x_t_s, ends, act_t, act_t_s, *items = rest
-            grad_y_q, grad_y_s, grad_y_t, grad_y_t_s, _ = quant.quantize_both_op(grad_y, offsets)
+            x_t, x_t_s, act_t, act_t_s, ends, *rest = rest
+            blocks, items = rest[:2], rest[2:]
+            grad_y_q, grad_y_s, grad_y_t, grad_y_t_s = quant.quantize_both_op(grad_y, *blocks)
         else:
             x, *items = rest
             grad_y_q, grad_y_s = quant.quantize_rows_op(grad_y)
@@ -165,7 +171,7 @@ class _CuteFP8SwiGLU(torch.autograd.Function):
                 grad_down = _wgrad(grad_y, silu_gate * up, offsets, down_dtype)
         grad_h = torch.cat([torch.ops.aten.silu_backward(grad_act * up, gate), grad_act * silu_gate], dim=-1)
         if ctx.fp8_wgrad:
-            grad_h_q, grad_h_s, grad_h_t, grad_h_t_s, _ = quant.quantize_both_op(grad_h, offsets)
+            grad_h_q, grad_h_s, grad_h_t, grad_h_t_s = quant.quantize_both_op(grad_h, *blocks)
         elif need_x:
             grad_h_q, grad_h_s = quant.quantize_rows_op(grad_h)
         grad_gate_up = None

@@ -52,7 +52,7 @@ FP8_CONFIG = TileConfig((128, 128), 5, cluster_n=2, tma_scales=True)
 # The FP8 weight gradients (k_grouped_scaled): with the fp32 epilogue through shared memory (4 stages leave the
 # room) 1.11-1.19x torch._grouped_mm's bf16 speed on an H100 at H2048 I768 E128; with the 8-byte pair stores
 # 0.72-0.76x, the consumers stalled on full load/store queues for 37% of their cycles and L2 94% busy
-# (bench/RESULTS.md, 2026-12-07). The backend's wgrad stays bf16 by default (cutedsl.FP8_WGRAD).
+# (bench/RESULTS.md, 2026-12-07). The backend takes them where the masters are fp32 (cutedsl.FP8_WGRAD "auto").
 FP8_WGRAD_CONFIG = TileConfig((128, 128), 4, cluster_n=2, tma_scales=True, smem_epilogue_fp32=True)
 
 POISON_OUTPUTS = False
