@@ -43,7 +43,6 @@ from trainer.experts.cutedsl.quant import (  # noqa: E402
     quantize_both_kernel,
     quantize_expert_weights_fast,
     quantize_rows_kernel,
-    quantize_tokens_t_kernel,
 )
 from trainer.experts.fp8 import (  # noqa: E402
     quantize_blocks,
@@ -197,16 +196,6 @@ def gemm_rows(H: int, inter: int, E: int, rows: int, log: list[str], fp8: bool, 
         ("cutedsl", lambda: quantize_expert_weights_fast(*masters)),
     ):
         quant_timing(log, f"quantize weights (pack) fp32 {tuple(w1.shape)} + {tuple(w2.shape)}: {impl}", gbytes, fn)
-    # The FP8 weight gradients' operands (quantize_tokens_t): transposed, one scale per feature and 128-token block.
-    for name, t in (("x", x), ("act", act), ("grad_y", grad_y), ("grad_h", grad_h)):
-        quant_timing(
-            log,
-            f"quantize_tokens_t {name} {tuple(t.shape)}: cutedsl",
-            t.numel() * (t.element_size() + 1) / 1e9,
-            lambda t=t: quantize_tokens_t_kernel(t, offs),
-            lambda t=t: f" (bits == torch: {same_bits(quantize_tokens_t_kernel(t, offs), quantize_tokens_t(t, offs))})",
-        )
-
     # Both at once (quantize_both, what the FP8 weight gradients need of each): the tensor read once, both copies
     # written, over padded blocks made once for all four (as the backend does).
     ends, src, n, _ = token_blocks(offs, rows)
@@ -316,13 +305,14 @@ def gemm_rows(H: int, inter: int, E: int, rows: int, log: list[str], fp8: bool, 
             ref,
         )
     # The FP8 weight gradients (cutedsl.FP8_WGRAD = "fp8"): both operands quantized per feature and 128-token
-    # block of one expert (quantize_tokens_t), then the k-grouped FP8 GEMM; fp32 out, as ours in bf16.
+    # block of one expert (the transposed half of quantize_both), then the k-grouped FP8 GEMM; fp32 out, as ours
+    # in bf16.
     for name, a, b in (("wgrad down (ours fp32 out)", grad_y, act), ("wgrad gate_up (ours fp32 out)", grad_h, x)):
         flops = gemms[name][0]
         ref = gemms[name][1]()
         guard()
         try:
-            (a_t, sa, ends), (b_t, sb, _) = quantize_tokens_t_kernel(a, offs), quantize_tokens_t_kernel(b, offs)
+            (a_t, sa), (b_t, sb) = quantize_both_kernel(a, src, n)[2:], quantize_both_kernel(b, src, n)[2:]
         except Exception as exc:
             traceback.print_exc()
             out.append({"gemm": name, "impl": "cutedsl fp8 wgrad", "error": repr(exc)[:300]})
@@ -349,10 +339,10 @@ def gemm_rows(H: int, inter: int, E: int, rows: int, log: list[str], fp8: bool, 
         )
         run(
             name,
-            "cutedsl fp8 wgrad + quantization",
+            "cutedsl fp8 wgrad + two-way quantization",
             flops,
             lambda a=a, b=b: grouped.k_grouped_scaled(
-                *quantize_tokens_t_kernel(a, offs)[:2], *quantize_tokens_t_kernel(b, offs), torch.float32
+                *quantize_both_kernel(a, src, n)[2:], *quantize_both_kernel(b, src, n)[2:], ends, torch.float32
             ),
             ref,
         )

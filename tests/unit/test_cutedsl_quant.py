@@ -127,31 +127,6 @@ def test_the_weight_pack_off_the_gpu_is_the_torch_one():
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
-@needs_gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize(
-    "counts,F", [([300, 0, 129, 64, 1, 511], 256), ([0, 0], 128), ([1], 8), ([4096, 333], 2048), ([128, 256], 136)]
-)
-def test_the_token_kernel_writes_the_bits_of_the_torch_weight_gradient_operand(monkeypatch, dtype, counts, F):
-    """quantize_tokens_t_kernel: q_t, the scales and the padded ends of trainer.experts.fp8.quantize_tokens_t bit
-    for bit (empty experts, partial blocks, one token, no tokens, a NaN, features not a multiple of 128)."""
-    from trainer.experts.cutedsl.quant import quantize_tokens_t_kernel
-    from trainer.experts.fp8 import quantize_tokens_t
-
-    monkeypatch.setattr(grouped, "POISON_OUTPUTS", True)
-    x = _tokens(sum(counts), F).to(dtype) if sum(counts) else torch.zeros(0, F, device="cuda", dtype=dtype)
-    if sum(counts) > 5:
-        x[5, 3] = float("nan")
-    offsets = torch.tensor(counts, device="cuda").cumsum(0).int()
-    (q, s, ends), (q_ref, s_ref, ends_ref) = quantize_tokens_t_kernel(x, offsets), quantize_tokens_t(x, offsets)
-    assert torch.equal(ends, ends_ref)
-    assert q.shape == q_ref.shape and s.shape == s_ref.shape
-    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)), (
-        f"{int((q.view(torch.uint8) != q_ref.view(torch.uint8)).sum())} values differ"
-    )
-    assert torch.equal(s.view(torch.int32), s_ref.view(torch.int32)), "scales differ"
-
-
 def _both_references(x: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, ...]:
     from trainer.experts.fp8 import quantize_tokens_t
 
@@ -179,11 +154,12 @@ def _assert_same_five(got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, .
 
 @needs_gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("F", [128, 200, 2048])
-@pytest.mark.parametrize("counts", [[300, 0, 129, 64, 1, 511], [1], [0, 0]])
+@pytest.mark.parametrize("F", [8, 128, 136, 200, 2048])
+@pytest.mark.parametrize("counts", [[300, 0, 129, 64, 1, 511], [1], [0, 0], [4096, 333], [128, 256]])
 def test_the_two_way_kernel_writes_the_bits_of_both_torch_quantizers(monkeypatch, dtype, F, counts):
     """quantize_both_kernel gives quantize_rows' and quantize_tokens_t's five outputs bit for bit (partial blocks
-    both ways, an empty expert, experts across blocks, one row, no rows)."""
+    both ways, one feature lane, an empty expert, experts across blocks and in whole ones, one row, no rows; the
+    cases of the transposed-only kernel it replaced, too)."""
     monkeypatch.setattr(grouped, "POISON_OUTPUTS", True)  # an element the kernel skips stays NaN and differs
     R = sum(counts)
     x = _tokens(R, F).to(dtype) if R else torch.zeros(0, F, device="cuda", dtype=dtype)

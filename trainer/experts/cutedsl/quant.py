@@ -11,16 +11,13 @@ computes on a CUDA device:
   shuffles and shared memory, writes the e4m3 bytes and, through a transposed byte tile in shared memory, their
   transpose. torch's function makes a dozen passes over each chunk of 8 experts (12.3 ms for the 128-expert
   pack on an H100).
-- `quantize_tokens_t_kernel` (the weight gradient's operands: one scale per feature and 128-token block of one
-  expert, tokens contiguous) in one pass. A CTA of 256 threads takes 64 features of a block, each thread 4
-  tokens of 8 features (16-byte loads); the maxima go through shuffles and shared memory, the e4m3 bytes through
-  a swizzled transposed tile out to q_t in 16-byte stores.
 - `quantize_both_kernel` (a tensor the backward quantizes both ways: x, the activation, grad_y, grad_h) writes
-  what quantize_rows_kernel and quantize_tokens_t_kernel write, reading the tensor once. A CTA of 512 threads
-  takes 128 features of a padded 128-token block, each thread 4 tokens of 8 features (16-byte loads): the feature
-  maxima go through shuffles and shared memory; the row maxima through shuffles and the rows' e4m3 bytes straight
-  out to q in 8-byte stores, while the other warps reach the barrier; the feature-scaled e4m3 bytes go through a
-  swizzled transposed tile out to q_t in 16-byte stores. Every source row lies in exactly one padded block, so
+  what quantize_rows_kernel writes and what trainer.experts.fp8.quantize_token_blocks computes (the weight
+  gradient's operand: one scale per feature and 128-token block of one expert, tokens contiguous), reading the
+  tensor once. A CTA of 512 threads takes 128 features of a padded 128-token block, each thread 4 tokens of 8
+  features (16-byte loads): the feature maxima go through shuffles and shared memory; the row maxima through
+  shuffles and the rows' e4m3 bytes straight out to q in 8-byte stores, while the other warps reach the barrier;
+  the feature-scaled e4m3 bytes go through a swizzled transposed tile out to q_t in 16-byte stores. Every source row lies in exactly one padded block, so
   each row is quantized once. Its divisions take one reciprocal per scale and two residual steps per element
   (`quotient`), the bits of IEEE division without its per-element reciprocal, range check and slow-path branch;
   4 tokens a thread (64 registers) let 2 CTAs of 512 threads share an SM. On an H100 it went from 0.72 ms for x
@@ -33,9 +30,7 @@ IEEE division, rounded to nearest even (the values are below 464 by construction
 torch's conversion agree). A NaN in a block makes its scale and all its values NaN, as in torch.
 
 `cutlass` is imported on first use, as in grouped.py, so that this module imports where the DSL is missing.
-Left out: fusing the quantization into the producer of the tokens (the SwiGLU activation, the permutation).
-quantize_tokens_t_kernel makes its padded blocks itself (two dozen small torch ops, more host time than the
-kernel's GPU time at 131,072 rows); the backend uses quantize_both_kernel, whose caller makes them once a step."""
+Left out: fusing the quantization into the producer of the tokens (the SwiGLU activation, the permutation)."""
 
 import functools
 
@@ -49,7 +44,6 @@ from trainer.experts.fp8 import (
     quantize_expert_weights,
     quantize_rows,
     quantize_token_blocks,
-    token_blocks,
 )
 
 VEC = 8  # elements per thread: one 16-byte load of bf16
@@ -275,149 +269,6 @@ def quantize_expert_weights_fast(
     for i, w in enumerate((gate_up, down)):
         quantize_blocks_kernel(w.detach(), out[4 * i : 4 * i + 4])
     return out
-
-
-# A CTA of the token quantizer: one 128-token block of 64 features, 256 threads, each 4 consecutive tokens of 8
-# consecutive features (one 16-byte load per token of bf16, two of fp32), so that a warp reads 4 token rows of 128
-# bytes at a time. Small CTAs of few registers: 5 of them on an SM keep enough loads in flight while others divide.
-TOK_FEATS = 64
-TOK_ROWS = 4  # tokens a thread: 4 e4m3 bytes, one 32-bit word of the transposed tile
-TOK_LANES = TOK_FEATS // VEC  # threads along a token row
-TOK_THREADS = TOK_LANES * BLOCK // TOK_ROWS
-
-
-@functools.cache
-def _tokens_t_launcher():
-    """The @cute.jit launcher of the weight-gradient operand quantizer (quantize_tokens_t), built on first use."""
-    import cuda.bindings.driver as cuda_driver
-    import cutlass
-    import cutlass.cute as cute
-    from cutlass.memory import SmemAllocator
-
-    warps = TOK_THREADS // 32
-    words = BLOCK // TOK_ROWS  # 32-bit words of a feature's 128 tokens
-    store = 16 // TOK_ROWS  # words of one 16-byte store of q_t
-    stores = BLOCK // 16  # 16-byte stores of a feature's 128 tokens
-
-    @cute.kernel
-    def kernel(x: cute.Tensor, q_t: cute.Tensor, scale: cute.Tensor, block_src: cute.Tensor, block_rows: cute.Tensor):
-        tidx, _, _ = cute.arch.thread_idx()
-        ft, b, _ = cute.arch.block_idx()
-        _, F = x.shape
-        warp = tidx // 32
-        lane = tidx % TOK_LANES  # this thread's features: 8 lane .. 8 lane + 7 of the tile
-        group = tidx // TOK_LANES  # its tokens: 4 group .. 4 group + 3 of the block
-        f0 = ft * TOK_FEATS
-        src = block_src[b]
-        n = block_rows[b]
-        smem = SmemAllocator()
-        # The tile's e4m3 bytes transposed, a feature's 128 tokens as 32 words, word w of feature f stored at
-        # w ^ (4 (f // 8)): a warp's stores (4 groups, 8 lanes) then fall in 32 banks, and the 4 words of a
-        # 16-byte store of q_t stay consecutive. Then each warp's maxima of the 64 features, and their scales.
-        tile = smem.allocate_tensor(cutlass.Uint32, cute.make_layout((TOK_FEATS, words), stride=(words, 1)), 16)
-        maxima = smem.allocate_tensor(cutlass.Float32, cute.make_layout((warps, TOK_FEATS), stride=(TOK_FEATS, 1)), 16)
-        scales = smem.allocate_tensor(cutlass.Float32, cute.make_layout(TOK_FEATS), 16)
-        # Padding tokens, missing rows and features past F are zeros (F is a multiple of 8: a thread's 8 features
-        # are all in or all out).
-        v = cute.make_rmem_tensor(cute.make_layout((TOK_ROWS, VEC), stride=(VEC, 1)), x.element_type)
-        v.fill(0.0)
-        for j in cutlass.range_constexpr(TOK_ROWS):
-            r = group * TOK_ROWS + j
-            if r < n and f0 + lane * VEC < F:
-                row = cute.zipped_divide(x, (1, VEC))[(0, None), (src + r, ft * TOK_LANES + lane)]
-                cute.autovec_copy(cute.make_tensor(row.iterator.align(16), row.layout), v[j, None])
-        xf = cute.make_rmem_tensor(cute.make_layout((TOK_ROWS, VEC), stride=(VEC, 1)), cutlass.Float32)
-        xf.store(v.load().to(cutlass.Float32))
-        # Each feature's maximum: over the thread's 4 tokens, the warp's 4 groups (shuffles), the warps (shared
-        # memory). NaN-propagating maxima: torch's amax and clamp keep a NaN.
-        for i in cutlass.range_constexpr(VEC):
-            m = cutlass.Float32(0.0)
-            for j in cutlass.range_constexpr(TOK_ROWS):
-                m = cute.arch.fmax(m, abs(xf[j, i]), nan=True)
-            for k in cutlass.range_constexpr(2):
-                m = cute.arch.fmax(m, cute.arch.shuffle_sync_bfly(m, offset=TOK_LANES << k), nan=True)
-            if tidx % 32 < TOK_LANES:
-                maxima[warp, lane * VEC + i] = m
-        cute.arch.barrier()
-        if tidx < TOK_FEATS:
-            amax = maxima[0, tidx]
-            for w in cutlass.range_constexpr(1, warps):
-                amax = cute.arch.fmax(amax, maxima[w, tidx], nan=True)
-            s = cute.arch.fmax(amax, cutlass.Float32(TINY), nan=True) * cutlass.Float32(1.0 / E4M3_MAX)
-            scales[tidx] = s
-            if f0 + tidx < F:
-                scale[b, f0 + tidx] = s
-        cute.arch.barrier()
-        # Every token of the block, padding too (0 / s, NaN where s is), as torch: 4 tokens of a feature, a word.
-        for i in cutlass.range_constexpr(VEC):
-            s = scales[lane * VEC + i]
-            q = cute.make_rmem_tensor((TOK_ROWS,), cutlass.Float32)
-            for j in cutlass.range_constexpr(TOK_ROWS):
-                q[j] = xf[j, i] / s
-            out = cute.make_rmem_tensor((TOK_ROWS,), q_t.element_type)
-            out.store(q.load().to(q_t.element_type))
-            tile[lane * VEC + i, group ^ (lane * store)] = cute.recast_tensor(out, cutlass.Uint32)[0]
-        cute.arch.barrier()
-        # Out to q_t: 16 consecutive tokens of a feature a thread (one 16-byte store), a feature's 128 tokens by 8
-        # consecutive threads.
-        qt_bytes = cute.zipped_divide(cute.recast_tensor(q_t, cutlass.Uint8), (1, 16))
-        tile_stores = cute.zipped_divide(tile, (1, store))
-        for it in cutlass.range_constexpr(TOK_FEATS * stores // TOK_THREADS):
-            f = (tidx + it * TOK_THREADS) // stores
-            k = (tidx + it * TOK_THREADS) % stores
-            if f0 + f < F:
-                chunk = cute.make_rmem_tensor((store,), cutlass.Uint32)
-                held = tile_stores[(0, None), (f, k ^ (f // VEC))]
-                cute.autovec_copy(cute.make_tensor(held.iterator.align(16), held.layout), chunk)
-                dst = qt_bytes[(0, None), (f0 + f, b * stores + k)]
-                cute.autovec_copy(
-                    cute.recast_tensor(chunk, cutlass.Uint8), cute.make_tensor(dst.iterator.align(16), dst.layout)
-                )
-
-    @cute.jit
-    def launch(
-        x: cute.Tensor,
-        q_t: cute.Tensor,
-        scale: cute.Tensor,
-        block_src: cute.Tensor,
-        block_rows: cute.Tensor,
-        stream: cuda_driver.CUstream,
-    ):
-        _, F = x.shape
-        grid = [(F + TOK_FEATS - 1) // TOK_FEATS, block_src.shape[0], 1]
-        # 5 CTAs an SM: at most 48 registers a thread (without spills). The carveout (percent of the shared
-        # memory, against L1, which these streaming loads do not reuse) is given so that the compile asks no device.
-        kernel(x, q_t, scale, block_src, block_rows).launch(
-            grid=grid, block=[TOK_THREADS, 1, 1], stream=stream, min_blocks_per_mp=5, preferred_smem_carveout=50
-        )
-
-    return launch
-
-
-_COMPILED_TOKENS_T: dict[tuple, object] = {}
-
-
-def quantize_tokens_t_kernel(x: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`trainer.experts.fp8.quantize_tokens_t` on the GPU in one pass over x (bf16, fp16 or fp32 [R, F]): the
-    weight gradient's operand, transposed and quantized per feature and 128-token block of one expert, bit for
-    bit what the torch function computes."""
-    if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise ValueError(f"x must be [R, F] bf16, fp16 or fp32, got {tuple(x.shape)} {x.dtype}")
-    R, F = x.shape
-    if F % VEC:
-        raise ValueError(
-            f"x must be [R, F] with F a multiple of {VEC} (16-byte rows; pad the features), got {tuple(x.shape)}"
-        )
-    ends, src, rows, P = token_blocks(offsets, R)
-    q_t = grouped._output(F, P, device=x.device, dtype=torch.float8_e4m3fn)
-    scale = grouped._output(P // BLOCK, F, device=x.device, dtype=torch.float32)
-    if R and F:
-        x = grouped._aligned(x)
-        grouped.call(_COMPILED_TOKENS_T, (x.dtype,), _tokens_t_launcher(), (x, q_t, scale, src, rows))
-    elif F:  # no tokens: every block all zeros, as the torch function gives
-        q_t.zero_()
-        scale.fill_(TINY).mul_(1 / E4M3_MAX)
-    return q_t, scale, ends
 
 
 # A CTA of the two-way quantizer: one 128-feature block of one padded 128-token block, 512 threads, each 4
