@@ -150,16 +150,14 @@ def test_host_side_matches_float64_when_the_kernel_keeps_its_contract(monkeypatc
 FP8_BOUND = 0.10
 
 
-@pytest.mark.parametrize("run", [cutedsl_experts, cutedsl_fp8_experts])
-def test_auto_weight_gradients_are_ours_for_fp32_masters_and_torchs_for_bf16(monkeypatch, run):
-    """WGRAD "auto" on the CPU (the kernel replaced by its contract): fp32 masters get their gradients from our
-    k-grouped kernel, written in fp32 (no cast of a bf16 result), bf16 weights from torch._grouped_mm."""
+def assert_wgrad_kernel_by_masters(monkeypatch, run, op: str) -> None:
+    """On the CPU (the kernel replaced by its contract): `run`'s weight gradients over fp32 masters come from
+    grouped.`op`, called twice with fp32 out; over bf16 weights it is not called; the gradients are in the masters'
+    dtype either way."""
     monkeypatch.setattr(grouped, "_launch", _kernel_contract)
-    monkeypatch.setattr(cutedsl_module, "WGRAD", "auto")
-    monkeypatch.setattr(cutedsl_module, "FP8_WGRAD", "bf16")  # the FP8 backend's weight gradients by WGRAD
-    ours = grouped.k_grouped_op
+    real = getattr(grouped, op)
     out_dtypes: list[torch.dtype] = []
-    monkeypatch.setattr(grouped, "k_grouped_op", lambda *args: out_dtypes.append(args[-1]) or ours(*args))
+    monkeypatch.setattr(grouped, op, lambda *args: out_dtypes.append(args[-1]) or real(*args))
     x, gate_up, down, offsets = expert_inputs([300, 0, 129], 128, 64, seed=1, device="cpu")
     for masters, want in ((torch.float32, [torch.float32] * 2), (torch.bfloat16, [])):
         out_dtypes.clear()
@@ -168,20 +166,20 @@ def test_auto_weight_gradients_are_ours_for_fp32_masters_and_torchs_for_bf16(mon
         assert grads[2].dtype == grads[3].dtype == masters
 
 
+@pytest.mark.parametrize("run", [cutedsl_experts, cutedsl_fp8_experts])
+def test_auto_weight_gradients_are_ours_for_fp32_masters_and_torchs_for_bf16(monkeypatch, run):
+    """WGRAD "auto": fp32 masters get their gradients from our k-grouped kernel, written in fp32 (no cast of a
+    bf16 result), bf16 weights from torch._grouped_mm."""
+    monkeypatch.setattr(cutedsl_module, "WGRAD", "auto")
+    monkeypatch.setattr(cutedsl_module, "FP8_WGRAD", "bf16")  # the FP8 backend's weight gradients by WGRAD
+    assert_wgrad_kernel_by_masters(monkeypatch, run, "k_grouped_op")
+
+
 def test_auto_fp8_weight_gradients_for_fp32_masters_and_bf16_ones_for_bf16_weights(monkeypatch):
-    """FP8_WGRAD "auto" on the CPU (the kernel replaced by its contract): fp32 masters get FP8 weight gradients
-    (the k-grouped scaled GEMM, written in fp32), bf16 weights the bf16 ones (torch._grouped_mm, no cast)."""
-    monkeypatch.setattr(grouped, "_launch", _kernel_contract)
+    """FP8_WGRAD "auto": fp32 masters get FP8 weight gradients (the k-grouped scaled GEMM, written in fp32), bf16
+    weights the bf16 ones (torch._grouped_mm, no cast)."""
     monkeypatch.setattr(cutedsl_module, "FP8_WGRAD", "auto")
-    scaled = grouped.k_grouped_scaled_op
-    out_dtypes: list[torch.dtype] = []
-    monkeypatch.setattr(grouped, "k_grouped_scaled_op", lambda *args: out_dtypes.append(args[-1]) or scaled(*args))
-    x, gate_up, down, offsets = expert_inputs([300, 0, 129], 128, 64, seed=1, device="cpu")
-    for masters, want in ((torch.float32, [torch.float32] * 2), (torch.bfloat16, [])):
-        out_dtypes.clear()
-        grads = output_and_grads(cutedsl_fp8_experts, x, gate_up.to(masters), down.to(masters), offsets)
-        assert out_dtypes == want, masters
-        assert grads[2].dtype == grads[3].dtype == masters
+    assert_wgrad_kernel_by_masters(monkeypatch, cutedsl_fp8_experts, "k_grouped_scaled_op")
 
 
 @pytest.mark.parametrize("compiled", [False, True])
