@@ -43,12 +43,16 @@ from trainer.experts.cutedsl.quant import (  # noqa: E402
     quantize_both_kernel,
     quantize_expert_weights_fast,
     quantize_rows_kernel,
+    swiglu_both_kernel,
+    swiglu_grad_both_kernel,
 )
 from trainer.experts.fp8 import (  # noqa: E402
     quantize_blocks,
     quantize_expert_weights,
     quantize_rows,
     quantize_tokens_t,
+    swiglu,
+    swiglu_grad,
     token_blocks,
 )
 from trainer.experts.numerics import relative_errors  # noqa: E402
@@ -161,6 +165,61 @@ def numerics_ok(rows: list[dict], precision: str) -> bool:
     )
 
 
+def codes_off(ours: tuple[torch.Tensor, ...], theirs: tuple[torch.Tensor, ...]) -> str:
+    """How many e4m3 codes of a two-way quantizer's q and q_t differ from another's, and by how many codes at most."""
+    counts = []
+    for a, b in ((ours[0], theirs[0]), (ours[2], theirs[2])):
+        diff = (a.view(torch.uint8).int() - b.view(torch.uint8).int()).abs()
+        counts.append(f"{int((diff > 0).sum())} of {a.numel()} (max {int(diff.max()) if diff.numel() else 0})")
+    return "q " + counts[0] + ", q_t " + counts[1]
+
+
+def swiglu_rows(inter: int, rows: int, src: torch.Tensor, n: torch.Tensor, log: list[str], rnd) -> None:
+    """The SwiGLU's activation and its gradient quantized both ways: computed in bf16 by torch (compiled), then
+    quantize_both (cutedsl.SWIGLU_QUANT "torch"), against the fused kernels ("fused"), with how many codes the
+    fused ones' differ from quantize_both of the fp32 torch values."""
+    h = torch.cat([rnd(rows, inter, scale=3.0), rnd(rows, inter)], dim=-1)  # gate | up
+    grad_act = rnd(rows, inter)
+
+    @torch.compile(dynamic=False)
+    def act_bf16(h):
+        gate, up = h.chunk(2, dim=-1)
+        return torch.nn.functional.silu(gate) * up
+
+    @torch.compile(dynamic=False)
+    def grad_h_bf16(grad_act, h):
+        gate, up = h.chunk(2, dim=-1)
+        return cutedsl._swiglu_backward(grad_act, gate, up, torch.nn.functional.silu(gate))
+
+    act_bytes = rows * inter * 6 / 1e9  # h read, q and q_t written (the fused kernel's traffic)
+    grad_bytes = rows * inter * 10 / 1e9  # grad_act and h read, q and q_t of grad_h written
+    cases = (
+        (
+            f"swiglu act {tuple(h.shape)}",
+            act_bytes,
+            lambda: quantize_both_kernel(act_bf16(h), src, n),
+            lambda: swiglu_both_kernel(h, src, n),
+            lambda: quantize_both_kernel(swiglu(h), src, n),
+        ),
+        (
+            f"swiglu grad_h {tuple(grad_act.shape)}",
+            grad_bytes,
+            lambda: quantize_both_kernel(grad_h_bf16(grad_act, h), src, n),
+            lambda: swiglu_grad_both_kernel(grad_act, h, src, n),
+            lambda: quantize_both_kernel(swiglu_grad(grad_act, h), src, n),
+        ),
+    )
+    for label, gbytes, unfused, fused, reference in cases:
+        quant_timing(log, f"{label}: torch.compile + quantize_both", gbytes, unfused)
+        quant_timing(
+            log,
+            f"{label}: fused",
+            gbytes,
+            fused,
+            lambda fused=fused, ref=reference: f" (codes off the fp32 torch values': {codes_off(fused(), ref())})",
+        )
+
+
 def gemm_rows(H: int, inter: int, E: int, rows: int, log: list[str], fp8: bool, quant_only: bool = False) -> list[dict]:
     """The GEMMs alone: torch._grouped_mm, ours in bf16, and (the four row-grouped ones) ours in FP8 per config,
     from operands quantized beforehand, and the module's FP8 config with the input's quantization timed too. The
@@ -212,6 +271,7 @@ def gemm_rows(H: int, inter: int, E: int, rows: int, log: list[str], fp8: bool, 
             lambda t=t: quantize_both_kernel(t, src, n),
             lambda t=t: f" (bits == torch: {both_bits(t)})",
         )
+    swiglu_rows(inter, rows, src, n, log, rnd)
     if quant_only:
         return []
     w = {
@@ -472,15 +532,21 @@ def layer_impls(x: torch.Tensor, offs: torch.Tensor, w1: torch.Tensor, w2: torch
     if not fp8:
         return impls
     impls.append(("cutedsl fp8", lambda: cutedsl_fp8_experts(x, offs, w1, w2, pack), {}))
+    unfused = {"SWIGLU_QUANT": "torch"}
     if fp32:
         impls += [
+            ("cutedsl fp8, unfused SwiGLU", lambda: cutedsl_fp8_experts(x, offs, w1, w2, pack), unfused),
             ("cutedsl fp8, bf16 wgrad", lambda: cutedsl_fp8_experts(x, offs, w1, w2, pack), {"FP8_WGRAD": "bf16"}),
-            ("cutedsl fp8, torch wgrad", lambda: cutedsl_fp8_experts(x, offs, w1, w2, pack), torch_wgrad),
         ]
     else:
-        impls.append(
-            ("cutedsl fp8, fp8 wgrad", lambda: cutedsl_fp8_experts(x, offs, w1, w2, pack), {"FP8_WGRAD": "fp8"})
-        )
+        impls += [
+            ("cutedsl fp8, fp8 wgrad", lambda: cutedsl_fp8_experts(x, offs, w1, w2, pack), {"FP8_WGRAD": "fp8"}),
+            (
+                "cutedsl fp8, fp8 wgrad, unfused SwiGLU",
+                lambda: cutedsl_fp8_experts(x, offs, w1, w2, pack),
+                {"FP8_WGRAD": "fp8", **unfused},
+            ),
+        ]
     return impls
 
 

@@ -232,3 +232,104 @@ def test_the_two_way_op_off_the_gpu_is_the_torch_pair_and_a_bad_width_is_refused
     assert [(t.shape, t.dtype) for t in fake] == [(t.shape, t.dtype) for t in want]
     with pytest.raises(ValueError, match=r"multiple of 8.*\(4, 12\)"):
         quantize_both_kernel(torch.zeros(4, 12, dtype=torch.bfloat16), src, rows)
+
+
+def _swiglu_inputs(R: int, inter: int, seed: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """h = gate|up [R, 2I] and grad_act [R, I] in bf16: gates over -12 .. 12 (the sigmoid saturated both ways and
+    everything between), ups and gradients spanning 6 decades, a row of zeros."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    gate = (torch.rand(R, inter, device=device, generator=g) - 0.5) * 24
+    up = torch.randn(R, inter, device=device, generator=g) * torch.logspace(-3, 3, inter, device=device)
+    grad = torch.randn(R, inter, device=device, generator=g) * torch.logspace(3, -3, inter, device=device)
+    if R >= 3:
+        gate[R // 3], up[R // 3], grad[R // 3] = 0.0, 0.0, 0.0
+    return torch.cat([gate, up], dim=-1).bfloat16(), grad.bfloat16()
+
+
+def _assert_within_a_step(got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, ...]) -> None:
+    """The fused kernels against quantize_both of the torch SwiGLU: their sigmoid (an approximate reciprocal and a
+    Newton step) and their products (which the compiler may fuse into FMAs) can move an fp32 value by a few ulps,
+    so a value on a rounding boundary of e4m3 may land one code away (each mismatch exactly one code, in the
+    same sign, one in a thousand at most; 1 in 4 million measured), and a scale (the block maximum over 448) a
+    few ulps (under 2^-20 relative; 4.6e-7 measured)."""
+    assert len(got) == len(want) == 5
+    for name, a, b in zip(("q", "scale", "q_t", "scale_t"), got, want, strict=False):
+        assert a.dtype == b.dtype and a.shape == b.shape, f"{name}: {a.dtype} {tuple(a.shape)} != {tuple(b.shape)}"
+        if a.dtype == torch.float32:
+            torch.testing.assert_close(a, b, rtol=2**-20, atol=0, msg=lambda m, name=name: f"{name}: {m}")
+            continue
+        a_bits, b_bits = a.view(torch.uint8).int(), b.view(torch.uint8).int()
+        off = a_bits != b_bits
+        assert int(off.sum()) <= max(1, a.numel() // 1000), f"{name}: {int(off.sum())} of {a.numel()} differ"
+        assert bool(((a_bits - b_bits).abs()[off] == 1).all()), f"{name}: a value off by more than one e4m3 code"
+    assert torch.equal(got[4], want[4])
+
+
+@needs_gpu
+@pytest.mark.parametrize("inter", [8, 128, 200, 768])
+@pytest.mark.parametrize("counts", [[300, 0, 129, 64, 1, 511], [1], [0, 0], [4096, 333]])
+def test_the_fused_swiglu_kernels_quantize_what_torch_computes(monkeypatch, inter, counts):
+    """swiglu_both_kernel gives quantize_both of trainer.experts.fp8.swiglu(h) and swiglu_grad_both_kernel that of
+    swiglu_grad(grad_act, h), within an e4m3 code (see _assert_within_a_step): partial blocks, empty experts, no
+    rows, I of one feature lane, and I = 200, whose 128-feature block 1 of grad_h holds gate and up features."""
+    from trainer.experts.cutedsl.quant import quantize_both_kernel, swiglu_both_kernel, swiglu_grad_both_kernel
+    from trainer.experts.fp8 import swiglu, swiglu_grad, token_blocks
+
+    monkeypatch.setattr(grouped, "POISON_OUTPUTS", True)  # an element the kernel skips stays NaN and differs
+    h, grad_act = _swiglu_inputs(sum(counts), inter, seed=inter, device="cuda")
+    offsets = torch.tensor(counts, device="cuda").cumsum(0).int()
+    ends, src, rows, _ = token_blocks(offsets, h.shape[0])
+    for got, value in (
+        (swiglu_both_kernel(h, src, rows), swiglu(h)),
+        (swiglu_grad_both_kernel(grad_act, h, src, rows), swiglu_grad(grad_act, h)),
+    ):
+        _assert_within_a_step((*got, ends), (*quantize_both_kernel(value, src, rows), ends))
+
+
+def test_the_torch_swiglu_and_its_gradient_are_the_float64_ones():
+    """trainer.experts.fp8's swiglu and swiglu_grad, the fused kernels' references, match float64 autograd of
+    silu(gate) * up to fp32 precision."""
+    from trainer.experts.fp8 import swiglu, swiglu_grad
+
+    h, grad_act = _swiglu_inputs(64, 200, seed=5, device="cpu")
+    h64 = h.double().requires_grad_()
+    gate, up = h64.chunk(2, dim=-1)
+    act = torch.nn.functional.silu(gate) * up
+    act.backward(grad_act.double())
+    torch.testing.assert_close(swiglu(h), act.detach().float(), rtol=1e-6, atol=1e-30)
+    torch.testing.assert_close(swiglu_grad(grad_act, h), h64.grad.float(), rtol=1e-5, atol=1e-30)
+
+
+def test_the_fused_swiglu_ops_off_the_gpu_are_the_torch_functions_and_bad_shapes_are_refused():
+    """On the CPU swiglu_both_op and swiglu_grad_both_op run quantize_both of the torch SwiGLU and its gradient,
+    their fakes give those shapes, and the kernels refuse an odd I or mismatched shapes, naming them."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from trainer.experts.cutedsl.quant import (
+        quantize_both_op,
+        swiglu_both_kernel,
+        swiglu_both_op,
+        swiglu_grad_both_kernel,
+        swiglu_grad_both_op,
+    )
+    from trainer.experts.fp8 import swiglu, swiglu_grad, token_blocks
+
+    h, grad_act = _swiglu_inputs(259, 136, seed=2, device="cpu")
+    offsets = torch.tensor([3, 3, 259], dtype=torch.int32)
+    _, src, rows, _ = token_blocks(offsets, h.shape[0])
+    cases = (
+        (swiglu_both_op, (h, src, rows), swiglu(h)),
+        (swiglu_grad_both_op, (grad_act, h, src, rows), swiglu_grad(grad_act, h)),
+    )
+    for op, args, value in cases:
+        want = quantize_both_op(value, src, rows)
+        _assert_same_five((*op(*args), offsets), (*want, offsets))
+        with FakeTensorMode() as mode:
+            fake = op(*(mode.from_tensor(t) for t in args))
+        assert [(t.shape, t.dtype) for t in fake] == [(t.shape, t.dtype) for t in want]
+    with pytest.raises(ValueError, match=r"I a multiple of 8.*\(4, 24\)"):
+        swiglu_both_kernel(torch.zeros(4, 24, dtype=torch.bfloat16), src, rows)
+    with pytest.raises(ValueError, match=r"h must be \[R, 2I\] = \(4, 16\).*\(4, 24\)"):
+        swiglu_grad_both_kernel(
+            torch.zeros(4, 8, dtype=torch.bfloat16), torch.zeros(4, 24, dtype=torch.bfloat16), src, rows
+        )

@@ -114,6 +114,23 @@ def quantize_token_blocks(
     return q.t().contiguous(), scale
 
 
+def swiglu(h: torch.Tensor) -> torch.Tensor:
+    """The activation silu(gate) * up of h = gate|up [R, 2I], in fp32 from h's values and never rounded to h's
+    dtype: what the FP8 backend quantizes in its forward (cutedsl quant.swiglu_both_kernel fuses the two)."""
+    gate, up = h.float().chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def swiglu_grad(grad_act: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """grad_h [R, 2I] = (grad gate, grad up) of the activation's gradient grad_act [R, I] through h = gate|up, in
+    fp32, never rounded: grad_act up sig (1 + gate (1 - sig)) and grad_act gate sig, with sig = sigmoid(gate)
+    (cutedsl quant.swiglu_grad_both_kernel computes it in the pass that quantizes it)."""
+    gate, up = h.float().chunk(2, dim=-1)
+    grad = grad_act.float()
+    sig = torch.sigmoid(gate)
+    return torch.cat([grad * up * sig * (1 + gate * (1 - sig)), grad * (gate * sig)], dim=-1)
+
+
 def dequantize_tokens_t(q_t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """The fp32 values quantize_tokens_t's output stands for, [F, P]."""
     return q_t.float() * scale.t().repeat_interleave(BLOCK, dim=1)

@@ -15,9 +15,9 @@ tokens quantized 1x128 on the way in by our kernel (quant.py, bit for bit traine
 `quantize_rows`), the weights 128x128 once per optimizer step by the caller (the Experts module, through
 quant.py's one-pass kernel). The wgrad GEMMs run in FP8 where the masters are fp32 (`FP8_WGRAD` "auto"), from
 both operands quantized per feature and 128-token block of one expert (each expert's tokens from a multiple of
-128), each activation quantized both ways in one pass; in bf16 from the bf16 activations otherwise. Left out
-for now: quantization fused into the producers (SwiGLU), the permutation gather fused into the A load, a
-Blackwell (sm100) kernel."""
+128), each activation quantized both ways in one pass, the SwiGLU's activation and its gradient computed inside
+that pass (`SWIGLU_QUANT`); in bf16 from the bf16 activations otherwise. Left out for now: the permutation gather
+fused into the A load, a Blackwell (sm100) kernel."""
 
 from __future__ import annotations
 
@@ -49,6 +49,13 @@ WGRADS = ("auto", "grouped_mm", "cutedsl")
 FP8_WGRAD = "auto"
 FP8_WGRADS = ("auto", "bf16", "fp8")
 
+# With FP8 weight gradients, how the SwiGLU meets its quantization: "fused" computes the activation (forward) and
+# grad_h (backward) in fp32 inside the two-way quantizer's pass (quant.swiglu_both_op, swiglu_grad_both_op), so
+# neither is written to memory nor rounded to bf16; "torch" computes them in bf16 with torch (fused by Inductor
+# when compiled), then quantizes them (quant.quantize_both_op): the same arithmetic up to those roundings.
+SWIGLU_QUANT = "fused"
+SWIGLU_QUANTS = ("fused", "torch")
+
 
 def _wgrad(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """[E, M, N] = a[rows of e]^T @ b[rows of e] per expert e (a [R, M], b [R, N] token-major), by WGRAD."""
@@ -57,6 +64,12 @@ def _wgrad(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, out_dtype: t
     if WGRAD == "grouped_mm" or (WGRAD == "auto" and out_dtype == a.dtype):
         return torch._grouped_mm(a.t(), b, offs=offsets).to(out_dtype)
     return grouped.k_grouped_op(a, b, offsets, out_dtype)
+
+
+def _swiglu_backward(grad_act, gate, up, silu_gate) -> torch.Tensor:
+    """grad_h = (grad gate, grad up) [N, 2I] of silu(gate) * up in their dtype: the two ops autograd runs (the
+    grouped_mm backend's arithmetic)."""
+    return torch.cat([torch.ops.aten.silu_backward(grad_act * up, gate), grad_act * silu_gate], dim=-1)
 
 
 class _CuteSwiGLU(torch.autograd.Function):
@@ -82,7 +95,7 @@ class _CuteSwiGLU(torch.autograd.Function):
         silu_gate = F.silu(gate)
         grad_act = grouped.m_grouped_op(grad_y, down_c, offsets, *items, True)  # [N, I]: down read transposed
         grad_down = _wgrad(grad_y, silu_gate * up, offsets, down_dtype) if need_down else None
-        grad_h = torch.cat([torch.ops.aten.silu_backward(grad_act * up, gate), grad_act * silu_gate], dim=-1)
+        grad_h = _swiglu_backward(grad_act, gate, up, silu_gate)
         grad_gate_up = _wgrad(grad_h, x, offsets, gate_up_dtype) if need_gate_up else None  # [E, 2I, H]
         grad_x = grouped.m_grouped_op(grad_h, gate_up_c, offsets, *items, True) if need_x else None
         return grad_x, None, grad_gate_up, grad_down, None, None
@@ -125,6 +138,9 @@ class _CuteFP8SwiGLU(torch.autograd.Function):
             raise ValueError(f"cutedsl.FP8_WGRAD = {FP8_WGRAD!r} is not one of {FP8_WGRADS}")
         fp32_masters = gate_up.dtype == down.dtype == torch.float32
         fp8_wgrad = (FP8_WGRAD == "fp8" or (FP8_WGRAD == "auto" and fp32_masters)) and any(ctx.needs_input_grad[2:4])
+        if SWIGLU_QUANT not in SWIGLU_QUANTS:
+            raise ValueError(f"cutedsl.SWIGLU_QUANT = {SWIGLU_QUANT!r} is not one of {SWIGLU_QUANTS}")
+        ctx.fused = SWIGLU_QUANT == "fused"
         items = grouped.work_items(offsets, x.shape[0], grouped.FP8_CONFIG.tile_mn[0])
         if fp8_wgrad:
             # The padded 128-token blocks of the four tensors' transposed copies: their rows are the same.
@@ -133,14 +149,18 @@ class _CuteFP8SwiGLU(torch.autograd.Function):
         else:
             x_q, x_s = quant.quantize_rows_op(x)
         h = grouped.m_grouped_scaled_op(x_q, x_s, gu_q, gu_s, offsets, *items)  # [N, 2I] bf16
-        gate, up = h.chunk(2, dim=-1)
-        act = F.silu(gate) * up
         if fp8_wgrad:
-            act_q, act_s, act_t, act_t_s = quant.quantize_both_op(act, *blocks)
+            if ctx.fused:  # the activation silu(gate) * up computed and quantized in one pass over h, never written
+                act_q, act_s, act_t, act_t_s = quant.swiglu_both_op(h, *blocks)
+            else:
+                gate, up = h.chunk(2, dim=-1)
+                act_q, act_s, act_t, act_t_s = quant.quantize_both_op(F.silu(gate) * up, *blocks)
             y = grouped.m_grouped_scaled_op(act_q, act_s, dn_q, dn_s, offsets, *items)
             saved = (*x_t, act_t, act_t_s, ends, *blocks)
             ctx.save_for_backward(offsets, h, gu_t_q, gu_t_s, dn_t_q, dn_t_s, *saved, *items)
         else:
+            gate, up = h.chunk(2, dim=-1)
+            act = F.silu(gate) * up
             y = grouped.m_grouped_scaled_op(*quant.quantize_rows_op(act), dn_q, dn_s, offsets, *items)
             ctx.save_for_backward(offsets, h, gu_t_q, gu_t_s, dn_t_q, dn_t_s, x, *items)
         ctx.fp8_wgrad = fp8_wgrad
@@ -153,8 +173,6 @@ class _CuteFP8SwiGLU(torch.autograd.Function):
         gate_up_dtype, down_dtype = ctx.master_dtypes
         need_x, _, need_gate_up, need_down = ctx.needs_input_grad[:4]
         grad_y = grad_y.contiguous()
-        gate, up = h.chunk(2, dim=-1)
-        silu_gate = F.silu(gate)
         if ctx.fp8_wgrad:
             x_t, x_t_s, act_t, act_t_s, ends, *rest = rest
             blocks, items = rest[:2], rest[2:]
@@ -164,16 +182,23 @@ class _CuteFP8SwiGLU(torch.autograd.Function):
             grad_y_q, grad_y_s = quant.quantize_rows_op(grad_y)
         grad_act = grouped.m_grouped_scaled_op(grad_y_q, grad_y_s, dn_t_q, dn_t_s, offsets, *items)  # [N, I]
         grad_down = None
-        if need_down:
-            if ctx.fp8_wgrad:
-                grad_down = grouped.k_grouped_scaled_op(grad_y_t, grad_y_t_s, act_t, act_t_s, ends, down_dtype)
-            else:
-                grad_down = _wgrad(grad_y, silu_gate * up, offsets, down_dtype)
-        grad_h = torch.cat([torch.ops.aten.silu_backward(grad_act * up, gate), grad_act * silu_gate], dim=-1)
         if ctx.fp8_wgrad:
-            grad_h_q, grad_h_s, grad_h_t, grad_h_t_s = quant.quantize_both_op(grad_h, *blocks)
-        elif need_x:
-            grad_h_q, grad_h_s = quant.quantize_rows_op(grad_h)
+            if need_down:
+                grad_down = grouped.k_grouped_scaled_op(grad_y_t, grad_y_t_s, act_t, act_t_s, ends, down_dtype)
+            if ctx.fused:  # grad_h = (grad gate, grad up) computed and quantized in one pass over grad_act and h
+                grad_h_q, grad_h_s, grad_h_t, grad_h_t_s = quant.swiglu_grad_both_op(grad_act, h, *blocks)
+            else:
+                gate, up = h.chunk(2, dim=-1)
+                grad_h = _swiglu_backward(grad_act, gate, up, F.silu(gate))
+                grad_h_q, grad_h_s, grad_h_t, grad_h_t_s = quant.quantize_both_op(grad_h, *blocks)
+        else:
+            gate, up = h.chunk(2, dim=-1)
+            silu_gate = F.silu(gate)
+            if need_down:
+                grad_down = _wgrad(grad_y, silu_gate * up, offsets, down_dtype)
+            grad_h = _swiglu_backward(grad_act, gate, up, silu_gate)
+            if need_x:
+                grad_h_q, grad_h_s = quant.quantize_rows_op(grad_h)
         grad_gate_up = None
         if need_gate_up:
             if ctx.fp8_wgrad:

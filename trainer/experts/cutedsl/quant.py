@@ -22,7 +22,11 @@ computes on a CUDA device:
   (`quotient`), the bits of IEEE division without its per-element reciprocal, range check and slow-path branch;
   4 tokens a thread (64 registers) let 2 CTAs of 512 threads share an SM. On an H100 it went from 0.72 ms for x
   [131072, 2048] (8 tokens a thread, 256 threads, divisions) to 0.46 ms, 2.35 TB/s, against 0.29 ms for the
-  row quantization alone.
+  row quantization alone. Two more kinds of it (`BOTH_KINDS`) quantize the SwiGLU's values, computed in fp32 in
+  the same pass from their inputs, so that they are never written: the activation silu(gate) * up from h =
+  gate|up (`swiglu_both_kernel`, the forward), and grad_h = (grad gate, grad up) from grad_act and h
+  (`swiglu_grad_both_kernel`, the backward; the CTAs of a token block's gate and up features run side by side
+  and share their reads of grad_act and h through L2).
 
 The arithmetic is torch's on CUDA, op for op: scale = max(amax, 1e-12) * fp32(1/448) (torch divides a CUDA
 tensor by a Python number as a product with the number's fp32 reciprocal) and q = e4m3(x / scale) with an
@@ -30,7 +34,7 @@ IEEE division, rounded to nearest even (the values are below 464 by construction
 torch's conversion agree). A NaN in a block makes its scale and all its values NaN, as in torch.
 
 `cutlass` is imported on first use, as in grouped.py, so that this module imports where the DSL is missing.
-Left out: fusing the quantization into the producer of the tokens (the SwiGLU activation, the permutation)."""
+Left out: fusing the quantization into the permutation's gather."""
 
 import functools
 
@@ -44,6 +48,8 @@ from trainer.experts.fp8 import (
     quantize_expert_weights,
     quantize_rows,
     quantize_token_blocks,
+    swiglu,
+    swiglu_grad,
 )
 
 VEC = 8  # elements per thread: one 16-byte load of bf16
@@ -282,10 +288,17 @@ BOTH_WARPS = BOTH_THREADS // 32
 BOTH_CTAS = 2  # CTAs an SM
 
 
+# What the two-way quantizer quantizes: "copy" its input x [R, F] itself; "swiglu" the activation silu(gate) * up
+# of x = h = gate|up [R, 2F] (the forward's gate_up output); "swiglu_grad" grad_h = (the gate's, the up's gradient)
+# [R, 2I] of x = grad_act [R, I] and x2 = h [R, 2I] (the backward's). The SwiGLU values are computed in fp32 and
+# quantized as they are, never rounded to bf16 (trainer.experts.fp8.swiglu / swiglu_grad in torch).
+BOTH_KINDS = ("copy", "swiglu", "swiglu_grad")
+
+
 @functools.cache
-def _both_launcher():
-    """The @cute.jit launcher of the two-way quantizer (quantize_rows and quantize_tokens_t in one pass over the
-    tokens), built on first use."""
+def _both_launcher(kind: str = "copy"):
+    """The @cute.jit launcher of the two-way quantizer (quantize_rows and quantize_token_blocks in one pass over
+    the tokens) of `kind` (BOTH_KINDS), built on first use."""
     import cuda.bindings.driver as cuda_driver
     import cutlass
     import cutlass.cute as cute
@@ -311,9 +324,26 @@ def _both_launcher():
         q2 = cutlass.Float32(cutlass.select_(r0 == cutlass.Float32(0.0), q0, q2))
         return cutlass.Float32(cutlass.select_(cute.math.isnan(q2), q0, q2))
 
+    def load(t, row, c, dst):
+        """dst <- the 8 elements of chunk c (columns 8 c .. 8 c + 7) of row `row` of t, one 16-byte load."""
+        src = cute.zipped_divide(t, (1, VEC))[(0, None), (row, c)]
+        cute.autovec_copy(cute.make_tensor(src.iterator.align(16), src.layout), dst)
+
+    def sigmoid(g):
+        """1 / (1 + e^-g) of fp32 g, within an ulp or two of torch's: the exponential is libdevice's (as CUDA's expf),
+        the reciprocal the hardware's approximation (rcp.approx.ftz) and one Newton step, where an IEEE division
+        (a range check and a slow-path branch an element) made the fused kernels compute-bound. The denominator is
+        at least 1, so the reciprocal is normal or, past 2^126 (g below -87), flushed to 0, where the step (inf x
+        0) would give NaN and is skipped."""
+        d = cutlass.Float32(1.0) + cute.math.exp(-g)
+        r0 = cute.arch.rcp_approx(d)
+        r1 = cute.math.fma(r0, cute.math.fma(-d, r0, cutlass.Float32(1.0)), r0)
+        return cutlass.Float32(cutlass.select_(r0 == cutlass.Float32(0.0), r0, r1))
+
     @cute.kernel
     def kernel(
         x: cute.Tensor,
+        x2: cute.Tensor,
         q: cute.Tensor,
         scale: cute.Tensor,
         q_t: cute.Tensor,
@@ -323,7 +353,7 @@ def _both_launcher():
     ):
         tidx, _, _ = cute.arch.thread_idx()
         kb, b, _ = cute.arch.block_idx()
-        _, F = x.shape
+        _, F = q.shape  # the quantized features: x's, the activation's (half h's), grad_h's (twice grad_act's)
         warp = tidx // 32
         lane = tidx % LANES  # this thread's features: 8 lane .. 8 lane + 7 of the block
         group = tidx // LANES  # its tokens: 4 group .. 4 group + 3 of the block
@@ -341,16 +371,59 @@ def _both_launcher():
         maxima = smem.allocate_tensor(cutlass.Float32, cute.make_layout((BOTH_WARPS, BLOCK), stride=(BLOCK, 1)), 16)
         col_scales = smem.allocate_tensor(cutlass.Float32, cute.make_layout(BLOCK), 16)
         row_scales = smem.allocate_tensor(cutlass.Float32, cute.make_layout(BLOCK), 16)
-        # Padding tokens and features past F are zeros.
-        v = cute.make_rmem_tensor(cute.make_layout((BOTH_ROWS, VEC), stride=(VEC, 1)), x.element_type)
-        v.fill(0.0)
-        for j in cutlass.range_constexpr(BOTH_ROWS):
-            r = group * BOTH_ROWS + j
-            if r < n and live:
-                row = cute.zipped_divide(x, (1, VEC))[(0, None), (src + r, chunk)]
-                cute.autovec_copy(cute.make_tensor(row.iterator.align(16), row.layout), v[j, None])
+        # Padding tokens and features past F are zeros (the SwiGLU of zeros and its gradient are zeros too).
         xf = cute.make_rmem_tensor(cute.make_layout((BOTH_ROWS, VEC), stride=(VEC, 1)), cutlass.Float32)
-        xf.store(v.load().to(cutlass.Float32))
+        if cutlass.const_expr(kind == "copy"):
+            v = cute.make_rmem_tensor(cute.make_layout((BOTH_ROWS, VEC), stride=(VEC, 1)), x.element_type)
+            v.fill(0.0)
+            for j in cutlass.range_constexpr(BOTH_ROWS):
+                r = group * BOTH_ROWS + j
+                if r < n and live:
+                    load(x, src + r, chunk, v[j, None])
+            xf.store(v.load().to(cutlass.Float32))
+        elif cutlass.const_expr(kind == "swiglu"):
+            # x = h [R, 2F]: this thread's gate chunk and the up chunk F / 8 chunks further.
+            for j in cutlass.range_constexpr(BOTH_ROWS):
+                r = group * BOTH_ROWS + j
+                gate = cute.make_rmem_tensor((VEC,), x.element_type)
+                up = cute.make_rmem_tensor((VEC,), x.element_type)
+                gate.fill(0.0)
+                up.fill(0.0)
+                if r < n and live:
+                    load(x, src + r, chunk, gate)
+                    load(x, src + r, chunk + F // VEC, up)
+                g = gate.load().to(cutlass.Float32)
+                u = up.load().to(cutlass.Float32)
+                for i in cutlass.range_constexpr(VEC):
+                    xf[j, i] = g[i] * sigmoid(g[i]) * u[i]  # silu(gate) * up
+        else:
+            # x = grad_act [R, I], x2 = h [R, 2I]; grad_h's features 0 .. I-1 are the gate's gradient, I .. 2I-1
+            # the up's: a thread's 8 features are one or the other (I is a multiple of 8), its column c of the
+            # activation the same for both.
+            inter = x.shape[1]
+            on_gate = chunk * VEC < inter
+            c = chunk - cutlass.Int32(cutlass.select_(on_gate, 0, inter // VEC))
+            for j in cutlass.range_constexpr(BOTH_ROWS):
+                r = group * BOTH_ROWS + j
+                grad = cute.make_rmem_tensor((VEC,), x.element_type)
+                gate = cute.make_rmem_tensor((VEC,), x2.element_type)
+                up = cute.make_rmem_tensor((VEC,), x2.element_type)
+                grad.fill(0.0)
+                gate.fill(0.0)
+                up.fill(0.0)
+                if r < n and live:
+                    load(x, src + r, c, grad)
+                    load(x2, src + r, c, gate)
+                    load(x2, src + r, c + inter // VEC, up)
+                a = grad.load().to(cutlass.Float32)
+                g = gate.load().to(cutlass.Float32)
+                u = up.load().to(cutlass.Float32)
+                for i in cutlass.range_constexpr(VEC):
+                    sig = sigmoid(g[i])
+                    # d/d gate = grad_act up sig (1 + gate (1 - sig)); d/d up = grad_act silu(gate) = grad_act gate sig
+                    dgate = a[i] * u[i] * sig * (cutlass.Float32(1.0) + g[i] * (cutlass.Float32(1.0) - sig))
+                    dup = a[i] * (g[i] * sig)
+                    xf[j, i] = cutlass.Float32(cutlass.select_(on_gate, dgate, dup))
         # The columns first, so that the row work below covers the wait at the barrier: each feature's maximum
         # over the thread's 4 tokens and the warp's 2 groups (a shuffle); each group then writes 4 of the 8 maxima
         # (one 16-byte store), the other warps' reach them through shared memory. NaN-propagating maxima: torch's
@@ -440,6 +513,7 @@ def _both_launcher():
     @cute.jit
     def launch(
         x: cute.Tensor,
+        x2: cute.Tensor,
         q: cute.Tensor,
         scale: cute.Tensor,
         q_t: cute.Tensor,
@@ -448,12 +522,12 @@ def _both_launcher():
         block_rows: cute.Tensor,
         stream: cuda_driver.CUstream,
     ):
-        _, F = x.shape
+        _, F = q.shape
         grid = [(F + BLOCK - 1) // BLOCK, block_src.shape[0], 1]
         # 2 CTAs an SM (32 warps): at most 64 registers a thread, which its 32 values fit without spills (sm_90a);
         # the cap of 3 CTAs (40) spills them. Shared memory is 25 KB a CTA. The carveout (percent of the shared
         # memory, against L1, which these streaming loads do not reuse) is given so that the compile asks no device.
-        kernel(x, q, scale, q_t, scale_t, block_src, block_rows).launch(
+        kernel(x, x2, q, scale, q_t, scale_t, block_src, block_rows).launch(
             grid=grid,
             block=[BOTH_THREADS, 1, 1],
             stream=stream,
@@ -467,6 +541,38 @@ def _both_launcher():
 _COMPILED_BOTH: dict[tuple, object] = {}
 
 
+def _quantize_both(
+    kind: str, x: torch.Tensor, x2: torch.Tensor, F: int, block_src: torch.Tensor, block_rows: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The two-way quantizer of `kind` over inputs x, x2 (checked by the caller), F quantized features."""
+    R = x.shape[0]
+    P = block_src.shape[0] * BLOCK
+    q = grouped._output(R, F, device=x.device, dtype=torch.float8_e4m3fn)
+    scale = grouped._output(-(-F // BLOCK), R, device=x.device, dtype=torch.float32)
+    q_t = grouped._output(F, P, device=x.device, dtype=torch.float8_e4m3fn)
+    scale_t = grouped._output(P // BLOCK, F, device=x.device, dtype=torch.float32)
+    if R and F:
+        x, x2 = grouped._aligned(x), grouped._aligned(x2)
+        # A one-row scale [kb, 1] has its stride-1 mode first: another layout, another compile.
+        key = (kind, x.dtype, x2.dtype, grouped._unit_mode(scale))
+        tensors = (x, x2, q, scale, q_t, scale_t, block_src, block_rows)
+        grouped.call(_COMPILED_BOTH, key, _both_launcher(kind), tensors, compact=(0, 1, 2, 4, 5))
+    elif F:  # no tokens: every block of q_t all zeros, as the torch function gives
+        q_t.zero_()
+        scale_t.fill_(TINY).mul_(1 / E4M3_MAX)
+    return q, scale, q_t, scale_t
+
+
+def _check_tokens(name: str, x: torch.Tensor, features: str) -> None:
+    if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"{name} must be [R, {features}] bf16, fp16 or fp32, got {tuple(x.shape)} {x.dtype}")
+    if x.shape[1] % VEC:
+        raise ValueError(
+            f"{name} must be [R, {features}] with {features} a multiple of {VEC} (16-byte rows; pad the features),"
+            f" got {tuple(x.shape)}"
+        )
+
+
 def quantize_both_kernel(
     x: torch.Tensor, block_src: torch.Tensor, block_rows: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -475,46 +581,41 @@ def quantize_both_kernel(
     F], scale [ceil(F/128), R], q_t [F, P], scale_t [P / 128, F]), bit for bit what the torch functions compute.
     The blocks come from the caller, once for all the tensors over the same rows: made here, their two dozen
     small torch ops cost more host time per call than the kernel takes on the GPU."""
-    if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise ValueError(f"x must be [R, F] bf16, fp16 or fp32, got {tuple(x.shape)} {x.dtype}")
-    R, F = x.shape
-    if F % VEC:
-        raise ValueError(
-            f"x must be [R, F] with F a multiple of {VEC} (16-byte rows; pad the features), got {tuple(x.shape)}"
-        )
-    P = block_src.shape[0] * BLOCK
-    q = grouped._output(R, F, device=x.device, dtype=torch.float8_e4m3fn)
-    scale = grouped._output(-(-F // BLOCK), R, device=x.device, dtype=torch.float32)
-    q_t = grouped._output(F, P, device=x.device, dtype=torch.float8_e4m3fn)
-    scale_t = grouped._output(P // BLOCK, F, device=x.device, dtype=torch.float32)
-    if R and F:
-        x = grouped._aligned(x)
-        # A one-row scale [kb, 1] has its stride-1 mode first: another layout, another compile.
-        key = (x.dtype, grouped._unit_mode(scale))
-        tensors = (x, q, scale, q_t, scale_t, block_src, block_rows)
-        grouped.call(_COMPILED_BOTH, key, _both_launcher(), tensors, compact=(0, 1, 3, 4))
-    elif F:  # no tokens: every block of q_t all zeros, as the torch function gives
-        q_t.zero_()
-        scale_t.fill_(TINY).mul_(1 / E4M3_MAX)
-    return q, scale, q_t, scale_t
+    _check_tokens("x", x, "F")
+    return _quantize_both("copy", x, x, x.shape[1], block_src, block_rows)
 
 
-@torch.library.custom_op("slipstream::cutedsl_quantize_both", mutates_args=(), device_types="cuda")
-def quantize_both_op(
-    x: torch.Tensor, block_src: torch.Tensor, block_rows: torch.Tensor
+def swiglu_both_kernel(
+    h: torch.Tensor, block_src: torch.Tensor, block_rows: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """quantize_both_kernel as an op (opaque to torch.compile, as quantize_rows_op)."""
-    return quantize_both_kernel(x, block_src, block_rows)
+    """quantize_both_kernel of the activation silu(gate) * up of h = gate|up [R, 2I] (I a multiple of 8), computed
+    in fp32 in the same pass: the activation is never written, in bf16 or otherwise. What
+    `quantize_both(trainer.experts.fp8.swiglu(h))` computes, up to the last bit of the exponential."""
+    _check_tokens("h", h, "2I")
+    if h.shape[1] % (2 * VEC):
+        raise ValueError(f"h must be gate|up [R, 2I] with I a multiple of {VEC}, got {tuple(h.shape)}")
+    return _quantize_both("swiglu", h, h, h.shape[1] // 2, block_src, block_rows)
 
 
-@quantize_both_op.register_kernel("cpu")
-def _(x, block_src, block_rows):
-    return (*quantize_rows(x), *quantize_token_blocks(x, block_src, block_rows))
+def swiglu_grad_both_kernel(
+    grad_act: torch.Tensor, h: torch.Tensor, block_src: torch.Tensor, block_rows: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """quantize_both_kernel of grad_h [R, 2I] = (grad gate, grad up), the SwiGLU's backward of grad_act [R, I]
+    through h = gate|up [R, 2I], computed in fp32 in the same pass (grad_h is never written). What
+    `quantize_both(trainer.experts.fp8.swiglu_grad(grad_act, h))` computes, up to the last bit of the
+    exponential."""
+    _check_tokens("grad_act", grad_act, "I")
+    _check_tokens("h", h, "2I")
+    R, inter = grad_act.shape
+    if tuple(h.shape) != (R, 2 * inter):
+        raise ValueError(
+            f"h must be [R, 2I] = {(R, 2 * inter)} beside grad_act {tuple(grad_act.shape)}, got {tuple(h.shape)}"
+        )
+    return _quantize_both("swiglu_grad", grad_act, h, 2 * inter, block_src, block_rows)
 
 
-@quantize_both_op.register_fake
-def _(x, block_src, block_rows):
-    R, F = x.shape
+def _both_fake(x: torch.Tensor, F: int, block_src: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    R = x.shape[0]
     P = block_src.shape[0] * BLOCK
     return (
         x.new_empty(R, F, dtype=torch.float8_e4m3fn),
@@ -522,3 +623,62 @@ def _(x, block_src, block_rows):
         x.new_empty(F, P, dtype=torch.float8_e4m3fn),
         x.new_empty(P // BLOCK, F, dtype=torch.float32),
     )
+
+
+def _both_reference(x: torch.Tensor, block_src: torch.Tensor, block_rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return (*quantize_rows(x), *quantize_token_blocks(x, block_src, block_rows))
+
+
+# The three as custom ops (opaque to torch.compile, as quantize_rows_op), their CPU kernels the torch functions.
+@torch.library.custom_op("slipstream::cutedsl_quantize_both", mutates_args=(), device_types="cuda")
+def quantize_both_op(
+    x: torch.Tensor, block_src: torch.Tensor, block_rows: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """quantize_both_kernel as an op."""
+    return quantize_both_kernel(x, block_src, block_rows)
+
+
+@quantize_both_op.register_kernel("cpu")
+def _(x, block_src, block_rows):
+    return _both_reference(x, block_src, block_rows)
+
+
+@quantize_both_op.register_fake
+def _(x, block_src, block_rows):
+    return _both_fake(x, x.shape[1], block_src)
+
+
+@torch.library.custom_op("slipstream::cutedsl_swiglu_both", mutates_args=(), device_types="cuda")
+def swiglu_both_op(
+    h: torch.Tensor, block_src: torch.Tensor, block_rows: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """swiglu_both_kernel as an op."""
+    return swiglu_both_kernel(h, block_src, block_rows)
+
+
+@swiglu_both_op.register_kernel("cpu")
+def _(h, block_src, block_rows):
+    return _both_reference(swiglu(h), block_src, block_rows)
+
+
+@swiglu_both_op.register_fake
+def _(h, block_src, block_rows):
+    return _both_fake(h, h.shape[1] // 2, block_src)
+
+
+@torch.library.custom_op("slipstream::cutedsl_swiglu_grad_both", mutates_args=(), device_types="cuda")
+def swiglu_grad_both_op(
+    grad_act: torch.Tensor, h: torch.Tensor, block_src: torch.Tensor, block_rows: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """swiglu_grad_both_kernel as an op."""
+    return swiglu_grad_both_kernel(grad_act, h, block_src, block_rows)
+
+
+@swiglu_grad_both_op.register_kernel("cpu")
+def _(grad_act, h, block_src, block_rows):
+    return _both_reference(swiglu_grad(grad_act, h), block_src, block_rows)
+
+
+@swiglu_grad_both_op.register_fake
+def _(grad_act, h, block_src, block_rows):
+    return _both_fake(grad_act, 2 * grad_act.shape[1], block_src)
