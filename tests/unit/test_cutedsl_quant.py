@@ -247,11 +247,11 @@ def _swiglu_inputs(R: int, inter: int, seed: int, device: str) -> tuple[torch.Te
 
 
 def _assert_within_a_step(got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, ...]) -> None:
-    """The fused kernels against quantize_both of the torch SwiGLU: their sigmoid (an approximate reciprocal and a
-    Newton step) and their products (which the compiler may fuse into FMAs) can move an fp32 value by a few ulps,
-    so a value on a rounding boundary of e4m3 may land one code away (each mismatch exactly one code, in the
-    same sign, one in a thousand at most; 1 in 4 million measured), and a scale (the block maximum over 448) a
-    few ulps (under 2^-20 relative; 4.6e-7 measured)."""
+    """The fused kernels against quantize_both of the torch SwiGLU: their exponential (libdevice's) and products
+    (which the compiler may fuse into FMAs, in another order than torch's separate kernels) can move an fp32
+    value by a few ulps, so a value on a rounding boundary of e4m3 may land one code away (each mismatch exactly
+    one code, in the same sign, one in a thousand at most; 1 in 4 million measured on an H100), and a scale (the
+    block maximum over 448) a few ulps (under 2^-20 relative; 4.6e-7 measured)."""
     assert len(got) == len(want) == 5
     for name, a, b in zip(("q", "scale", "q_t", "scale_t"), got, want, strict=False):
         assert a.dtype == b.dtype and a.shape == b.shape, f"{name}: {a.dtype} {tuple(a.shape)} != {tuple(b.shape)}"

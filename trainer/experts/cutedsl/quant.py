@@ -329,16 +329,11 @@ def _both_launcher(kind: str = "copy"):
         src = cute.zipped_divide(t, (1, VEC))[(0, None), (row, c)]
         cute.autovec_copy(cute.make_tensor(src.iterator.align(16), src.layout), dst)
 
-    def sigmoid(g):
-        """1 / (1 + e^-g) of fp32 g, within an ulp or two of torch's: the exponential is libdevice's (as CUDA's expf),
-        the reciprocal the hardware's approximation (rcp.approx.ftz) and one Newton step, where an IEEE division
-        (a range check and a slow-path branch an element) made the fused kernels compute-bound. The denominator is
-        at least 1, so the reciprocal is normal or, past 2^126 (g below -87), flushed to 0, where the step (inf x
-        0) would give NaN and is skipped."""
+    def sigmoid_parts(g):
+        """(1 / (1 + e^-g), and that denominator) of fp32 g, torch's silu and silu_backward's arithmetic: the
+        exponential is libdevice's (as CUDA's expf), the divisions IEEE's."""
         d = cutlass.Float32(1.0) + cute.math.exp(-g)
-        r0 = cute.arch.rcp_approx(d)
-        r1 = cute.math.fma(r0, cute.math.fma(-d, r0, cutlass.Float32(1.0)), r0)
-        return cutlass.Float32(cutlass.select_(r0 == cutlass.Float32(0.0), r0, r1))
+        return cutlass.Float32(1.0) / d, d
 
     @cute.kernel
     def kernel(
@@ -395,7 +390,8 @@ def _both_launcher(kind: str = "copy"):
                 g = gate.load().to(cutlass.Float32)
                 u = up.load().to(cutlass.Float32)
                 for i in cutlass.range_constexpr(VEC):
-                    xf[j, i] = g[i] * sigmoid(g[i]) * u[i]  # silu(gate) * up
+                    _, d = sigmoid_parts(g[i])
+                    xf[j, i] = g[i] / d * u[i]  # silu(gate) * up
         else:
             # x = grad_act [R, I], x2 = h [R, 2I]; grad_h's features 0 .. I-1 are the gate's gradient, I .. 2I-1
             # the up's: a thread's 8 features are one or the other (I is a multiple of 8), its column c of the
@@ -419,7 +415,7 @@ def _both_launcher(kind: str = "copy"):
                 g = gate.load().to(cutlass.Float32)
                 u = up.load().to(cutlass.Float32)
                 for i in cutlass.range_constexpr(VEC):
-                    sig = sigmoid(g[i])
+                    sig, _ = sigmoid_parts(g[i])
                     # d/d gate = grad_act up sig (1 + gate (1 - sig)); d/d up = grad_act silu(gate) = grad_act gate sig
                     dgate = a[i] * u[i] * sig * (cutlass.Float32(1.0) + g[i] * (cutlass.Float32(1.0) - sig))
                     dup = a[i] * (g[i] * sig)
