@@ -299,6 +299,8 @@ BOTH_KINDS = ("copy", "swiglu", "swiglu_grad")
 def _both_launcher(kind: str = "copy"):
     """The @cute.jit launcher of the two-way quantizer (quantize_rows and quantize_token_blocks in one pass over
     the tokens) of `kind` (BOTH_KINDS), built on first use."""
+    if kind not in BOTH_KINDS:
+        raise ValueError(f"the two-way quantizer's kind {kind!r} is not one of {BOTH_KINDS}")
     import cuda.bindings.driver as cuda_driver
     import cutlass
     import cutlass.cute as cute
