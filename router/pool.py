@@ -152,7 +152,7 @@ class PoolSync:
         self._tasks: set[asyncio.Task[None]] = set()
         self._redis_error = ""
         self._running = False
-        self._expiry = math.inf  # loop time at which the soonest liveness key expires if not refreshed
+        self._expiry = math.inf  # loop time by which the soonest liveness key expires if not refreshed
 
     async def start(self) -> None:
         """Read Redis once and health-check what it lists (so a fresh router can route at once), then
@@ -187,9 +187,12 @@ class PoolSync:
     async def refresh(self) -> PoolChanges:
         """Apply one snapshot of the workers hash and their liveness keys."""
         records = await read_records(self.client, self.keys.workers)
+        # Read the clock before asking: Redis measures each TTL after this instant, so asked + ttl is never later
+        # than the key's expiry, however late the answer reaches this task (a loaded host, a stalled event loop).
+        # An early estimate only costs another refresh; a late one kept a dead worker routable that much longer.
+        asked = asyncio.get_running_loop().time()
         ttls = await time_to_live(self.client, self.keys, records)
-        now = asyncio.get_running_loop().time()
-        self._expiry = min((now + ttl for ttl in ttls.values()), default=math.inf)
+        self._expiry = min((asked + ttl for ttl in ttls.values()), default=math.inf)
         alive = set(ttls)
         changes = self.pool.apply(records, alive)
         for worker in changes.added:

@@ -19,6 +19,8 @@ import pytest
 from common.config import RendezvousConfig, RouterConfig
 from common.keys import Keys
 from common.rendezvous import Rendezvous
+from common.weights.fleet import time_to_live
+from router import pool as router_pool
 from router.server import Router, RouterError
 from tests.support.fake_openai import Backend, start_backends
 from tests.support.prom import value
@@ -332,6 +334,43 @@ async def test_worker_whose_heartbeat_expires_is_removed(rz, backends, http):
             assert (await post(http, r.url + "/v1/completions", {"prompt": "p"}))[0] == 503
     finally:
         await client.delete(keys.workers)
+        await client.aclose()
+
+
+async def test_a_liveness_answer_that_reaches_the_router_late_does_not_postpone_removal(
+    rz, backends, http, monkeypatch
+):
+    """Redis measures a TTL when it answers; on a loaded host the answer can reach the router's event loop much
+    later. The worker beats for the last time as the router asks, and the answer takes 0.4 s to arrive: the
+    worker still leaves within its TTL, not its TTL plus the answer's delay."""
+    keys = Keys("late")
+    client = rz.async_client()
+    ttl_s, delay_s = 0.45, 0.4
+    beat_at: list[float] = []
+    questions = 0
+
+    async def answered_late(redis_client, keys_, worker_ids):  # type: ignore[no-untyped-def]
+        nonlocal questions
+        questions += 1
+        if questions != 2:  # the first is the router's start; the second its refresh loop's first
+            return await time_to_live(redis_client, keys_, worker_ids)
+        await client.set(keys.worker_alive("ghost"), "1", px=int(ttl_s * 1000))  # the worker's last beat
+        beat_at.append(time.monotonic())
+        ttls = await time_to_live(redis_client, keys_, worker_ids)
+        await asyncio.sleep(delay_s)  # the answer waits to reach the router
+        return ttls
+
+    monkeypatch.setattr(router_pool, "time_to_live", answered_late)
+    try:
+        record = {"url": backends[0].url, "model": "policy", "weight_version": 0, "started_at": time.time()}
+        await client.hset(keys.workers, "ghost", json.dumps(record))
+        await client.set(keys.worker_alive("ghost"), "1", px=30_000)
+        async with router(rz, exp="late") as r:
+            assert (await workers_of(http, r.url))["ghost"]["healthy"]
+            await wait_for(lambda: _absent(http, r.url, "ghost"), 3.0, "removal of the worker whose beats stopped")
+            assert beat_at and time.monotonic() - beat_at[0] <= ttl_s + 0.25
+    finally:
+        await client.delete(keys.workers, keys.worker_alive("ghost"))
         await client.aclose()
 
 
