@@ -480,19 +480,24 @@ async def test_late_and_restarted_workers_catch_up_a_delta_version_from_its_snap
                 await evict(r, run.keys, late_id, "test: a weight update cut off mid-way")
                 version = await next_version(run, r)
                 await pub.publish(version, state := drift(state, version))
+            # The registry entry is written before the worker announces and logs its return, so the wait is for
+            # both: reading the log as soon as the entry appears raced the log line (CI, 2026-12-07).
             rejoined = await asyncio.to_thread(
                 run.wait_for,
                 "the evicted late worker registering again",
-                lambda: (run.workers().get(late_id) or {}).get("weight_version") == version,
+                lambda: (
+                    (run.workers().get(late_id) or {}).get("weight_version") == version
+                    and f"registered worker {late_id} again" in (run.run_dir / "worker-restart.log").read_text()
+                ),
                 proc,
                 120,
             )
             assert rejoined and proc.poll() is None
-            assert int(re.findall(r"started vLLM pid (\d+)", (run.run_dir / "worker-restart.log").read_text())[-1]) == (
-                vllm_pid
-            ), "the evicted worker restarted vLLM instead of reloading it"
             late_log = (run.run_dir / "worker-restart.log").read_text()
-            assert "closed a weight update left open" in late_log and f"registered worker {late_id} again" in late_log
+            assert int(re.findall(r"started vLLM pid (\d+)", late_log)[-1]) == (vllm_pid), (
+                "the evicted worker restarted vLLM instead of reloading it"
+            )
+            assert "closed a weight update left open" in late_log
             assert await served_version(http, entry["url"]) == str(version)
             await serves_as_the_others(run, late_id, entry["url"])  # unpaused, on the others' weights
             server = psutil.Process(vllm_pid)
