@@ -55,6 +55,7 @@ from trainer.experts.fp8 import (  # noqa: E402
     swiglu_grad,
     token_blocks,
 )
+from trainer.experts.grouped_mm import swiglu_backward  # noqa: E402
 from trainer.experts.numerics import relative_errors  # noqa: E402
 
 FP8_CONFIGS = {  # timed per GEMM; the module's FP8_CONFIG first
@@ -189,7 +190,7 @@ def swiglu_rows(inter: int, rows: int, src: torch.Tensor, n: torch.Tensor, log: 
     @torch.compile(dynamic=False)
     def grad_h_bf16(grad_act, h):
         gate, up = h.chunk(2, dim=-1)
-        return cutedsl._swiglu_backward(grad_act, gate, up, torch.nn.functional.silu(gate))
+        return swiglu_backward(grad_act, gate, up, torch.nn.functional.silu(gate))
 
     act_bytes = rows * inter * 6 / 1e9  # h read, q and q_t written (the fused kernel's traffic)
     grad_bytes = rows * inter * 10 / 1e9  # grad_act and h read, q and q_t of grad_h written

@@ -197,9 +197,9 @@ def test_fp8_host_side_matches_float64_within_the_format_bound(monkeypatch, comp
 @pytest.mark.parametrize("compiled", [False, True])
 def test_fp8_weight_gradients_host_side_matches_float64_within_the_format_bound(monkeypatch, compiled):
     """FP8_WGRAD = "fp8" on the CPU: the weight gradients from both operands quantized per feature and 128-token
-    block (quantize_tokens_t, the padded token order, the fused SwiGLU quantizers, the custom ops, under
-    torch.compile too), the kernel replaced by its contract; within the FP8 bound of float64, and not the bf16
-    weight gradients."""
+    block (the two-way quantizer quantize_both_op, the padded token order, the fused SwiGLU quantizers, the
+    custom ops, under torch.compile too), the kernel replaced by its contract; within the FP8 bound of float64,
+    and not the bf16 weight gradients."""
     monkeypatch.setattr(grouped, "_launch", _kernel_contract)
     monkeypatch.setattr(grouped, "POISON_OUTPUTS", True)
     inputs = expert_inputs([300, 0, 129, 64, 1, 511], 256, 128, seed=3, device="cpu")

@@ -13,6 +13,12 @@ import torch
 import torch.nn.functional as F
 
 
+def swiglu_backward(grad_act, gate, up, silu_gate) -> torch.Tensor:
+    """grad_h = (grad gate, grad up) [N, 2I] of silu(gate) * up, in their dtype: the two ops autograd runs for
+    it, so eager numerics are autograd's (shared by the grouped_mm and cutedsl backends)."""
+    return torch.cat([torch.ops.aten.silu_backward(grad_act * up, gate), grad_act * silu_gate], dim=-1)
+
+
 class _GroupedSwiGLU(torch.autograd.Function):
     """y = grouped(silu(gate) * up) with gate|up = grouped(x, gate_up); weights as (masters, compute copies)."""
 
@@ -42,8 +48,7 @@ class _GroupedSwiGLU(torch.autograd.Function):
             # Per expert grad_y^T @ act, written as [E, H, I] (the parameter's layout). grouped_mm has no fp32
             # output on the fast path (sm90: bf16 only), so the master gradient is one cast of the result.
             grad_down = torch._grouped_mm(grad_y.t(), silu_gate * up, offs=offsets).to(down_dtype)
-        # The same two ops autograd runs for silu(gate) * up, so eager numerics are unchanged.
-        grad_h = torch.cat([torch.ops.aten.silu_backward(grad_act * up, gate), grad_act * silu_gate], dim=-1)
+        grad_h = swiglu_backward(grad_act, gate, up, silu_gate)
         grad_gate_up = None
         if need_gate_up:
             grad_gate_up = torch._grouped_mm(grad_h.t(), x, offs=offsets).to(gate_up_dtype)  # [E, 2I, H]

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from trainer.experts.cutedsl import grouped, quant
 from trainer.experts.fp8 import quantize_expert_weights_op, token_blocks
+from trainer.experts.grouped_mm import swiglu_backward
 
 # Which kernel computes the weight gradients (the GEMMs whose reduction runs over each expert's rows), in both
 # precisions. "grouped_mm": torch._grouped_mm, its bf16 result cast to the masters' dtype (what the grouped_mm
@@ -66,12 +67,6 @@ def _wgrad(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, out_dtype: t
     return grouped.k_grouped_op(a, b, offsets, out_dtype)
 
 
-def _swiglu_backward(grad_act, gate, up, silu_gate) -> torch.Tensor:
-    """grad_h = (grad gate, grad up) [N, 2I] of silu(gate) * up in their dtype: the two ops autograd runs (the
-    grouped_mm backend's arithmetic)."""
-    return torch.cat([torch.ops.aten.silu_backward(grad_act * up, gate), grad_act * silu_gate], dim=-1)
-
-
 class _CuteSwiGLU(torch.autograd.Function):
     """y = grouped(silu(gate) * up) with gate|up = grouped(x, gate_up); weights as (masters, compute copies)."""
 
@@ -95,7 +90,7 @@ class _CuteSwiGLU(torch.autograd.Function):
         silu_gate = F.silu(gate)
         grad_act = grouped.m_grouped_op(grad_y, down_c, offsets, *items, True)  # [N, I]: down read transposed
         grad_down = _wgrad(grad_y, silu_gate * up, offsets, down_dtype) if need_down else None
-        grad_h = _swiglu_backward(grad_act, gate, up, silu_gate)
+        grad_h = swiglu_backward(grad_act, gate, up, silu_gate)
         grad_gate_up = _wgrad(grad_h, x, offsets, gate_up_dtype) if need_gate_up else None  # [E, 2I, H]
         grad_x = grouped.m_grouped_op(grad_h, gate_up_c, offsets, *items, True) if need_x else None
         return grad_x, None, grad_gate_up, grad_down, None, None
@@ -189,14 +184,14 @@ class _CuteFP8SwiGLU(torch.autograd.Function):
                 grad_h_q, grad_h_s, grad_h_t, grad_h_t_s = quant.swiglu_grad_both_op(grad_act, h, *blocks)
             else:
                 gate, up = h.chunk(2, dim=-1)
-                grad_h = _swiglu_backward(grad_act, gate, up, F.silu(gate))
+                grad_h = swiglu_backward(grad_act, gate, up, F.silu(gate))
                 grad_h_q, grad_h_s, grad_h_t, grad_h_t_s = quant.quantize_both_op(grad_h, *blocks)
         else:
             gate, up = h.chunk(2, dim=-1)
             silu_gate = F.silu(gate)
             if need_down:
                 grad_down = _wgrad(grad_y, silu_gate * up, offsets, down_dtype)
-            grad_h = _swiglu_backward(grad_act, gate, up, silu_gate)
+            grad_h = swiglu_backward(grad_act, gate, up, silu_gate)
             if need_x:
                 grad_h_q, grad_h_s = quant.quantize_rows_op(grad_h)
         grad_gate_up = None
