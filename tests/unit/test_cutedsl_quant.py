@@ -251,12 +251,16 @@ def _assert_within_a_step(got: tuple[torch.Tensor, ...], want: tuple[torch.Tenso
     (which the compiler may fuse into FMAs, in another order than torch's separate kernels) can move an fp32
     value by a few ulps, so a value on a rounding boundary of e4m3 may land one code away (each mismatch exactly
     one code, in the same sign, one in a thousand at most; 1 in 4 million measured on an H100), and a scale (the
-    block maximum over 448) a few ulps (under 2^-20 relative; 4.6e-7 measured)."""
+    block maximum over 448) by as much as that maximum moves. The bound on a scale is 2^-16 relative: the fp32
+    references are themselves within 1e-6 (activation) and 1e-5 (gradient, where 1 + g (1 - sigmoid(g))
+    cancels) of float64 (test_the_torch_swiglu_and_its_gradient_are_the_float64_ones), and the kernels compute
+    the same functions in fp32 in another order; 4.7e-6 measured on an H100 (2^-20 failed, 2026-12-07). A scale
+    of the wrong block or feature is off by far more."""
     assert len(got) == len(want) == 5
     for name, a, b in zip(("q", "scale", "q_t", "scale_t"), got, want, strict=False):
         assert a.dtype == b.dtype and a.shape == b.shape, f"{name}: {a.dtype} {tuple(a.shape)} != {tuple(b.shape)}"
         if a.dtype == torch.float32:
-            torch.testing.assert_close(a, b, rtol=2**-20, atol=0, msg=lambda m, name=name: f"{name}: {m}")
+            torch.testing.assert_close(a, b, rtol=2**-16, atol=0, msg=lambda m, name=name: f"{name}: {m}")
             continue
         a_bits, b_bits = a.view(torch.uint8).int(), b.view(torch.uint8).int()
         off = a_bits != b_bits
