@@ -18,6 +18,7 @@ the timed step, as their bf16 copies are for the other rows."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import faulthandler
 import json
 import os
@@ -37,7 +38,7 @@ from trainer.experts import (  # noqa: E402
     cutedsl_fp8_experts,
     grouped_mm_experts,
 )
-from trainer.experts.cutedsl import cutedsl_unavailable, grouped  # noqa: E402
+from trainer.experts.cutedsl import cutedsl_unavailable, grouped, quant  # noqa: E402
 from trainer.experts.cutedsl.grouped import TileConfig  # noqa: E402
 from trainer.experts.cutedsl.quant import (  # noqa: E402
     quantize_both_kernel,
@@ -175,6 +176,17 @@ def codes_off(ours: tuple[torch.Tensor, ...], theirs: tuple[torch.Tensor, ...]) 
     return "q " + counts[0] + ", q_t " + counts[1]
 
 
+@contextlib.contextmanager
+def setting(module, attr: str, value):
+    """module.attr = value inside the block, its old value restored after."""
+    old = getattr(module, attr)
+    setattr(module, attr, value)
+    try:
+        yield
+    finally:
+        setattr(module, attr, old)
+
+
 def swiglu_rows(inter: int, rows: int, src: torch.Tensor, n: torch.Tensor, log: list[str], rnd) -> None:
     """The SwiGLU's activation and its gradient quantized both ways: computed in bf16 by torch (compiled), then
     quantize_both (cutedsl.SWIGLU_QUANT "torch"), against the fused kernels ("fused"), with how many codes the
@@ -212,13 +224,17 @@ def swiglu_rows(inter: int, rows: int, src: torch.Tensor, n: torch.Tensor, log: 
     )
     for label, gbytes, unfused, fused, reference in cases:
         quant_timing(log, f"{label}: torch.compile + quantize_both", gbytes, unfused)
-        quant_timing(
-            log,
-            f"{label}: fused",
-            gbytes,
-            fused,
-            lambda fused=fused, ref=reference: f" (codes off the fp32 torch values': {codes_off(fused(), ref())})",
-        )
+        for sigmoid in quant.SIGMOIDS:  # the kernels' sigmoid by IEEE division, and by the reciprocal estimate
+            with setting(quant, "SIGMOID", sigmoid):
+                quant_timing(
+                    log,
+                    f"{label}: fused, sigmoid {sigmoid}",
+                    gbytes,
+                    fused,
+                    lambda fused=fused, ref=reference: (
+                        f" (codes off the fp32 torch values': {codes_off(fused(), ref())})"
+                    ),
+                )
 
 
 def gemm_rows(H: int, inter: int, E: int, rows: int, log: list[str], fp8: bool, quant_only: bool = False) -> list[dict]:
@@ -484,14 +500,10 @@ def layer_rows(H: int, inter: int, E: int, k: int, tokens: int, fp8: bool, eager
 
             def step(fn=fn, sets=sets, w1=w1, w2=w2):
                 x.grad = w1.grad = w2.grad = None
-                defaults = {attr: getattr(cutedsl, attr) for attr in sets}
-                try:
-                    for attr, value in sets.items():
-                        setattr(cutedsl, attr, value)
+                with contextlib.ExitStack() as settings:
+                    for attr, value in sets.items():  # quant's SIGMOID, or cutedsl's settings
+                        settings.enter_context(setting(quant if attr == "SIGMOID" else cutedsl, attr, value))
                     fn().backward(grad)
-                finally:
-                    for attr, value in defaults.items():
-                        setattr(cutedsl, attr, value)
 
             guard()
             try:
@@ -537,6 +549,7 @@ def layer_impls(x: torch.Tensor, offs: torch.Tensor, w1: torch.Tensor, w2: torch
     if fp32:
         impls += [
             ("cutedsl fp8, unfused SwiGLU", lambda: cutedsl_fp8_experts(x, offs, w1, w2, pack), unfused),
+            ("cutedsl fp8, rcp sigmoid", lambda: cutedsl_fp8_experts(x, offs, w1, w2, pack), {"SIGMOID": "rcp"}),
             ("cutedsl fp8, bf16 wgrad", lambda: cutedsl_fp8_experts(x, offs, w1, w2, pack), {"FP8_WGRAD": "bf16"}),
         ]
     else:

@@ -234,15 +234,28 @@ def test_the_two_way_op_off_the_gpu_is_the_torch_pair_and_a_bad_width_is_refused
         quantize_both_kernel(torch.zeros(4, 12, dtype=torch.bfloat16), src, rows)
 
 
+def test_the_two_way_launcher_refuses_an_unknown_kind_or_sigmoid():
+    """_both_launcher names the bad kind or quant.SIGMOID value and the choices, before compiling anything (an
+    unknown kind used to compile the last branch)."""
+    from trainer.experts.cutedsl.quant import _both_launcher
+
+    with pytest.raises(ValueError, match=r"kind 'gelu' is not one of \('copy', 'swiglu', 'swiglu_grad'\)"):
+        _both_launcher("gelu")
+    with pytest.raises(ValueError, match=r"quant.SIGMOID = 'tanh' is not one of \('ieee', 'rcp'\)"):
+        _both_launcher("swiglu", "tanh")
+
+
 def _swiglu_inputs(R: int, inter: int, seed: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
     """h = gate|up [R, 2I] and grad_act [R, I] in bf16: gates over -12 .. 12 (the sigmoid saturated both ways and
-    everything between), ups and gradients spanning 6 decades, a row of zeros."""
+    everything between) and four out to +-100, ups and gradients spanning 6 decades, a row of zeros."""
     g = torch.Generator(device=device).manual_seed(seed)
     gate = (torch.rand(R, inter, device=device, generator=g) - 0.5) * 24
     up = torch.randn(R, inter, device=device, generator=g) * torch.logspace(-3, 3, inter, device=device)
     grad = torch.randn(R, inter, device=device, generator=g) * torch.logspace(3, -3, inter, device=device)
     if R >= 3:
         gate[R // 3], up[R // 3], grad[R // 3] = 0.0, 0.0, 0.0
+    if R >= 4:  # e^-g past fp32's range (the denominator infinite), past 2^126 (its reciprocal flushed), below it
+        gate[R // 4, :4] = torch.tensor([-100.0, -88.5, 88.5, 100.0], device=device)
     return torch.cat([gate, up], dim=-1).bfloat16(), grad.bfloat16()
 
 
@@ -272,14 +285,18 @@ def _assert_within_a_step(got: tuple[torch.Tensor, ...], want: tuple[torch.Tenso
 @needs_gpu
 @pytest.mark.parametrize("inter", [8, 128, 200, 768])
 @pytest.mark.parametrize("counts", [[300, 0, 129, 64, 1, 511], [1], [0, 0], [4096, 333]])
-def test_the_fused_swiglu_kernels_quantize_what_torch_computes(monkeypatch, inter, counts):
+@pytest.mark.parametrize("sigmoid", ["ieee", "rcp"])
+def test_the_fused_swiglu_kernels_quantize_what_torch_computes(monkeypatch, inter, counts, sigmoid):
     """swiglu_both_kernel gives quantize_both of trainer.experts.fp8.swiglu(h) and swiglu_grad_both_kernel that of
-    swiglu_grad(grad_act, h), within an e4m3 code (see _assert_within_a_step): partial blocks, empty experts, no
-    rows, I of one feature lane, and I = 200, whose 128-feature block 1 of grad_h holds gate and up features."""
+    swiglu_grad(grad_act, h), within an e4m3 code (see _assert_within_a_step), with either sigmoid (quant.SIGMOID):
+    partial blocks, empty experts, no rows, I of one feature lane, and I = 200, whose 128-feature block 1 of
+    grad_h holds gate and up features; gates out to -100, the sigmoid's denominator infinite."""
+    from trainer.experts.cutedsl import quant
     from trainer.experts.cutedsl.quant import quantize_both_kernel, swiglu_both_kernel, swiglu_grad_both_kernel
     from trainer.experts.fp8 import swiglu, swiglu_grad, token_blocks
 
     monkeypatch.setattr(grouped, "POISON_OUTPUTS", True)  # an element the kernel skips stays NaN and differs
+    monkeypatch.setattr(quant, "SIGMOID", sigmoid)
     h, grad_act = _swiglu_inputs(sum(counts), inter, seed=inter, device="cuda")
     offsets = torch.tensor(counts, device="cuda").cumsum(0).int()
     ends, src, rows, _ = token_blocks(offsets, h.shape[0])

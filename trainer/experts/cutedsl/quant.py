@@ -294,13 +294,23 @@ BOTH_CTAS = 2  # CTAs an SM
 # quantized as they are, never rounded to bf16 (trainer.experts.fp8.swiglu / swiglu_grad in torch).
 BOTH_KINDS = ("copy", "swiglu", "swiglu_grad")
 
+# How the SwiGLU kinds compute sigmoid(g) = 1 / (1 + e^-g): "ieee" by IEEE division, torch's arithmetic (the
+# activation is torch's fp32 silu(gate) * up bit for bit); "rcp" by the hardware's approximate reciprocal and one
+# Newton step, within an ulp of it, without the division's range check and slow-path branch an element, which
+# make the fused kernels bound by arithmetic (1.5-1.8 TB/s against the copy kind's 2.3). "rcp" is an experiment
+# until a GPU has timed it and run the fused kernels' test with it (bench/cutedsl_check.py --quant-only).
+SIGMOID = "ieee"
+SIGMOIDS = ("ieee", "rcp")
+
 
 @functools.cache
-def _both_launcher(kind: str = "copy"):
+def _both_launcher(kind: str = "copy", sigmoid_by: str = "ieee"):
     """The @cute.jit launcher of the two-way quantizer (quantize_rows and quantize_token_blocks in one pass over
-    the tokens) of `kind` (BOTH_KINDS), built on first use."""
+    the tokens) of `kind` (BOTH_KINDS), its sigmoid by `sigmoid_by` (SIGMOIDS), built on first use."""
     if kind not in BOTH_KINDS:
         raise ValueError(f"the two-way quantizer's kind {kind!r} is not one of {BOTH_KINDS}")
+    if sigmoid_by not in SIGMOIDS:
+        raise ValueError(f"quant.SIGMOID = {sigmoid_by!r} is not one of {SIGMOIDS}")
     import cuda.bindings.driver as cuda_driver
     import cutlass
     import cutlass.cute as cute
@@ -331,11 +341,23 @@ def _both_launcher(kind: str = "copy"):
         src = cute.zipped_divide(t, (1, VEC))[(0, None), (row, c)]
         cute.autovec_copy(cute.make_tensor(src.iterator.align(16), src.layout), dst)
 
-    def sigmoid_parts(g):
-        """(1 / (1 + e^-g), and that denominator) of fp32 g, torch's silu and silu_backward's arithmetic: the
-        exponential is libdevice's (as CUDA's expf), the divisions IEEE's."""
+    def sigmoid(g):
+        """1 / (1 + e^-g) of fp32 g; the exponential is libdevice's (as CUDA's expf). "ieee": an IEEE division,
+        torch's silu_backward's arithmetic. "rcp": the hardware's reciprocal estimate (rcp.approx.ftz) and one
+        Newton step; the denominator is at least 1, so the estimate is normal or, past 2^126 (g below -87), flushed
+        to 0, where the step (inf x 0) would give NaN and is skipped."""
         d = cutlass.Float32(1.0) + cute.math.exp(-g)
-        return cutlass.Float32(1.0) / d, d
+        if sigmoid_by == "ieee":
+            return cutlass.Float32(1.0) / d
+        r0 = cute.arch.rcp_approx(d)
+        r1 = cute.math.fma(r0, cute.math.fma(-d, r0, cutlass.Float32(1.0)), r0)
+        return cutlass.Float32(cutlass.select_(r0 == cutlass.Float32(0.0), r0, r1))
+
+    def silu(g):
+        """g sigmoid(g): "ieee" as torch's silu, g / (1 + e^-g); "rcp" g times the sigmoid above."""
+        if sigmoid_by == "ieee":
+            return g / (cutlass.Float32(1.0) + cute.math.exp(-g))
+        return g * sigmoid(g)
 
     @cute.kernel
     def kernel(
@@ -392,8 +414,7 @@ def _both_launcher(kind: str = "copy"):
                 g = gate.load().to(cutlass.Float32)
                 u = up.load().to(cutlass.Float32)
                 for i in cutlass.range_constexpr(VEC):
-                    _, d = sigmoid_parts(g[i])
-                    xf[j, i] = g[i] / d * u[i]  # silu(gate) * up
+                    xf[j, i] = silu(g[i]) * u[i]
         else:
             # x = grad_act [R, I], x2 = h [R, 2I]; grad_h's features 0 .. I-1 are the gate's gradient, I .. 2I-1
             # the up's: a thread's 8 features are one or the other (I is a multiple of 8), its column c of the
@@ -417,7 +438,7 @@ def _both_launcher(kind: str = "copy"):
                 g = gate.load().to(cutlass.Float32)
                 u = up.load().to(cutlass.Float32)
                 for i in cutlass.range_constexpr(VEC):
-                    sig, _ = sigmoid_parts(g[i])
+                    sig = sigmoid(g[i])
                     # d/d gate = grad_act up sig (1 + gate (1 - sig)); d/d up = grad_act silu(gate) = grad_act gate sig
                     dgate = a[i] * u[i] * sig * (cutlass.Float32(1.0) + g[i] * (cutlass.Float32(1.0) - sig))
                     dup = a[i] * (g[i] * sig)
@@ -552,9 +573,10 @@ def _quantize_both(
     if R and F:
         x, x2 = grouped._aligned(x), grouped._aligned(x2)
         # A one-row scale [kb, 1] has its stride-1 mode first: another layout, another compile.
-        key = (kind, x.dtype, x2.dtype, grouped._unit_mode(scale))
+        sigmoid = SIGMOID if kind != "copy" else "ieee"  # the copy kind has no sigmoid: one compile
+        key = (kind, sigmoid, x.dtype, x2.dtype, grouped._unit_mode(scale))
         tensors = (x, x2, q, scale, q_t, scale_t, block_src, block_rows)
-        grouped.call(_COMPILED_BOTH, key, _both_launcher(kind), tensors, compact=(0, 1, 2, 4, 5))
+        grouped.call(_COMPILED_BOTH, key, _both_launcher(kind, sigmoid), tensors, compact=(0, 1, 2, 4, 5))
     elif F:  # no tokens: every block of q_t all zeros, as the torch function gives
         q_t.zero_()
         scale_t.fill_(TINY).mul_(1 / E4M3_MAX)
