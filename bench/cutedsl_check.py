@@ -189,8 +189,8 @@ def setting(module, attr: str, value):
 
 def swiglu_rows(inter: int, rows: int, src: torch.Tensor, n: torch.Tensor, log: list[str], rnd) -> None:
     """The SwiGLU's activation and its gradient quantized both ways: computed in bf16 by torch (compiled), then
-    quantize_both (cutedsl.SWIGLU_QUANT "torch"), against the fused kernels ("fused"), with how many codes the
-    fused ones' differ from quantize_both of the fp32 torch values."""
+    quantize_both (cutedsl.SWIGLU_QUANT "torch"), against the fused kernels ("fused") with each sigmoid
+    (quant.SIGMOID), with how many codes the fused ones' differ from quantize_both of the fp32 torch values."""
     h = torch.cat([rnd(rows, inter, scale=3.0), rnd(rows, inter)], dim=-1)  # gate | up
     grad_act = rnd(rows, inter)
 
