@@ -137,16 +137,19 @@ def vllm_command(ro: RolloutConfig, model_dir: Path, host: str, port: int, cpu: 
     return cmd + list(ro.extra_args)
 
 
-def vllm_env(run_dir: Path, base: dict[str, str] | None = None, api_key: str = "") -> dict[str, str]:
-    """vLLM's environment: RL endpoints on, offline, caches and temp files under the run dir, and the
-    bearer token of the auth middleware when `api_key` is set."""
+def vllm_env(
+    run_dir: Path, base: dict[str, str] | None = None, api_key: str = "", cache_dir: str | Path = ""
+) -> dict[str, str]:
+    """vLLM's environment: RL endpoints on, offline, caches and temp files under the run dir (vLLM's own cache
+    in `cache_dir` where one is given: rollout.vllm_cache_dir), and the bearer token of the auth middleware when
+    `api_key` is set."""
     env = dict(os.environ if base is None else base)
     env[PARENT_ENV] = str(os.getpid())  # vLLM's watchdog ends the server when this process dies
     if api_key:
         env[KEY_ENV] = api_key
     cache = Path(run_dir) / "cache"
     dirs = {
-        "VLLM_CACHE_ROOT": cache / "vllm",
+        "VLLM_CACHE_ROOT": Path(cache_dir).expanduser().resolve() if cache_dir else cache / "vllm",
         "TORCHINDUCTOR_CACHE_DIR": cache / "inductor",
         "XDG_CACHE_HOME": cache / "xdg",
         "TMPDIR": cache / "tmp",
@@ -280,7 +283,7 @@ def worker_vllm(
             "the run gets the run's generated one, see common/run_secrets.py; elsewhere set rollout.api_key)"
         )
     cmd = vllm_command(ro, model_dir, bind[0], bind[1], on_cpu())
-    env = vllm_env(run_dir, None if base_env is None else dict(base_env), api_key=ro.api_key)
+    env = vllm_env(run_dir, None if base_env is None else dict(base_env), ro.api_key, ro.vllm_cache_dir)
     return VllmProcess(cmd, env, url, log_path, f"[vllm {name}]", echo)
 
 

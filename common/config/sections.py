@@ -406,6 +406,11 @@ class RolloutConfig:
     Only for models with MoE layers; costs about layers x top_k x 4/3 bytes per token of response."""
     extra_args: list[str] = _list()
     """More vLLM command-line arguments, passed through unchanged."""
+    vllm_cache_dir: str = ""
+    """vLLM's cache root (VLLM_CACHE_ROOT): the model-inspection results it keeps per model class and, with
+    torch.compile on, its compiled graphs. Empty = <run dir>/cache/vllm, fresh for each run, so every server
+    start redoes them (the inspection alone is a 10-15 s subprocess on two CPU cores; a compile takes minutes on
+    a GPU). A directory shared by runs keeps them across runs, as vLLM's own default (~/.cache/vllm) does."""
     startup_timeout_s: float = 600.0
     """How long a worker may take to become ready (health plus one real completion)."""
     weight_backend: Literal["file", "collective", "nccl"] = "file"

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from common.config import Config, ConfigError, ModelConfig
-from rollout.worker import vllm_command
+from common.config import Config, ConfigError, ModelConfig, load_config
+from rollout.worker import vllm_command, vllm_env
 from trainer.tinykit import build_tokenizer, resolve_model, tiny_checkpoint, vocabulary
 
 
@@ -100,3 +100,25 @@ def test_tiny_mixtral_is_a_mixtral_checkpoint_served_with_routed_experts_and_no_
     joined = " ".join(vllm_command(cfg.rollout, model, "127.0.0.1", 8000, cpu=True))
     assert "--enable-return-routed-experts" in joined
     assert "rotary_embedding" not in joined and "CPU_MLA" not in joined
+
+
+def test_vllm_keeps_its_cache_under_the_run_dir_unless_runs_share_one(short_root: Path, monkeypatch):
+    """vLLM's cache root is <run dir>/cache/vllm by default, else rollout.vllm_cache_dir (made absolute, created),
+    and the config takes that directory from the environment as every role process does; the other caches and
+    temporary files stay under the run dir either way."""
+    run_dir = short_root / "run"
+    env = vllm_env(run_dir, base={})
+    assert env["VLLM_CACHE_ROOT"] == str(run_dir / "cache" / "vllm")
+    monkeypatch.chdir(short_root)
+    shared = vllm_env(run_dir, base={}, cache_dir="shared/vllm")
+    assert (
+        shared["VLLM_CACHE_ROOT"] == str(short_root / "shared" / "vllm") and (short_root / "shared" / "vllm").is_dir()
+    )
+    assert {k: v for k, v in shared.items() if k != "VLLM_CACHE_ROOT"} == {
+        k: v for k, v in env.items() if k != "VLLM_CACHE_ROOT"
+    }
+    assert shared["TMPDIR"] == str(run_dir / "cache" / "tmp")
+    monkeypatch.setenv("SLIPSTREAM__rollout__vllm_cache_dir", str(short_root / "elsewhere"))
+    config = short_root / "run.toml"
+    config.write_text('[rollout]\nmodel = "tiny-deepseek"\n')
+    assert load_config(config).rollout.vllm_cache_dir == str(short_root / "elsewhere")
