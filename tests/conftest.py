@@ -167,6 +167,30 @@ def _vllm_run(base: Path, exp: str, arch: str, router: bool) -> Iterator[VllmRun
         run.stop()
 
 
+# The environment override every run of this session reads (common/config/load.py): one vLLM cache for all the
+# session's servers (rollout.vllm_cache_dir), so that vLLM inspects each model class once, not in a 10-15 s
+# subprocess at every one of the suite's few dozen server starts.
+VLLM_CACHE_ENV = "SLIPSTREAM__rollout__vllm_cache_dir"
+
+
+def launch_env(**extra: str) -> dict[str, str]:
+    """This process's environment for a run a test launches: none of its SLIPSTREAM* variables but the session's
+    vLLM cache (VLLM_CACHE_ENV), and `extra`."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("SLIPSTREAM") or k == VLLM_CACHE_ENV} | extra
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_vllm_cache_for_the_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """rollout.vllm_cache_dir of every run the session starts (the role processes inherit the environment):
+    under pytest's own temporary directory, unset at the end; one set before the session is kept."""
+    if os.environ.get(VLLM_CACHE_ENV):
+        yield
+        return
+    os.environ[VLLM_CACHE_ENV] = str(tmp_path_factory.mktemp("vllm-cache"))
+    yield
+    os.environ.pop(VLLM_CACHE_ENV, None)
+
+
 @pytest.fixture(autouse=True)
 def _no_role_logging_left_behind() -> Iterator[None]:
     """A role's entry point run in-process (the launcher, `slipstream eval`) routes the root logger to the

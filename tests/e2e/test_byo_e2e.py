@@ -9,13 +9,13 @@ tests/unit/test_chat_template.py's.)"""
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import launch_env
 
 from tests.support.hf_dirs import tiny_deepseek_v3_dir, tiny_qwen3_dir
 from trainer.tinykit import CHAT_TEMPLATE
@@ -50,7 +50,7 @@ def test_rl_runs_from_an_hf_directory_with_its_chat_template(short_root, family)
     cmd = [sys.executable, "-m", "common.runs.cli", "launch", config]
     for s in sets:
         cmd += ["--set", s]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLIPSTREAM")} | {"SLIPSTREAM_EXP": exp}
+    env = launch_env(SLIPSTREAM_EXP=exp)
     log_path = short_root / "launch.log"
     with log_path.open("wb") as out:
         code = subprocess.run(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=840).returncode

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import launch_env
 from test_rl_e2e import LEARNING_BENCHMARKS, demo_prompts_per_step, end_of_run_rise, reward_rise
 
 REPO = Path(__file__).resolve().parents[2]
@@ -131,7 +132,7 @@ def test_three_hosts_train_the_demo_from_the_scripts_survive_a_partition_and_the
     if os.geteuid() != 0:
         pytest.skip("network namespaces need root")
     exp = "multihost"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLIPSTREAM")}
+    env = launch_env()
     sets = [
         f"run.root={short_root / 'runs'}",
         f"trainer.steps={STEPS}",

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import launch_env
 
 from common.proc import experiment_processes
 from tests.support.dash_check import check_run_page
@@ -93,7 +94,7 @@ class Launch:
         self.log_path = root / log_name
         self.run_dir = root / "runs" / exp
         self.verbose = verbose
-        env = {k: v for k, v in os.environ.items() if not k.startswith("SLIPSTREAM")} | {"SLIPSTREAM_EXP": exp}
+        env = launch_env(SLIPSTREAM_EXP=exp)
         sets = [
             f"run.root={root / 'runs'}",
             f"trainer.steps={STEPS}",

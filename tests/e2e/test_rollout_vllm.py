@@ -25,7 +25,7 @@ import aiohttp
 import psutil
 import pytest
 import torch
-from conftest import MAX_MODEL_LEN
+from conftest import MAX_MODEL_LEN, VLLM_CACHE_ENV
 
 from common.config import load_config
 from common.net import vllm_session
@@ -148,6 +148,12 @@ async def test_worker_registers_and_serves_through_the_router_with_logprobs_and_
         assert len(s.token_ids) == len(s.logprobs) == len(s.versions) == 12
         assert all(lp <= 0.0 for lp in s.logprobs)
         assert set(s.versions) == {current} and s.finish_reason == "length" and not s.aborted
+    # The worker's vLLM kept its model inspection in the session's shared cache (rollout.vllm_cache_dir, from
+    # the environment tests/conftest.py sets), so the servers started after it skip that subprocess; nothing of
+    # it went under the run dir.
+    shared = Path(os.environ[VLLM_CACHE_ENV])
+    assert list((shared / "modelinfos").glob("*DeepseekV3ForCausalLM.json")), sorted(shared.rglob("*"))
+    assert not (run.run_dir / "cache" / "vllm").exists()
 
 
 # Every route of the run's router and of its worker's vLLM but /health, on loopback: what each answers without

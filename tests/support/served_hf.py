@@ -6,6 +6,7 @@ launch (about 45 s here), so a test module serves each checkpoint once."""
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import aiohttp
 import torch
 
 from common.config import RolloutConfig
+from common.config.coerce import ENV_PREFIX
 from common.net import free_port
 from rollout.worker import VllmProcess, vllm_command, vllm_env, wait_ready
 
@@ -26,7 +28,9 @@ async def serve(model_dir: Path, run_dir: Path, max_model_len: int = 512, **roll
     port = free_port("127.0.0.1")
     url = f"http://127.0.0.1:{port}"
     cmd = vllm_command(ro, model_dir, "127.0.0.1", port, cpu=True)
-    vllm = VllmProcess(cmd, vllm_env(run_dir), url, run_dir / "vllm.log", f"[vllm {model_dir.name}]")
+    # The session's shared vLLM cache where the tests set one (tests/conftest.py), as a worker's config would.
+    env = vllm_env(run_dir, cache_dir=os.environ.get(f"{ENV_PREFIX}rollout__vllm_cache_dir", ""))
+    vllm = VllmProcess(cmd, env, url, run_dir / "vllm.log", f"[vllm {model_dir.name}]")
     await vllm.start()
     try:
         async with aiohttp.ClientSession() as session:
